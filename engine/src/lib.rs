@@ -1,0 +1,1 @@
+pub use llama_cpp_2;

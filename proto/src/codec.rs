@@ -1,0 +1,98 @@
+//! tokio-util codec over [`crate::frame`], for `Framed<TcpStream, V2Codec>`.
+
+use bytes::BytesMut;
+use tokio_util::codec::{Decoder, Encoder};
+
+use crate::frame::{self, EncodeError, Frame, FrameError};
+
+/// Frames V2 messages on a byte stream, with a cap on any one frame's body.
+#[derive(Debug, Clone, Copy)]
+pub struct V2Codec {
+    max_frame: usize,
+}
+
+impl V2Codec {
+    /// A codec that refuses frames whose body exceeds `max_frame` bytes.
+    #[must_use]
+    pub fn new(max_frame: usize) -> Self {
+        Self { max_frame }
+    }
+}
+
+impl Default for V2Codec {
+    fn default() -> Self {
+        Self::new(frame::DEFAULT_MAX_FRAME)
+    }
+}
+
+/// Errors of a framed V2 connection.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    #[error("connection closed in the middle of a frame ({0} bytes buffered)")]
+    Truncated(usize),
+}
+
+impl Decoder for V2Codec {
+    type Item = Frame;
+    type Error = CodecError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, CodecError> {
+        if src.is_empty() {
+            return Ok(None);
+        }
+        Ok(frame::decode(src, self.max_frame)?)
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, CodecError> {
+        match self.decode(src)? {
+            Some(f) => Ok(Some(f)),
+            None if src.is_empty() => Ok(None),
+            None => Err(CodecError::Truncated(src.len())),
+        }
+    }
+}
+
+impl Encoder<Frame> for V2Codec {
+    type Error = CodecError;
+
+    fn encode(&mut self, item: Frame, dst: &mut BytesMut) -> Result<(), CodecError> {
+        Ok(frame::encode(&item, dst, self.max_frame)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::{SinkExt, StreamExt};
+    use tokio::io::AsyncWriteExt;
+    use tokio_util::codec::{FramedRead, FramedWrite};
+
+    #[tokio::test]
+    async fn truncated_stream_is_an_error_clean_end_is_none() {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let mut w = FramedWrite::new(a, V2Codec::default());
+        w.send(Frame::Ack {
+            handoff_id: "x".into(),
+            bytes: 3,
+        })
+        .await
+        .unwrap();
+        let mut inner = w.into_inner();
+        inner.write_all(&crate::frame::MAGIC).await.unwrap();
+        drop(inner);
+        let mut r = FramedRead::new(b, V2Codec::default());
+        assert!(matches!(r.next().await, Some(Ok(Frame::Ack { .. }))));
+        assert!(matches!(r.next().await, Some(Err(CodecError::Truncated(4)))));
+
+        let (a, b) = tokio::io::duplex(64);
+        drop(a);
+        let mut r = FramedRead::new(b, V2Codec::default());
+        assert!(r.next().await.is_none());
+    }
+}

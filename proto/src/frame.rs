@@ -1,0 +1,966 @@
+//! V2 handoff frames: pure encode/decode, no I/O (see `PROTOCOL.md` beside this crate).
+//!
+//! `decode` is incremental: `Ok(None)` means "not enough bytes yet", never an error. Every
+//! length is checked against the bytes actually present (and the frame cap) before anything
+//! is allocated, and a `State` frame's SHA-256 is verified before any of its fields is parsed.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use sha2::{Digest, Sha256};
+
+/// The four bytes every frame starts with.
+pub const MAGIC: [u8; 4] = *b"ESKV";
+/// The protocol version this build speaks. A peer with another version is refused.
+pub const VERSION: u8 = 2;
+/// Fixed header: magic, version, type, two reserved bytes, body length.
+pub const HEADER_LEN: usize = 12;
+/// Default cap on one frame's body (a state frame carries the whole KV state).
+pub const DEFAULT_MAX_FRAME: usize = 512 * 1024 * 1024;
+/// Longest handoff or request id.
+pub const MAX_ID_LEN: usize = 128;
+/// Longest free-text string (build ids, NACK reasons).
+pub const MAX_TEXT_LEN: usize = 4096;
+/// Most tensor descriptors in one state frame.
+pub const MAX_DESCRIPTORS: usize = 16 * 1024;
+/// Largest tensor rank.
+pub const MAX_RANK: usize = 4;
+/// Descriptor dtype for a payload we could not break into tensors (described as raw bytes).
+pub const DTYPE_OPAQUE: u32 = u32::MAX;
+
+/// Frame type codes (byte 5 of the header).
+mod kind {
+    pub const HELLO: u8 = 1;
+    pub const HELLO_OK: u8 = 2;
+    pub const STATE: u8 = 3;
+    pub const ACK: u8 = 4;
+    pub const NACK: u8 = 5;
+}
+
+/// What a node must agree on before any KV byte moves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// SHA-256 of the GGUF file.
+    pub model_fingerprint: [u8; 32],
+    /// llama.cpp build identity (bindings version).
+    pub build_id: String,
+    /// ggml type of the K cache.
+    pub type_k: u32,
+    /// ggml type of the V cache.
+    pub type_v: u32,
+    /// Flash attention decides whether V is stored transposed.
+    pub flash_attn: bool,
+    /// Context size in tokens.
+    pub n_ctx: u32,
+}
+
+impl Identity {
+    /// The first difference between `self` (ours) and `peer`, as a NACK, or `None` if they agree.
+    #[must_use]
+    pub fn mismatch(&self, peer: &Identity) -> Option<Nack> {
+        let (code, reason) = if self.model_fingerprint != peer.model_fingerprint {
+            (
+                NackCode::ModelMismatch,
+                format!(
+                    "model fingerprint mismatch: receiver has {}, sender has {}",
+                    hex::encode(self.model_fingerprint),
+                    hex::encode(peer.model_fingerprint)
+                ),
+            )
+        } else if self.build_id != peer.build_id {
+            (
+                NackCode::BuildMismatch,
+                format!(
+                    "llama.cpp build mismatch: receiver has {:?}, sender has {:?}",
+                    self.build_id, peer.build_id
+                ),
+            )
+        } else if self.type_k != peer.type_k || self.type_v != peer.type_v {
+            (
+                NackCode::KvTypeMismatch,
+                format!(
+                    "KV cache type mismatch: receiver has K={} V={}, sender has K={} V={}",
+                    self.type_k, self.type_v, peer.type_k, peer.type_v
+                ),
+            )
+        } else if self.flash_attn != peer.flash_attn {
+            (
+                NackCode::FlashAttnMismatch,
+                format!(
+                    "flash-attention mismatch: receiver has {}, sender has {}",
+                    self.flash_attn, peer.flash_attn
+                ),
+            )
+        } else if self.n_ctx != peer.n_ctx {
+            (
+                NackCode::ContextMismatch,
+                format!(
+                    "context size mismatch: receiver has {}, sender has {}",
+                    self.n_ctx, peer.n_ctx
+                ),
+            )
+        } else {
+            return None;
+        };
+        Some(Nack {
+            code,
+            handoff_id: String::new(),
+            reason,
+        })
+    }
+}
+
+/// One tensor inside a state payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDescriptor {
+    /// e.g. `m0.s0.l12.k` (memory section, stream, layer, K or V).
+    pub name: String,
+    /// ggml type id, or [`DTYPE_OPAQUE`].
+    pub dtype: u32,
+    /// Shape; see PROTOCOL.md for the meaning of each dimension.
+    pub dims: Vec<u64>,
+    /// Byte offset of the tensor's data in the payload.
+    pub offset: u64,
+    /// Byte length of the tensor's data.
+    pub nbytes: u64,
+}
+
+/// The KV state of one sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateFrame {
+    /// Names this handoff; the decode node's `Generate` asks for it.
+    pub handoff_id: String,
+    /// The request this state belongs to (for logs).
+    pub request_id: String,
+    /// Every token the state covers (prompt tokens), in order.
+    pub tokens: Vec<i32>,
+    /// Tensors of the payload.
+    pub descriptors: Vec<TensorDescriptor>,
+    /// llama.cpp's raw sequence state (`llama_state_seq_get_data_ext`).
+    pub payload: Bytes,
+}
+
+/// Machine-readable refusal reasons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NackCode {
+    BadMagic,
+    UnsupportedVersion,
+    Malformed,
+    FrameTooLarge,
+    ChecksumMismatch,
+    UnexpectedFrame,
+    ModelMismatch,
+    BuildMismatch,
+    KvTypeMismatch,
+    FlashAttnMismatch,
+    ContextMismatch,
+    DescriptorMismatch,
+    SequenceTooLong,
+    DuplicateHandoff,
+    Capacity,
+    Timeout,
+    Internal,
+    /// A code this build does not know (from a newer peer).
+    Other(u16),
+}
+
+impl NackCode {
+    /// Wire value.
+    #[must_use]
+    pub fn to_u16(self) -> u16 {
+        match self {
+            NackCode::BadMagic => 1,
+            NackCode::UnsupportedVersion => 2,
+            NackCode::Malformed => 3,
+            NackCode::FrameTooLarge => 4,
+            NackCode::ChecksumMismatch => 5,
+            NackCode::UnexpectedFrame => 6,
+            NackCode::ModelMismatch => 7,
+            NackCode::BuildMismatch => 8,
+            NackCode::KvTypeMismatch => 9,
+            NackCode::FlashAttnMismatch => 10,
+            NackCode::ContextMismatch => 11,
+            NackCode::DescriptorMismatch => 12,
+            NackCode::SequenceTooLong => 13,
+            NackCode::DuplicateHandoff => 14,
+            NackCode::Capacity => 15,
+            NackCode::Timeout => 16,
+            NackCode::Internal => 17,
+            NackCode::Other(v) => v,
+        }
+    }
+
+    /// From the wire value.
+    #[must_use]
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            1 => NackCode::BadMagic,
+            2 => NackCode::UnsupportedVersion,
+            3 => NackCode::Malformed,
+            4 => NackCode::FrameTooLarge,
+            5 => NackCode::ChecksumMismatch,
+            6 => NackCode::UnexpectedFrame,
+            7 => NackCode::ModelMismatch,
+            8 => NackCode::BuildMismatch,
+            9 => NackCode::KvTypeMismatch,
+            10 => NackCode::FlashAttnMismatch,
+            11 => NackCode::ContextMismatch,
+            12 => NackCode::DescriptorMismatch,
+            13 => NackCode::SequenceTooLong,
+            14 => NackCode::DuplicateHandoff,
+            15 => NackCode::Capacity,
+            16 => NackCode::Timeout,
+            17 => NackCode::Internal,
+            other => NackCode::Other(other),
+        }
+    }
+
+    /// Stable snake_case name for logs and errors.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NackCode::BadMagic => "bad_magic",
+            NackCode::UnsupportedVersion => "unsupported_version",
+            NackCode::Malformed => "malformed",
+            NackCode::FrameTooLarge => "frame_too_large",
+            NackCode::ChecksumMismatch => "checksum_mismatch",
+            NackCode::UnexpectedFrame => "unexpected_frame",
+            NackCode::ModelMismatch => "model_mismatch",
+            NackCode::BuildMismatch => "build_mismatch",
+            NackCode::KvTypeMismatch => "kv_type_mismatch",
+            NackCode::FlashAttnMismatch => "flash_attn_mismatch",
+            NackCode::ContextMismatch => "context_mismatch",
+            NackCode::DescriptorMismatch => "descriptor_mismatch",
+            NackCode::SequenceTooLong => "sequence_too_long",
+            NackCode::DuplicateHandoff => "duplicate_handoff",
+            NackCode::Capacity => "capacity",
+            NackCode::Timeout => "timeout",
+            NackCode::Internal => "internal",
+            NackCode::Other(_) => "other",
+        }
+    }
+}
+
+/// A refusal, with a human reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nack {
+    pub code: NackCode,
+    /// Empty when the refusal is not about one handoff (handshake, framing).
+    pub handoff_id: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for Nack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code.as_str(), self.reason)
+    }
+}
+
+/// One V2 frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// Sender -> receiver: who I am.
+    Hello(Identity),
+    /// Receiver -> sender: we agree; here is who I am.
+    HelloOk(Identity),
+    /// Sender -> receiver: one sequence's KV state.
+    State(StateFrame),
+    /// Receiver -> sender: state verified and stored.
+    Ack { handoff_id: String, bytes: u64 },
+    /// Either way: refused, with a reason.
+    Nack(Nack),
+}
+
+/// Why bytes could not be decoded into a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic {0:02x?}, expected \"ESKV\"")]
+    BadMagic(Vec<u8>),
+    #[error("unsupported protocol version {0}, this build speaks {VERSION}")]
+    UnsupportedVersion(u8),
+    #[error("reserved header bytes are not zero")]
+    Reserved,
+    #[error("unknown frame type {0}")]
+    UnknownType(u8),
+    #[error("frame body of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge { len: u64, max: u64 },
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error("state frame checksum mismatch: SHA-256 over metadata, descriptors and payload does not match")]
+    Checksum,
+}
+
+impl FrameError {
+    /// The NACK code a receiver answers this error with.
+    #[must_use]
+    pub fn nack_code(&self) -> NackCode {
+        match self {
+            FrameError::BadMagic(_) => NackCode::BadMagic,
+            FrameError::UnsupportedVersion(_) => NackCode::UnsupportedVersion,
+            FrameError::Reserved | FrameError::Malformed(_) => NackCode::Malformed,
+            FrameError::UnknownType(_) => NackCode::UnexpectedFrame,
+            FrameError::TooLarge { .. } => NackCode::FrameTooLarge,
+            FrameError::Checksum => NackCode::ChecksumMismatch,
+        }
+    }
+}
+
+fn malformed(what: &str) -> FrameError {
+    FrameError::Malformed(what.to_string())
+}
+
+/// Decodes one frame from the front of `buf`, consuming it.
+///
+/// `Ok(None)`: more bytes are needed (and `buf` has been reserved for the declared body,
+/// which is within `max_frame`).
+///
+/// # Errors
+/// Any [`FrameError`]; the connection should NACK and close, since framing is lost.
+pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, FrameError> {
+    // Fail fast on a wrong magic even before the whole header is here.
+    let seen = buf.len().min(4);
+    if buf[..seen] != MAGIC[..seen] {
+        return Err(FrameError::BadMagic(buf[..seen].to_vec()));
+    }
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let version = buf[4];
+    if version != VERSION {
+        return Err(FrameError::UnsupportedVersion(version));
+    }
+    let ty = buf[5];
+    if buf[6] != 0 || buf[7] != 0 {
+        return Err(FrameError::Reserved);
+    }
+    let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]) as usize;
+    if len > max_frame {
+        return Err(FrameError::TooLarge {
+            len: len as u64,
+            max: max_frame as u64,
+        });
+    }
+    if !matches!(
+        ty,
+        kind::HELLO | kind::HELLO_OK | kind::STATE | kind::ACK | kind::NACK
+    ) {
+        return Err(FrameError::UnknownType(ty));
+    }
+    let total = HEADER_LEN + len;
+    if buf.len() < total {
+        buf.reserve(total - buf.len());
+        return Ok(None);
+    }
+    let mut frame = buf.split_to(total).freeze();
+    frame.advance(HEADER_LEN);
+    parse_body(ty, frame).map(Some)
+}
+
+fn parse_body(ty: u8, mut body: Bytes) -> Result<Frame, FrameError> {
+    let frame = match ty {
+        kind::HELLO => Frame::Hello(get_identity(&mut body)?),
+        kind::HELLO_OK => Frame::HelloOk(get_identity(&mut body)?),
+        kind::STATE => Frame::State(get_state(body.clone())?),
+        kind::ACK => {
+            let handoff_id = get_str(&mut body, MAX_ID_LEN)?;
+            let bytes = get_u64(&mut body)?;
+            Frame::Ack { handoff_id, bytes }
+        }
+        kind::NACK => {
+            let code = NackCode::from_u16(get_u16(&mut body)?);
+            let handoff_id = get_str(&mut body, MAX_ID_LEN)?;
+            let reason = get_str(&mut body, MAX_TEXT_LEN)?;
+            Frame::Nack(Nack {
+                code,
+                handoff_id,
+                reason,
+            })
+        }
+        other => return Err(FrameError::UnknownType(other)),
+    };
+    if ty != kind::STATE && body.has_remaining() {
+        return Err(malformed("trailing bytes after the frame's fields"));
+    }
+    Ok(frame)
+}
+
+fn need(body: &Bytes, n: usize, what: &str) -> Result<(), FrameError> {
+    if body.remaining() < n {
+        Err(FrameError::Malformed(format!("truncated {what}")))
+    } else {
+        Ok(())
+    }
+}
+
+fn get_u8(b: &mut Bytes) -> Result<u8, FrameError> {
+    need(b, 1, "u8")?;
+    Ok(b.get_u8())
+}
+fn get_u16(b: &mut Bytes) -> Result<u16, FrameError> {
+    need(b, 2, "u16")?;
+    Ok(b.get_u16_le())
+}
+fn get_u32(b: &mut Bytes) -> Result<u32, FrameError> {
+    need(b, 4, "u32")?;
+    Ok(b.get_u32_le())
+}
+fn get_u64(b: &mut Bytes) -> Result<u64, FrameError> {
+    need(b, 8, "u64")?;
+    Ok(b.get_u64_le())
+}
+
+fn get_str(b: &mut Bytes, max: usize) -> Result<String, FrameError> {
+    let len = get_u16(b)? as usize;
+    if len > max {
+        return Err(FrameError::Malformed(format!(
+            "string of {len} bytes exceeds {max}"
+        )));
+    }
+    need(b, len, "string")?;
+    let raw = b.split_to(len);
+    String::from_utf8(raw.to_vec()).map_err(|_| malformed("string is not UTF-8"))
+}
+
+fn put_str(out: &mut BytesMut, s: &str) {
+    // Callers validate lengths (`encode` checks); truncation here would corrupt framing.
+    out.put_u16_le(s.len() as u16);
+    out.put_slice(s.as_bytes());
+}
+
+fn get_identity(b: &mut Bytes) -> Result<Identity, FrameError> {
+    need(b, 32, "model fingerprint")?;
+    let mut model_fingerprint = [0u8; 32];
+    b.copy_to_slice(&mut model_fingerprint);
+    let build_id = get_str(b, MAX_TEXT_LEN)?;
+    let type_k = get_u32(b)?;
+    let type_v = get_u32(b)?;
+    let flash_attn = match get_u8(b)? {
+        0 => false,
+        1 => true,
+        _ => return Err(malformed("flash_attn must be 0 or 1")),
+    };
+    let n_ctx = get_u32(b)?;
+    Ok(Identity {
+        model_fingerprint,
+        build_id,
+        type_k,
+        type_v,
+        flash_attn,
+        n_ctx,
+    })
+}
+
+fn put_identity(out: &mut BytesMut, id: &Identity) {
+    out.put_slice(&id.model_fingerprint);
+    put_str(out, &id.build_id);
+    out.put_u32_le(id.type_k);
+    out.put_u32_le(id.type_v);
+    out.put_u8(u8::from(id.flash_attn));
+    out.put_u32_le(id.n_ctx);
+}
+
+/// Handoff ids name files on the V1 path too: keep them to a safe alphabet.
+#[must_use]
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_' || c == b'.')
+        && !id.starts_with('.')
+}
+
+fn get_state(body: Bytes) -> Result<StateFrame, FrameError> {
+    // Verify first: nothing of the body is interpreted before its checksum passed.
+    if body.len() < 32 {
+        return Err(malformed("state frame shorter than its checksum"));
+    }
+    let (covered, sum) = body.split_at(body.len() - 32);
+    let digest = Sha256::digest(covered);
+    if digest.as_slice() != sum {
+        return Err(FrameError::Checksum);
+    }
+    let mut b = body.slice(..body.len() - 32);
+
+    let handoff_id = get_str(&mut b, MAX_ID_LEN)?;
+    if !valid_id(&handoff_id) {
+        return Err(malformed("handoff id must be 1-128 of [A-Za-z0-9._-], not starting with '.'"));
+    }
+    let request_id = get_str(&mut b, MAX_ID_LEN)?;
+    let n_tokens = get_u32(&mut b)? as usize;
+    // The count is checked against the bytes present before the vector is allocated.
+    need(&b, n_tokens.saturating_mul(4), "token ids")?;
+    let tokens = (0..n_tokens).map(|_| b.get_i32_le()).collect();
+    let n_desc = get_u32(&mut b)? as usize;
+    if n_desc > MAX_DESCRIPTORS {
+        return Err(FrameError::Malformed(format!(
+            "{n_desc} tensor descriptors exceed {MAX_DESCRIPTORS}"
+        )));
+    }
+    // Each descriptor takes at least 2+4+1+8+8 bytes.
+    need(&b, n_desc.saturating_mul(23), "tensor descriptors")?;
+    let mut descriptors = Vec::with_capacity(n_desc);
+    for _ in 0..n_desc {
+        let name = get_str(&mut b, MAX_ID_LEN)?;
+        let dtype = get_u32(&mut b)?;
+        let rank = get_u8(&mut b)? as usize;
+        if rank > MAX_RANK {
+            return Err(FrameError::Malformed(format!("tensor rank {rank} exceeds {MAX_RANK}")));
+        }
+        need(&b, rank * 8, "tensor dims")?;
+        let dims = (0..rank).map(|_| b.get_u64_le()).collect();
+        let offset = get_u64(&mut b)?;
+        let nbytes = get_u64(&mut b)?;
+        descriptors.push(TensorDescriptor {
+            name,
+            dtype,
+            dims,
+            offset,
+            nbytes,
+        });
+    }
+    let payload_len = get_u64(&mut b)?;
+    if payload_len != b.remaining() as u64 {
+        return Err(FrameError::Malformed(format!(
+            "payload length {payload_len} does not match the {} bytes present",
+            b.remaining()
+        )));
+    }
+    for d in &descriptors {
+        let end = d.offset.checked_add(d.nbytes);
+        if end.is_none_or(|e| e > payload_len) {
+            return Err(FrameError::Malformed(format!(
+                "tensor {} lies outside the payload",
+                d.name
+            )));
+        }
+    }
+    Ok(StateFrame {
+        handoff_id,
+        request_id,
+        tokens,
+        descriptors,
+        payload: b,
+    })
+}
+
+/// Why a frame could not be encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("{0} is too long")]
+    TooLong(&'static str),
+    #[error("invalid handoff id {0:?}")]
+    BadId(String),
+    #[error("frame body of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge { len: usize, max: usize },
+}
+
+fn check_len(s: &str, max: usize, what: &'static str) -> Result<(), EncodeError> {
+    if s.len() > max {
+        Err(EncodeError::TooLong(what))
+    } else {
+        Ok(())
+    }
+}
+
+/// Appends one encoded frame to `out`.
+///
+/// # Errors
+/// A field over its limit, an invalid handoff id, or a body over `max_frame`.
+pub fn encode(frame: &Frame, out: &mut BytesMut, max_frame: usize) -> Result<(), EncodeError> {
+    let start = out.len();
+    out.put_slice(&MAGIC);
+    out.put_u8(VERSION);
+    let ty = match frame {
+        Frame::Hello(_) => kind::HELLO,
+        Frame::HelloOk(_) => kind::HELLO_OK,
+        Frame::State(_) => kind::STATE,
+        Frame::Ack { .. } => kind::ACK,
+        Frame::Nack(_) => kind::NACK,
+    };
+    out.put_u8(ty);
+    out.put_u16_le(0);
+    out.put_u32_le(0); // length, patched below
+    let body_start = out.len();
+    let res = encode_body(frame, out);
+    if let Err(e) = res {
+        out.truncate(start);
+        return Err(e);
+    }
+    let len = out.len() - body_start;
+    if len > max_frame || len > u32::MAX as usize {
+        out.truncate(start);
+        return Err(EncodeError::TooLarge {
+            len,
+            max: max_frame,
+        });
+    }
+    out[start + 8..start + 12].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(())
+}
+
+fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    match frame {
+        Frame::Hello(id) | Frame::HelloOk(id) => {
+            check_len(&id.build_id, MAX_TEXT_LEN, "build id")?;
+            put_identity(out, id);
+        }
+        Frame::State(s) => {
+            if !valid_id(&s.handoff_id) {
+                return Err(EncodeError::BadId(s.handoff_id.clone()));
+            }
+            check_len(&s.request_id, MAX_ID_LEN, "request id")?;
+            if s.descriptors.len() > MAX_DESCRIPTORS {
+                return Err(EncodeError::TooLong("descriptor list"));
+            }
+            let body_start = out.len();
+            out.reserve(s.payload.len() + s.tokens.len() * 4 + s.descriptors.len() * 64 + 128);
+            put_str(out, &s.handoff_id);
+            put_str(out, &s.request_id);
+            out.put_u32_le(s.tokens.len() as u32);
+            for t in &s.tokens {
+                out.put_i32_le(*t);
+            }
+            out.put_u32_le(s.descriptors.len() as u32);
+            for d in &s.descriptors {
+                check_len(&d.name, MAX_ID_LEN, "tensor name")?;
+                if d.dims.len() > MAX_RANK {
+                    return Err(EncodeError::TooLong("tensor dims"));
+                }
+                put_str(out, &d.name);
+                out.put_u32_le(d.dtype);
+                out.put_u8(d.dims.len() as u8);
+                for dim in &d.dims {
+                    out.put_u64_le(*dim);
+                }
+                out.put_u64_le(d.offset);
+                out.put_u64_le(d.nbytes);
+            }
+            out.put_u64_le(s.payload.len() as u64);
+            out.put_slice(&s.payload);
+            let digest = Sha256::digest(&out[body_start..]);
+            out.put_slice(&digest);
+        }
+        Frame::Ack { handoff_id, bytes } => {
+            check_len(handoff_id, MAX_ID_LEN, "handoff id")?;
+            put_str(out, handoff_id);
+            out.put_u64_le(*bytes);
+        }
+        Frame::Nack(n) => {
+            check_len(&n.handoff_id, MAX_ID_LEN, "handoff id")?;
+            out.put_u16_le(n.code.to_u16());
+            put_str(out, &n.handoff_id);
+            // Reasons are for humans: cut long ones at a char boundary rather than fail.
+            let mut reason = n.reason.as_str();
+            if reason.len() > MAX_TEXT_LEN {
+                let mut cut = MAX_TEXT_LEN;
+                while !reason.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                reason = &reason[..cut];
+            }
+            put_str(out, reason);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn identity() -> Identity {
+        Identity {
+            model_fingerprint: [7; 32],
+            build_id: "llama-cpp-sys-2 0.1.161".into(),
+            type_k: 1,
+            type_v: 1,
+            flash_attn: false,
+            n_ctx: 4096,
+        }
+    }
+
+    fn state() -> StateFrame {
+        StateFrame {
+            handoff_id: "h-1".into(),
+            request_id: "req".into(),
+            tokens: vec![1, 2, 3],
+            descriptors: vec![TensorDescriptor {
+                name: "state".into(),
+                dtype: DTYPE_OPAQUE,
+                dims: vec![5],
+                offset: 0,
+                nbytes: 5,
+            }],
+            payload: Bytes::from_static(b"hello"),
+        }
+    }
+
+    fn enc(f: &Frame) -> BytesMut {
+        let mut b = BytesMut::new();
+        encode(f, &mut b, DEFAULT_MAX_FRAME).unwrap();
+        b
+    }
+
+    #[test]
+    fn every_prefix_is_incomplete_not_an_error() {
+        let bytes = enc(&Frame::State(state()));
+        for cut in 0..bytes.len() {
+            let mut b = BytesMut::from(&bytes[..cut]);
+            assert_eq!(decode(&mut b, DEFAULT_MAX_FRAME), Ok(None), "cut at {cut}");
+        }
+        let mut b = bytes.clone();
+        assert_eq!(
+            decode(&mut b, DEFAULT_MAX_FRAME),
+            Ok(Some(Frame::State(state())))
+        );
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn wrong_magic_is_refused_at_the_first_byte() {
+        let mut b = BytesMut::from(&b"X"[..]);
+        assert!(matches!(
+            decode(&mut b, DEFAULT_MAX_FRAME),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut b = BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]);
+        assert_eq!(
+            decode(&mut b, DEFAULT_MAX_FRAME).unwrap_err().nack_code(),
+            NackCode::BadMagic
+        );
+    }
+
+    #[test]
+    fn unknown_version_and_type_and_reserved_are_refused() {
+        let good = enc(&Frame::Hello(identity()));
+        let mut v = good.clone();
+        v[4] = 3;
+        assert_eq!(
+            decode(&mut v, DEFAULT_MAX_FRAME),
+            Err(FrameError::UnsupportedVersion(3))
+        );
+        let mut t = good.clone();
+        t[5] = 99;
+        assert_eq!(decode(&mut t, DEFAULT_MAX_FRAME), Err(FrameError::UnknownType(99)));
+        let mut r = good.clone();
+        r[6] = 1;
+        assert_eq!(decode(&mut r, DEFAULT_MAX_FRAME), Err(FrameError::Reserved));
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_allocation() {
+        let mut b = BytesMut::new();
+        b.put_slice(&MAGIC);
+        b.put_u8(VERSION);
+        b.put_u8(kind::STATE);
+        b.put_u16_le(0);
+        b.put_u32_le(u32::MAX);
+        let cap_before = b.capacity();
+        assert_eq!(
+            decode(&mut b, 1024),
+            Err(FrameError::TooLarge {
+                len: u64::from(u32::MAX),
+                max: 1024
+            })
+        );
+        assert_eq!(b.capacity(), cap_before);
+    }
+
+    #[test]
+    fn corrupted_payload_fails_the_checksum() {
+        let mut bytes = enc(&Frame::State(state()));
+        let n = bytes.len();
+        bytes[n - 33] ^= 0x01; // last payload byte
+        assert_eq!(decode(&mut bytes, DEFAULT_MAX_FRAME), Err(FrameError::Checksum));
+    }
+
+    #[test]
+    fn corrupted_metadata_fails_the_checksum() {
+        let mut bytes = enc(&Frame::State(state()));
+        bytes[HEADER_LEN + 2] ^= 0x20; // first byte of the handoff id
+        assert_eq!(decode(&mut bytes, DEFAULT_MAX_FRAME), Err(FrameError::Checksum));
+    }
+
+    #[test]
+    fn lying_token_count_is_malformed_not_a_huge_allocation() {
+        // Build a body by hand with a valid checksum but a token count far past the body.
+        let mut body = BytesMut::new();
+        put_str(&mut body, "h");
+        put_str(&mut body, "r");
+        body.put_u32_le(u32::MAX);
+        let digest = Sha256::digest(&body);
+        body.put_slice(&digest);
+        let mut b = BytesMut::new();
+        b.put_slice(&MAGIC);
+        b.put_u8(VERSION);
+        b.put_u8(kind::STATE);
+        b.put_u16_le(0);
+        b.put_u32_le(body.len() as u32);
+        b.put_slice(&body);
+        assert!(matches!(
+            decode(&mut b, DEFAULT_MAX_FRAME),
+            Err(FrameError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn descriptor_outside_payload_is_malformed() {
+        let mut s = state();
+        s.descriptors[0].nbytes = 6;
+        let mut bytes = enc(&Frame::State(s));
+        assert!(matches!(
+            decode(&mut bytes, DEFAULT_MAX_FRAME),
+            Err(FrameError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn trailing_bytes_are_malformed() {
+        let mut bytes = enc(&Frame::Ack {
+            handoff_id: "a".into(),
+            bytes: 1,
+        });
+        bytes.put_u8(0);
+        let len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) + 1;
+        bytes[8..12].copy_from_slice(&len.to_le_bytes());
+        assert!(matches!(
+            decode(&mut bytes, DEFAULT_MAX_FRAME),
+            Err(FrameError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn ids_are_restricted() {
+        assert!(valid_id("abc-DEF_1.2"));
+        assert!(!valid_id(""));
+        assert!(!valid_id("../etc"));
+        assert!(!valid_id("a/b"));
+        assert!(!valid_id(".hidden"));
+        assert!(!valid_id(&"a".repeat(129)));
+        let mut s = state();
+        s.handoff_id = "../x".into();
+        let mut b = BytesMut::new();
+        assert!(matches!(
+            encode(&Frame::State(s), &mut b, DEFAULT_MAX_FRAME),
+            Err(EncodeError::BadId(_))
+        ));
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn identity_mismatch_names_the_field() {
+        let a = identity();
+        assert_eq!(a.mismatch(&a), None);
+        let mut b = a.clone();
+        b.model_fingerprint = [8; 32];
+        assert_eq!(a.mismatch(&b).unwrap().code, NackCode::ModelMismatch);
+        let mut b = a.clone();
+        b.flash_attn = true;
+        assert_eq!(a.mismatch(&b).unwrap().code, NackCode::FlashAttnMismatch);
+        let mut b = a.clone();
+        b.n_ctx = 1;
+        assert!(a.mismatch(&b).unwrap().reason.contains("4096"));
+    }
+
+    fn arb_id() -> impl Strategy<Value = String> {
+        "[A-Za-z0-9_-][A-Za-z0-9._-]{0,40}"
+    }
+
+    fn arb_identity() -> impl Strategy<Value = Identity> {
+        (
+            any::<[u8; 32]>(),
+            ".{0,60}",
+            any::<u32>(),
+            any::<u32>(),
+            any::<bool>(),
+            any::<u32>(),
+        )
+            .prop_map(|(f, b, k, v, fa, n)| Identity {
+                model_fingerprint: f,
+                build_id: b,
+                type_k: k,
+                type_v: v,
+                flash_attn: fa,
+                n_ctx: n,
+            })
+    }
+
+    fn arb_frame() -> impl Strategy<Value = Frame> {
+        let desc = (arb_id(), any::<u32>(), proptest::collection::vec(any::<u64>(), 0..=4));
+        let state = (
+            arb_id(),
+            "[a-z0-9-]{0,40}",
+            proptest::collection::vec(any::<i32>(), 0..50),
+            proptest::collection::vec(desc, 0..5),
+            proptest::collection::vec(any::<u8>(), 0..300),
+        )
+            .prop_map(|(h, r, tokens, descs, payload)| {
+                let len = payload.len() as u64;
+                StateFrame {
+                    handoff_id: h,
+                    request_id: r,
+                    tokens,
+                    descriptors: descs
+                        .into_iter()
+                        .map(|(name, dtype, dims)| TensorDescriptor {
+                            name,
+                            dtype,
+                            dims,
+                            offset: len / 2,
+                            nbytes: len - len / 2,
+                        })
+                        .collect(),
+                    payload: Bytes::from(payload),
+                }
+            });
+        prop_oneof![
+            arb_identity().prop_map(Frame::Hello),
+            arb_identity().prop_map(Frame::HelloOk),
+            state.prop_map(Frame::State),
+            (arb_id(), any::<u64>()).prop_map(|(h, n)| Frame::Ack {
+                handoff_id: h,
+                bytes: n
+            }),
+            (any::<u16>(), "[a-z]{0,10}", ".{0,100}").prop_map(|(c, h, r)| Frame::Nack(Nack {
+                code: NackCode::from_u16(c),
+                handoff_id: h,
+                reason: r
+            })),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(frames in proptest::collection::vec(arb_frame(), 1..4)) {
+            let mut buf = BytesMut::new();
+            for f in &frames {
+                encode(f, &mut buf, DEFAULT_MAX_FRAME).unwrap();
+            }
+            for f in &frames {
+                prop_assert_eq!(decode(&mut buf, DEFAULT_MAX_FRAME).unwrap(), Some(f.clone()));
+            }
+            prop_assert!(buf.is_empty());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut b = BytesMut::from(&bytes[..]);
+            let _ = decode(&mut b, 4096);
+        }
+
+        #[test]
+        fn flipping_any_state_byte_is_detected(f in arb_frame(), pos in any::<prop::sample::Index>()) {
+            if let Frame::State(_) = f {
+                let bytes = {
+                    let mut b = BytesMut::new();
+                    encode(&f, &mut b, DEFAULT_MAX_FRAME).unwrap();
+                    b
+                };
+                let i = HEADER_LEN + pos.index(bytes.len() - HEADER_LEN);
+                let mut bad = bytes.clone();
+                bad[i] ^= 0x5a;
+                prop_assert!(decode(&mut bad, DEFAULT_MAX_FRAME).ok().flatten() != Some(f.clone()));
+            }
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! EdgeSplit wire formats.
+//!
+//! - [`pb`]: the gRPC control plane (router <-> nodes), generated from `proto/edgesplit.proto`.
+//! - [`frame`], [`codec`], [`handoff`]: the V2 KV handoff over raw TCP (see `PROTOCOL.md`).
+//! - [`layout`]: llama.cpp's raw sequence-state layout, read into tensor descriptors.
+
+pub mod codec;
+pub mod frame;
+pub mod handoff;
+pub mod layout;
+
+/// Generated gRPC types and services.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("edgesplit.v1");
+}
