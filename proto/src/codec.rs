@@ -88,7 +88,10 @@ mod tests {
         drop(inner);
         let mut r = FramedRead::new(b, V2Codec::default());
         assert!(matches!(r.next().await, Some(Ok(Frame::Ack { .. }))));
-        assert!(matches!(r.next().await, Some(Err(CodecError::Truncated(4)))));
+        assert!(matches!(
+            r.next().await,
+            Some(Err(CodecError::Truncated(4)))
+        ));
 
         let (a, b) = tokio::io::duplex(64);
         drop(a);

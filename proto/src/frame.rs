@@ -482,7 +482,9 @@ fn get_state(body: Bytes) -> Result<StateFrame, FrameError> {
 
     let handoff_id = get_str(&mut b, MAX_ID_LEN)?;
     if !valid_id(&handoff_id) {
-        return Err(malformed("handoff id must be 1-128 of [A-Za-z0-9._-], not starting with '.'"));
+        return Err(malformed(
+            "handoff id must be 1-128 of [A-Za-z0-9._-], not starting with '.'",
+        ));
     }
     let request_id = get_str(&mut b, MAX_ID_LEN)?;
     let n_tokens = get_u32(&mut b)? as usize;
@@ -503,7 +505,9 @@ fn get_state(body: Bytes) -> Result<StateFrame, FrameError> {
         let dtype = get_u32(&mut b)?;
         let rank = get_u8(&mut b)? as usize;
         if rank > MAX_RANK {
-            return Err(FrameError::Malformed(format!("tensor rank {rank} exceeds {MAX_RANK}")));
+            return Err(FrameError::Malformed(format!(
+                "tensor rank {rank} exceeds {MAX_RANK}"
+            )));
         }
         need(&b, rank * 8, "tensor dims")?;
         let dims = (0..rank).map(|_| b.get_u64_le()).collect();
@@ -741,7 +745,10 @@ mod tests {
         );
         let mut t = good.clone();
         t[5] = 99;
-        assert_eq!(decode(&mut t, DEFAULT_MAX_FRAME), Err(FrameError::UnknownType(99)));
+        assert_eq!(
+            decode(&mut t, DEFAULT_MAX_FRAME),
+            Err(FrameError::UnknownType(99))
+        );
         let mut r = good.clone();
         r[6] = 1;
         assert_eq!(decode(&mut r, DEFAULT_MAX_FRAME), Err(FrameError::Reserved));
@@ -771,14 +778,20 @@ mod tests {
         let mut bytes = enc(&Frame::State(state()));
         let n = bytes.len();
         bytes[n - 33] ^= 0x01; // last payload byte
-        assert_eq!(decode(&mut bytes, DEFAULT_MAX_FRAME), Err(FrameError::Checksum));
+        assert_eq!(
+            decode(&mut bytes, DEFAULT_MAX_FRAME),
+            Err(FrameError::Checksum)
+        );
     }
 
     #[test]
     fn corrupted_metadata_fails_the_checksum() {
         let mut bytes = enc(&Frame::State(state()));
         bytes[HEADER_LEN + 2] ^= 0x20; // first byte of the handoff id
-        assert_eq!(decode(&mut bytes, DEFAULT_MAX_FRAME), Err(FrameError::Checksum));
+        assert_eq!(
+            decode(&mut bytes, DEFAULT_MAX_FRAME),
+            Err(FrameError::Checksum)
+        );
     }
 
     #[test]
@@ -886,7 +899,11 @@ mod tests {
     }
 
     fn arb_frame() -> impl Strategy<Value = Frame> {
-        let desc = (arb_id(), any::<u32>(), proptest::collection::vec(any::<u64>(), 0..=4));
+        let desc = (
+            arb_id(),
+            any::<u32>(),
+            proptest::collection::vec(any::<u64>(), 0..=4),
+        );
         let state = (
             arb_id(),
             "[a-z0-9-]{0,40}",

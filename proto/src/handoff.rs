@@ -143,7 +143,11 @@ where
                 frame_name(&other)
             )))
         }
-        None => return Err(HandoffError::Protocol("receiver closed during handshake".into())),
+        None => {
+            return Err(HandoffError::Protocol(
+                "receiver closed during handshake".into(),
+            ))
+        }
     }
     let handoff_id = state.handoff_id.clone();
     let bytes = state.payload.len() as u64;

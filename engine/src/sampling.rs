@@ -1,0 +1,122 @@
+//! Sampling that can be resumed on another machine.
+//!
+//! A llama.cpp sampler chain keeps state (the RNG of `dist`, the penalty window) that cannot
+//! be exported. So every step builds its chain afresh from values that travel with the
+//! request: the parameters, the token history, and the step index. The RNG of step `i` is
+//! seeded with `mix(seed, i)`. The colocated run and the disaggregated run follow this same
+//! rule, which is what makes them token-for-token identical with a fixed seed.
+
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::LlamaToken;
+
+/// Validated sampling parameters (ranges are checked by the router).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub top_k: i32,
+    /// 0 = off.
+    pub min_p: f32,
+    pub seed: u32,
+    /// 1 = off.
+    pub repeat_penalty: f32,
+    /// 0 = off.
+    pub presence_penalty: f32,
+    /// 0 = off.
+    pub frequency_penalty: f32,
+    /// How many recent tokens the penalties look at.
+    pub penalty_last_n: i32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 0,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+        }
+    }
+}
+
+impl SamplingParams {
+    fn penalties_active(&self) -> bool {
+        self.penalty_last_n > 0
+            && (self.repeat_penalty != 1.0
+                || self.presence_penalty != 0.0
+                || self.frequency_penalty != 0.0)
+    }
+}
+
+/// splitmix64 of (seed, step): independent, reproducible RNG seeds per step.
+#[must_use]
+pub fn step_seed(seed: u32, step: u32) -> u32 {
+    let mut z = (u64::from(seed) << 32 | u64::from(step)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
+}
+
+/// Samples the token at batch index `idx` for generation step `step`.
+///
+/// `history` is every token before the one being sampled (prompt and answer so far).
+pub fn sample(
+    ctx: &LlamaContext<'_>,
+    idx: i32,
+    n_vocab: i32,
+    params: &SamplingParams,
+    history: &[i32],
+    step: u32,
+) -> LlamaToken {
+    let mut chain = Vec::with_capacity(6);
+    if params.penalties_active() {
+        let mut p = LlamaSampler::penalties(
+            n_vocab,
+            params.penalty_last_n,
+            params.repeat_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+        );
+        let start = history.len().saturating_sub(params.penalty_last_n as usize);
+        p.accept_many(history[start..].iter().map(|t| LlamaToken(*t)));
+        chain.push(p);
+    }
+    if params.temperature <= 0.0 {
+        chain.push(LlamaSampler::greedy());
+    } else {
+        if params.top_k > 0 {
+            chain.push(LlamaSampler::top_k(params.top_k));
+        }
+        if params.top_p < 1.0 {
+            chain.push(LlamaSampler::top_p(params.top_p, 1));
+        }
+        if params.min_p > 0.0 {
+            chain.push(LlamaSampler::min_p(params.min_p, 1));
+        }
+        chain.push(LlamaSampler::temp(params.temperature));
+        chain.push(LlamaSampler::dist(step_seed(params.seed, step)));
+    }
+    let mut sampler = LlamaSampler::chain_simple(chain);
+    sampler.sample(ctx, idx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_and_repeat() {
+        assert_eq!(step_seed(42, 0), step_seed(42, 0));
+        assert_ne!(step_seed(42, 0), step_seed(42, 1));
+        assert_ne!(step_seed(42, 0), step_seed(43, 0));
+    }
+}

@@ -1,0 +1,131 @@
+//! Engine-level proof that export -> import into another engine continues exactly like the
+//! colocated run (greedy and seeded), on the real default model.
+
+use edgesplit_engine::{Engine, EngineConfig, GenEvent, Input, SamplingParams, Start};
+
+fn model_path() -> std::path::PathBuf {
+    let p = std::env::var("EDGESPLIT_MODEL").map_or_else(
+        |_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        Into::into,
+    );
+    assert!(
+        p.is_file(),
+        "model {} missing: run scripts/test.sh (it fetches the model)",
+        p.display()
+    );
+    p
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> (Vec<i32>, GenEvent) {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token(t) => ids.push(t.id),
+            other => return (ids, other),
+        }
+    }
+    panic!("generation ended without a final event");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imported_state_continues_like_the_colocated_run() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 1024;
+    let a = Engine::start(cfg.clone()).await.unwrap();
+    let b = Engine::start(cfg).await.unwrap();
+    assert_eq!(a.info().kv_bytes_per_token, 23_040);
+
+    let tokens = a
+        .tokenize(Input::Chat(vec![(
+            "user".into(),
+            "Write three sentences about the sea.".into(),
+        )]))
+        .await
+        .unwrap();
+    for params in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            top_k: 40,
+            seed: 42,
+            repeat_penalty: 1.1,
+            ..SamplingParams::default()
+        },
+    ] {
+        let (colocated, done) = collect(
+            a.generate(Start::Prompt(tokens.clone()), params.clone(), 24)
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert!(matches!(done, GenEvent::Done(_)), "{done:?}");
+        assert!(colocated.len() > 1);
+
+        let pre = a
+            .prefill(tokens.clone(), params.clone(), 24, true)
+            .await
+            .unwrap();
+        assert_eq!(pre.first.id, colocated[0]);
+        let state = pre.state.expect("state exported");
+        assert_eq!(state.len() > tokens.len() * 23_040, true);
+        let (rest, done) = collect(
+            b.generate(
+                Start::Imported {
+                    state,
+                    tokens: tokens.clone(),
+                    first: pre.first.id,
+                },
+                params.clone(),
+                23,
+            )
+            .await
+            .unwrap(),
+        )
+        .await;
+        assert!(matches!(done, GenEvent::Done(_)), "{done:?}");
+        let mut split = vec![pre.first.id];
+        split.extend(rest);
+        assert_eq!(split, colocated, "params {params:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_state_is_refused_and_the_engine_keeps_working() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 512;
+    let e = Engine::start(cfg).await.unwrap();
+    let (ids, done) = collect(
+        e.generate(
+            Start::Imported {
+                state: vec![1, 0, 0, 0, 5, 0, 0, 0, 1, 2, 3],
+                tokens: vec![1, 2, 3, 4, 5],
+                first: 1,
+            },
+            SamplingParams::default(),
+            4,
+        )
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert!(ids.is_empty());
+    assert!(
+        matches!(
+            done,
+            GenEvent::Error(edgesplit_engine::EngineError::Import(_))
+        ),
+        "{done:?}"
+    );
+    let tokens = e.tokenize(Input::Raw("Hello".into())).await.unwrap();
+    let (ids, _) = collect(
+        e.generate(Start::Prompt(tokens), SamplingParams::default(), 3)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(ids.len(), 3);
+}
