@@ -6,6 +6,7 @@
 
 mod info;
 pub mod sampling;
+pub mod wire;
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
@@ -138,6 +139,11 @@ pub enum Finish {
 /// Streamed out of a generation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
+    /// Colocated runs: the prompt was prefilled (sent before the first token).
+    Prefilled {
+        prompt_tokens: u32,
+        prefill_ms: f64,
+    },
     Token(TokenOut),
     Done(GenSummary),
     Error(EngineError),
@@ -622,7 +628,11 @@ impl Worker<'_> {
                 let first = self.prefill(&tokens, params)?;
                 summary.prefill_ms = ms(t0);
                 summary.generated = 1;
-                if !emit(first.clone()) {
+                let prefilled = GenEvent::Prefilled {
+                    prompt_tokens: summary.prompt_tokens,
+                    prefill_ms: summary.prefill_ms,
+                };
+                if events.blocking_send(prefilled).is_err() || !emit(first.clone()) {
                     summary.finish = Finish::Cancelled;
                     return Ok(());
                 }

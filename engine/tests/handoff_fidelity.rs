@@ -24,6 +24,7 @@ async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> (Vec<i32>, Ge
     while let Some(ev) = rx.recv().await {
         match ev {
             GenEvent::Token(t) => ids.push(t.id),
+            GenEvent::Prefilled { .. } => {}
             other => return (ids, other),
         }
     }

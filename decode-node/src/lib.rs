@@ -1,0 +1,211 @@
+//! EdgeSplit decode node: receives KV states over the V2 handoff (raw TCP), and serves
+//! `Generate` over gRPC: import the state of a handoff, continue from its first token.
+//!
+//! Architecture invariant: a state reaches the engine only after the V2 receiver verified
+//! its SHA-256, the sender's model fingerprint and build, and its tensor layout.
+
+pub mod store;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgesplit_engine::wire::{status, status_with_code, token_events};
+use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
+use edgesplit_proto::handoff::{self, Limits};
+use edgesplit_proto::pb;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+pub use store::{Store, StoreLimits};
+
+/// Command-line and environment configuration.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "edgesplit-decode", version, about)]
+pub struct Config {
+    /// GGUF model file (the same file as the prefill node's: fingerprints are compared).
+    #[arg(long, env = "EDGESPLIT_MODEL")]
+    pub model: PathBuf,
+    /// gRPC listen address.
+    #[arg(
+        long,
+        env = "EDGESPLIT_DECODE_LISTEN",
+        default_value = "127.0.0.1:50052"
+    )]
+    pub listen: String,
+    /// V2 handoff listen address (raw TCP).
+    #[arg(
+        long,
+        env = "EDGESPLIT_HANDOFF_LISTEN",
+        default_value = "127.0.0.1:50061"
+    )]
+    pub handoff_listen: String,
+    /// Address the prefill node should dial for the handoff (default: the bound address).
+    #[arg(long)]
+    pub handoff_advertise: Option<String>,
+    /// Context size in tokens; must equal the prefill node's.
+    #[arg(long, default_value_t = 4096)]
+    pub n_ctx: u32,
+    /// Threads (default: physical cores).
+    #[arg(long)]
+    pub threads: Option<i32>,
+    /// Flash attention (both nodes must agree).
+    #[arg(long)]
+    pub flash_attn: bool,
+    /// Seconds `Generate` waits for its handoff state to arrive.
+    #[arg(long, default_value_t = 30)]
+    pub handoff_wait_s: u64,
+    /// Seconds an unclaimed state is kept.
+    #[arg(long, default_value_t = 120)]
+    pub pending_ttl_s: u64,
+    /// Most bytes of unclaimed states held at once.
+    #[arg(long, default_value_t = 2 * 1024 * 1024 * 1024)]
+    pub max_pending_bytes: u64,
+    /// Seconds allowed for one handoff frame.
+    #[arg(long, default_value_t = 60)]
+    pub handoff_frame_timeout_s: u64,
+    /// Largest handoff frame accepted, in bytes.
+    #[arg(long, default_value_t = edgesplit_proto::frame::DEFAULT_MAX_FRAME)]
+    pub max_frame_bytes: usize,
+}
+
+impl Config {
+    /// The engine configuration this node config asks for.
+    #[must_use]
+    pub fn engine(&self) -> EngineConfig {
+        let mut e = EngineConfig::new(&self.model);
+        e.n_ctx = self.n_ctx;
+        e.flash_attn = self.flash_attn;
+        e.n_gpu_layers = 0;
+        if let Some(t) = self.threads {
+            e.n_threads = t;
+        }
+        e
+    }
+}
+
+/// The gRPC service.
+pub struct DecodeService {
+    engine: Engine,
+    store: Arc<Store>,
+    handoff_addr: String,
+    wait: Duration,
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for DecodeService {
+    type GenerateStream = EventStream<pb::TokenEvent>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let Some(state) = self.store.take(&req.handoff_id, self.wait).await else {
+            return Err(status_with_code(
+                tonic::Code::DeadlineExceeded,
+                "handoff_missing",
+                format!(
+                    "handoff {} did not arrive within {:?}",
+                    req.handoff_id, self.wait
+                ),
+            ));
+        };
+        let params = req
+            .sampling
+            .as_ref()
+            .map(SamplingParams::from)
+            .unwrap_or_default();
+        let Some(&first) = req.first_token.as_ref() else {
+            return Err(Status::invalid_argument("first_token is required"));
+        };
+        tracing::info!(
+            request_id = %req.request_id,
+            handoff_id = %req.handoff_id,
+            tokens = state.tokens.len(),
+            "generating from handoff"
+        );
+        let rx = self
+            .engine
+            .generate(
+                Start::Imported {
+                    state: state.payload.to_vec(),
+                    tokens: state.tokens,
+                    first,
+                },
+                params,
+                req.max_new_tokens,
+            )
+            .await
+            .map_err(|e| status(&e))?;
+        Ok(Response::new(Box::pin(token_events(rx))))
+    }
+
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
+        let mut info = self.engine.info().node_info("decode");
+        info.handoff_addr.clone_from(&self.handoff_addr);
+        let c = &self.store.counters;
+        info.handoff_bytes_received = c.bytes_received.load(Ordering::Relaxed);
+        info.handoffs_received = c.handoffs_received.load(Ordering::Relaxed);
+        info.handoffs_refused = c.handoffs_refused.load(Ordering::Relaxed);
+        Ok(Response::new(info))
+    }
+}
+
+/// Serves gRPC on `grpc` and the V2 handoff on `handoff` until `shutdown` resolves.
+///
+/// # Errors
+/// The gRPC server's transport error, or the handoff listener's address.
+pub async fn run(
+    grpc: TcpListener,
+    handoff_listener: TcpListener,
+    engine: Engine,
+    config: &Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let store = Arc::new(Store::new(StoreLimits {
+        ttl: Duration::from_secs(config.pending_ttl_s),
+        max_bytes: config.max_pending_bytes,
+        max_tokens: engine.info().n_ctx,
+    }));
+    let handoff_addr = match &config.handoff_advertise {
+        Some(a) => a.clone(),
+        None => handoff_listener.local_addr()?.to_string(),
+    };
+    let limits = Limits {
+        frame: Duration::from_secs(config.handoff_frame_timeout_s),
+        max_frame: config.max_frame_bytes,
+        ..Limits::default()
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut stop_handoff = stop_rx.clone();
+    let receiver = tokio::spawn(handoff::serve(
+        handoff_listener,
+        engine.info().identity(),
+        limits,
+        store.clone(),
+        async move {
+            let _ = stop_handoff.wait_for(|s| *s).await;
+        },
+    ));
+    let svc = DecodeService {
+        engine,
+        store,
+        handoff_addr,
+        wait: Duration::from_secs(config.handoff_wait_s),
+    };
+    let result = tonic::transport::Server::builder()
+        .add_service(pb::decode_server::DecodeServer::new(svc))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+        .await;
+    let _ = stop_tx.send(true);
+    let _ = receiver.await;
+    Ok(result?)
+}

@@ -1,0 +1,20 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,llama_cpp_2=warn".into()),
+        )
+        .init();
+    let config = edgesplit_decode::Config::parse();
+    let engine = edgesplit_engine::Engine::start(config.engine()).await?;
+    let grpc = tokio::net::TcpListener::bind(&config.listen).await?;
+    let handoff = tokio::net::TcpListener::bind(&config.handoff_listen).await?;
+    tracing::info!(grpc = %grpc.local_addr()?, handoff = %handoff.local_addr()?, "decode node listening");
+    edgesplit_decode::run(grpc, handoff, engine, &config, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
+}

@@ -1,0 +1,231 @@
+//! Verified states waiting for their `Generate` call.
+//!
+//! The V2 receiver puts a state here only after its checksum, handshake and descriptors
+//! passed; `Generate` takes it out (waiting a bounded time for it to arrive). Entries older
+//! than the TTL are dropped, and the total bytes held are capped.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use edgesplit_proto::frame::{Nack, NackCode, StateFrame};
+use edgesplit_proto::handoff::StateSink;
+use tokio::sync::Notify;
+
+/// Limits of the store.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreLimits {
+    /// States not claimed within this time are dropped.
+    pub ttl: Duration,
+    /// Most payload bytes held at once.
+    pub max_bytes: u64,
+    /// Longest sequence (tokens) accepted: the context size.
+    pub max_tokens: u32,
+}
+
+/// Counters exposed through `Info`.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub bytes_received: AtomicU64,
+    pub handoffs_received: AtomicU64,
+    pub handoffs_refused: AtomicU64,
+}
+
+struct Entry {
+    state: StateFrame,
+    at: Instant,
+}
+
+/// The pending-state store; the V2 receiver's sink.
+pub struct Store {
+    limits: StoreLimits,
+    entries: Mutex<HashMap<String, Entry>>,
+    arrived: Notify,
+    pub counters: Counters,
+}
+
+impl Store {
+    #[must_use]
+    pub fn new(limits: StoreLimits) -> Self {
+        Self {
+            limits,
+            entries: Mutex::new(HashMap::new()),
+            arrived: Notify::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    fn expire(&self, map: &mut HashMap<String, Entry>) {
+        let ttl = self.limits.ttl;
+        map.retain(|id, e| {
+            let keep = e.at.elapsed() < ttl;
+            if !keep {
+                tracing::warn!(handoff_id = %id, "dropping unclaimed handoff state after its TTL");
+            }
+            keep
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        // A panic while holding this lock would be a bug elsewhere; the map stays usable.
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Takes the state of `handoff_id`, waiting up to `wait` for it to arrive.
+    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Option<StateFrame> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut map = self.lock();
+                self.expire(&mut map);
+                if let Some(e) = map.remove(handoff_id) {
+                    return Some(e.state);
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+
+    /// Number of states held.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when no state is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl StateSink for Store {
+    fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
+        let refuse = |code, reason: String| Nack {
+            code,
+            handoff_id: state.handoff_id.clone(),
+            reason,
+        };
+        if state.tokens.len() as u64 >= u64::from(self.limits.max_tokens) {
+            return Err(refuse(
+                NackCode::SequenceTooLong,
+                format!(
+                    "sequence of {} tokens does not fit the receiver's context of {}",
+                    state.tokens.len(),
+                    self.limits.max_tokens
+                ),
+            ));
+        }
+        let bytes = state.payload.len() as u64;
+        let mut map = self.lock();
+        self.expire(&mut map);
+        if map.contains_key(&state.handoff_id) {
+            return Err(refuse(
+                NackCode::DuplicateHandoff,
+                format!("handoff {} is already held", state.handoff_id),
+            ));
+        }
+        let held: u64 = map.values().map(|e| e.state.payload.len() as u64).sum();
+        if held + bytes > self.limits.max_bytes {
+            return Err(refuse(
+                NackCode::Capacity,
+                format!(
+                    "holding {held} bytes; {bytes} more would exceed the cap of {}",
+                    self.limits.max_bytes
+                ),
+            ));
+        }
+        tracing::info!(
+            handoff_id = %state.handoff_id,
+            request_id = %state.request_id,
+            tokens = state.tokens.len(),
+            bytes,
+            "handoff state received and verified"
+        );
+        map.insert(
+            state.handoff_id.clone(),
+            Entry {
+                state,
+                at: Instant::now(),
+            },
+        );
+        drop(map);
+        self.counters
+            .bytes_received
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.counters
+            .handoffs_received
+            .fetch_add(1, Ordering::Relaxed);
+        self.arrived.notify_waiters();
+        Ok(bytes)
+    }
+
+    fn refused(&self, nack: &Nack) {
+        tracing::warn!(code = nack.code.as_str(), reason = %nack.reason, "handoff refused");
+        self.counters
+            .handoffs_refused
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn state(id: &str, n: usize) -> StateFrame {
+        StateFrame {
+            handoff_id: id.into(),
+            request_id: "r".into(),
+            tokens: vec![1, 2],
+            descriptors: vec![],
+            payload: Bytes::from(vec![0u8; n]),
+        }
+    }
+
+    fn store() -> Store {
+        Store::new(StoreLimits {
+            ttl: Duration::from_secs(60),
+            max_bytes: 100,
+            max_tokens: 10,
+        })
+    }
+
+    #[tokio::test]
+    async fn take_waits_for_arrival_and_times_out() {
+        let s = std::sync::Arc::new(store());
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
+        tokio::task::yield_now().await;
+        s.accept(state("a", 10)).unwrap();
+        assert_eq!(waiter.await.unwrap().unwrap().handoff_id, "a");
+        assert!(s.take("missing", Duration::from_millis(20)).await.is_none());
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn refuses_duplicates_capacity_and_long_sequences() {
+        let s = store();
+        s.accept(state("a", 60)).unwrap();
+        assert_eq!(
+            s.accept(state("a", 1)).unwrap_err().code,
+            NackCode::DuplicateHandoff
+        );
+        assert_eq!(
+            s.accept(state("b", 41)).unwrap_err().code,
+            NackCode::Capacity
+        );
+        let mut long = state("c", 1);
+        long.tokens = vec![0; 10];
+        assert_eq!(s.accept(long).unwrap_err().code, NackCode::SequenceTooLong);
+        assert_eq!(s.len(), 1);
+    }
+}

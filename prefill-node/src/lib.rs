@@ -1,0 +1,273 @@
+//! EdgeSplit prefill node: a gRPC service that prefills a prompt, samples the first token
+//! (so the router can stream it at once), and sends the sequence's KV state to a decode
+//! node over the V2 handoff. It also serves colocated runs (the `local` transport).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use edgesplit_engine::wire::{status, status_with_code, token_events};
+use edgesplit_engine::{Engine, EngineConfig, Input, SamplingParams, Start};
+use edgesplit_proto::frame::StateFrame;
+use edgesplit_proto::handoff::{self, HandoffError, Limits};
+use edgesplit_proto::{layout, pb};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// Command-line and environment configuration.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "edgesplit-prefill", version, about)]
+pub struct Config {
+    /// GGUF model file.
+    #[arg(long, env = "EDGESPLIT_MODEL")]
+    pub model: PathBuf,
+    /// gRPC listen address.
+    #[arg(
+        long,
+        env = "EDGESPLIT_PREFILL_LISTEN",
+        default_value = "127.0.0.1:50051"
+    )]
+    pub listen: String,
+    /// Context size in tokens; must equal the decode node's.
+    #[arg(long, default_value_t = 4096)]
+    pub n_ctx: u32,
+    /// Threads (default: physical cores).
+    #[arg(long)]
+    pub threads: Option<i32>,
+    /// Prefill batch size.
+    #[arg(long, default_value_t = 512)]
+    pub batch: u32,
+    /// Flash attention (both nodes must agree).
+    #[arg(long)]
+    pub flash_attn: bool,
+    /// Layers offloaded to the GPU (cuda builds; default all).
+    #[arg(long)]
+    pub gpu_layers: Option<u32>,
+    /// Seconds allowed for the handoff connect.
+    #[arg(long, default_value_t = 5)]
+    pub handoff_connect_timeout_s: u64,
+    /// Seconds allowed for one handoff frame (transfer of the state included).
+    #[arg(long, default_value_t = 60)]
+    pub handoff_frame_timeout_s: u64,
+}
+
+impl Config {
+    /// The engine configuration this node config asks for.
+    #[must_use]
+    pub fn engine(&self) -> EngineConfig {
+        let mut e = EngineConfig::new(&self.model);
+        e.n_ctx = self.n_ctx;
+        e.n_batch = self.batch;
+        e.flash_attn = self.flash_attn;
+        if let Some(t) = self.threads {
+            e.n_threads = t;
+        }
+        if let Some(g) = self.gpu_layers {
+            e.n_gpu_layers = g;
+        }
+        e
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            connect: Duration::from_secs(self.handoff_connect_timeout_s),
+            frame: Duration::from_secs(self.handoff_frame_timeout_s),
+            ..Limits::default()
+        }
+    }
+}
+
+/// The gRPC service.
+pub struct PrefillService {
+    engine: Engine,
+    limits: Limits,
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
+    match &req.input {
+        Some(pb::prefill_request::Input::Chat(c)) => Ok(Input::Chat(
+            c.messages
+                .iter()
+                .map(|m| (m.role.clone(), m.content.clone()))
+                .collect(),
+        )),
+        Some(pb::prefill_request::Input::Prompt(p)) => Ok(Input::Raw(p.clone())),
+        None => Err(Status::invalid_argument("request has no input")),
+    }
+}
+
+impl PrefillService {
+    /// A service over a started engine.
+    #[must_use]
+    pub fn new(engine: Engine, limits: Limits) -> Self {
+        Self { engine, limits }
+    }
+
+    async fn tokenize(&self, req: &pb::PrefillRequest) -> Result<(Vec<i32>, u32), Status> {
+        let tokens = self
+            .engine
+            .tokenize(input_of(req)?)
+            .await
+            .map_err(|e| status(&e))?;
+        let n_ctx = self.engine.info().n_ctx;
+        let max = if req.max_tokens == 0 {
+            n_ctx.saturating_sub(tokens.len() as u32).max(1)
+        } else {
+            req.max_tokens
+        };
+        Ok((tokens, max))
+    }
+}
+
+fn sampling_of(req: &pb::PrefillRequest) -> SamplingParams {
+    req.sampling
+        .as_ref()
+        .map(SamplingParams::from)
+        .unwrap_or_default()
+}
+
+#[tonic::async_trait]
+impl pb::prefill_server::Prefill for PrefillService {
+    type PrefillStream = EventStream<pb::PrefillEvent>;
+    type GenerateStream = EventStream<pb::TokenEvent>;
+
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        let req = request.into_inner();
+        let (tokens, max_tokens) = self.tokenize(&req).await?;
+        let params = sampling_of(&req);
+        let handoff = req.handoff.clone();
+        if let Some(h) = &handoff {
+            if !edgesplit_proto::frame::valid_id(&h.handoff_id) {
+                return Err(Status::invalid_argument("invalid handoff id"));
+            }
+        }
+        let out = self
+            .engine
+            .prefill(tokens, params, max_tokens, handoff.is_some())
+            .await
+            .map_err(|e| status(&e))?;
+        tracing::info!(
+            request_id = %req.request_id,
+            prompt_tokens = out.prompt_tokens.len(),
+            prefill_ms = out.prefill_ms,
+            "prefilled"
+        );
+        let (tx, rx) = mpsc::channel(2);
+        let last = out.state.is_none();
+        let first = pb::PrefillEvent {
+            event: Some(pb::prefill_event::Event::First(pb::FirstToken {
+                token: out.first.id,
+                piece: out.first.piece.clone(),
+                prompt_tokens: out.prompt_tokens.len() as u32,
+                prefill_ms: out.prefill_ms,
+                last: out.first.eog || max_tokens <= 1,
+                eog: out.first.eog,
+                max_tokens,
+            })),
+        };
+        // The first token goes out before the handoff starts: TTFT does not wait for it.
+        let _ = tx.send(Ok(first)).await;
+        if let (Some(state), Some(h), false) = (out.state, handoff, last) {
+            let ours = self.engine.info().identity();
+            let limits = self.limits;
+            let export_ms = out.export_ms;
+            let request_id = req.request_id.clone();
+            tokio::spawn(async move {
+                let layout = layout::describe(&state);
+                let frame = StateFrame {
+                    handoff_id: h.handoff_id.clone(),
+                    request_id: request_id.clone(),
+                    tokens: out.prompt_tokens,
+                    descriptors: layout.descriptors,
+                    payload: Bytes::from(state),
+                };
+                let t0 = Instant::now();
+                let result = handoff::send_state(&h.decode_addr, &ours, frame, &limits).await;
+                let ev = match result {
+                    Ok(report) => {
+                        let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
+                        tracing::info!(
+                            %request_id,
+                            handoff_id = %h.handoff_id,
+                            bytes = report.payload_bytes,
+                            transfer_ms,
+                            "handoff sent"
+                        );
+                        Ok(pb::PrefillEvent {
+                            event: Some(pb::prefill_event::Event::Handoff(pb::HandoffDone {
+                                bytes: report.payload_bytes,
+                                export_ms,
+                                transfer_ms,
+                            })),
+                        })
+                    }
+                    Err(e) => {
+                        tracing::warn!(%request_id, error = %e, "handoff failed");
+                        Err(handoff_status(&e))
+                    }
+                };
+                let _ = tx.send(ev).await;
+            });
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn generate(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let (tokens, max_tokens) = self.tokenize(&req).await?;
+        let rx = self
+            .engine
+            .generate(Start::Prompt(tokens), sampling_of(&req), max_tokens)
+            .await
+            .map_err(|e| status(&e))?;
+        Ok(Response::new(Box::pin(token_events(rx))))
+    }
+
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
+        Ok(Response::new(self.engine.info().node_info("prefill")))
+    }
+}
+
+fn handoff_status(e: &HandoffError) -> Status {
+    let name = match e {
+        HandoffError::Refused(n) | HandoffError::Mismatch(n) => n.code.as_str(),
+        HandoffError::Timeout(_) => "handoff_timeout",
+        HandoffError::Connect { .. } => "handoff_unreachable",
+        _ => "handoff_failed",
+    };
+    status_with_code(
+        tonic::Code::Unavailable,
+        name,
+        format!("KV handoff failed: {e}"),
+    )
+}
+
+/// Serves the prefill gRPC API on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// The gRPC server's transport error.
+pub async fn run(
+    listener: TcpListener,
+    engine: Engine,
+    config: &Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let svc = PrefillService::new(engine, config.limits());
+    tonic::transport::Server::builder()
+        .add_service(pb::prefill_server::PrefillServer::new(svc))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}

@@ -1,0 +1,506 @@
+//! OpenAI request parsing: a JSON body becomes a [`ValidRequest`] once, or an error naming
+//! the field that failed. Unknown fields are ignored, as OpenAI-compatible servers do.
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Which endpoint a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// How the KV state moves (or does not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Prefill node -> decode node over the V2 framed TCP handoff.
+    V2,
+    /// No handoff: prefill and decode both on the prefill node (the single-device baseline).
+    Local,
+}
+
+impl Transport {
+    /// Parses `v2` / `local`.
+    ///
+    /// # Errors
+    /// Any other name.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "v2" => Ok(Transport::V2),
+            "local" => Ok(Transport::Local),
+            other => Err(format!(
+                "unknown transport {other:?}; expected \"v2\" or \"local\""
+            )),
+        }
+    }
+
+    /// The name used in requests and timing reports.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::V2 => "v2",
+            Transport::Local => "local",
+        }
+    }
+}
+
+/// Sampling options after range checks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub min_p: f32,
+    pub seed: u32,
+    pub repeat_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+}
+
+impl From<&Sampling> for edgesplit_proto::pb::Sampling {
+    fn from(s: &Sampling) -> Self {
+        edgesplit_proto::pb::Sampling {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            min_p: s.min_p,
+            seed: s.seed,
+            repeat_penalty: s.repeat_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            penalty_last_n: 64,
+        }
+    }
+}
+
+/// The input of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Chat(Vec<(String, String)>),
+    Prompt(String),
+}
+
+/// A request that passed validation; the only type the backends see.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub input: Input,
+    pub sampling: Sampling,
+    /// 0 = up to the context size.
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Set by the request (`edgesplit.transport` or the `X-EdgeSplit-Transport` header).
+    pub transport: Option<Transport>,
+}
+
+const ROLES: [&str; 4] = ["system", "user", "assistant", "developer"];
+
+fn num(obj: &Map<String, Value>, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            let v = n.as_f64().unwrap_or(f64::NAN);
+            if v.is_finite() && v >= lo && v <= hi {
+                Ok(Some(v))
+            } else {
+                Err(ApiError::invalid(
+                    Some(key.to_string()),
+                    format!("{key} must be between {lo} and {hi}, got {n}"),
+                ))
+            }
+        }
+        Some(_) => Err(ApiError::invalid(
+            Some(key.to_string()),
+            format!("{key} must be a number"),
+        )),
+    }
+}
+
+fn int(obj: &Map<String, Value>, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(v) if v >= lo && v <= hi => Ok(Some(v)),
+            _ => Err(ApiError::invalid(
+                Some(key.to_string()),
+                format!("{key} must be an integer between {lo} and {hi}, got {n}"),
+            )),
+        },
+        Some(_) => Err(ApiError::invalid(
+            Some(key.to_string()),
+            format!("{key} must be an integer"),
+        )),
+    }
+}
+
+fn boolean(obj: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(
+            Some(key.to_string()),
+            format!("{key} must be a boolean"),
+        )),
+    }
+}
+
+/// Text of a message's `content`: a string, or an array of `{"type":"text","text":...}` parts.
+fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
+                    _ => return Err(ApiError::invalid(
+                        Some(format!("{param}[{j}]")),
+                        "only text content parts ({\"type\":\"text\",\"text\":...}) are supported",
+                    )),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(ApiError::invalid(
+            Some(param.to_string()),
+            "content must be a string or an array of text parts",
+        )),
+    }
+}
+
+fn messages(obj: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let list = match obj.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                Some("messages".into()),
+                "messages is required",
+            ))
+        }
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("messages".into()),
+                "messages must be an array",
+            ))
+        }
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid(
+            Some("messages".into()),
+            "messages must contain at least one message",
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let Some(m) = m.as_object() else {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}]")),
+                "each message must be an object",
+            ));
+        };
+        let role =
+            match m.get("role") {
+                Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+                Some(Value::String(r)) => return Err(ApiError::invalid(
+                    Some(format!("messages[{i}].role")),
+                    format!(
+                        "invalid role {r:?}; expected one of system, user, assistant, developer"
+                    ),
+                )),
+                _ => {
+                    return Err(ApiError::invalid(
+                        Some(format!("messages[{i}].role")),
+                        "role is required and must be a string",
+                    ))
+                }
+            };
+        let param = format!("messages[{i}].content");
+        let content = match m.get("content") {
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(Some(param), "content is required"))
+            }
+            Some(c) => content_text(c, &param)?,
+        };
+        // Templates generally know no "developer" role: it is OpenAI's newer name for system.
+        let role = if role == "developer" {
+            "system".into()
+        } else {
+            role
+        };
+        out.push((role, content));
+    }
+    Ok(out)
+}
+
+fn stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            Some("stop".into()),
+            "stop must be a non-empty string or an array of up to 4 non-empty strings",
+        )
+    };
+    match obj.get("stop") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) if !s.is_empty() => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) if a.len() <= 4 => a
+            .iter()
+            .map(|v| match v {
+                Value::String(s) if !s.is_empty() => Ok(s.clone()),
+                _ => Err(bad()),
+            })
+            .collect(),
+        _ => Err(bad()),
+    }
+}
+
+/// Parses and validates a request body for `endpoint`.
+///
+/// `random_seed` supplies the seed when the request samples (temperature > 0) without one,
+/// so that every transport of that request draws the same tokens.
+///
+/// # Errors
+/// A 400 [`ApiError`] naming the field.
+pub fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    random_seed: impl FnOnce() -> u32,
+) -> Result<ValidRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(None, format!("invalid JSON body: {e}")).with_code("invalid_json")
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::invalid(
+            None,
+            "the request body must be a JSON object",
+        ));
+    };
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("model".into()),
+                "model must be a string",
+            ))
+        }
+    };
+    let input = match endpoint {
+        Endpoint::Chat => Input::Chat(messages(&obj)?),
+        Endpoint::Completion => match obj.get("prompt") {
+            Some(Value::String(s)) if !s.is_empty() => Input::Prompt(s.clone()),
+            Some(Value::Array(a))
+                if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) =>
+            {
+                Input::Prompt(a[0].as_str().unwrap_or_default().to_string())
+            }
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(
+                    Some("prompt".into()),
+                    "prompt is required",
+                ))
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    Some("prompt".into()),
+                    "prompt must be a non-empty string (or an array of one string)",
+                ))
+            }
+        },
+    };
+    if let Some(n) = int(&obj, "n", 1, 128)? {
+        if n != 1 {
+            return Err(ApiError::invalid(Some("n".into()), "only n=1 is supported"));
+        }
+    }
+    let max_tokens = match int(&obj, "max_completion_tokens", 1, i64::from(u32::MAX))? {
+        Some(v) => Some(v),
+        None => int(&obj, "max_tokens", 1, i64::from(u32::MAX))?,
+    };
+    let temperature = num(&obj, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
+    let seed = match obj.get("seed") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => match n.as_i64() {
+            // OpenAI seeds are any integer; llama.cpp takes 32 bits.
+            Some(v) => Some(v as u32),
+            None => {
+                return Err(ApiError::invalid(
+                    Some("seed".into()),
+                    "seed must be an integer",
+                ))
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("seed".into()),
+                "seed must be an integer",
+            ))
+        }
+    };
+    let sampling = Sampling {
+        temperature,
+        top_p: num(&obj, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_k: int(&obj, "top_k", 0, 1_000_000)?.unwrap_or(0) as i32,
+        min_p: num(&obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        seed: seed.unwrap_or_else(random_seed),
+        repeat_penalty: num(&obj, "repetition_penalty", 0.0, 10.0)?
+            .or(num(&obj, "repeat_penalty", 0.0, 10.0)?)
+            .unwrap_or(1.0) as f32,
+        presence_penalty: num(&obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+    };
+    if sampling.top_p <= 0.0 {
+        return Err(ApiError::invalid(
+            Some("top_p".into()),
+            "top_p must be greater than 0",
+        ));
+    }
+    if sampling.repeat_penalty <= 0.0 {
+        return Err(ApiError::invalid(
+            Some("repetition_penalty".into()),
+            "repetition_penalty must be greater than 0",
+        ));
+    }
+    let stream = boolean(&obj, "stream")?;
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => boolean(o, "include_usage")?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("stream_options".into()),
+                "stream_options must be an object",
+            ))
+        }
+    };
+    let transport = match obj.get("edgesplit").and_then(|e| e.get("transport")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(
+            Transport::parse(s)
+                .map_err(|m| ApiError::invalid(Some("edgesplit.transport".into()), m))?,
+        ),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("edgesplit.transport".into()),
+                "edgesplit.transport must be a string",
+            ))
+        }
+    };
+    Ok(ValidRequest {
+        endpoint,
+        model,
+        input,
+        sampling,
+        max_tokens: max_tokens.map_or(0, |v| v as u32),
+        stop: stop(&obj)?,
+        stream,
+        include_usage,
+        transport,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ValidRequest, ApiError> {
+        parse(Endpoint::Chat, body.as_bytes(), || 7)
+    }
+
+    #[test]
+    fn accepts_a_minimal_chat_and_ignores_unknown_fields() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"hi"}],"foo":{"bar":1},"logit_bias":null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.input, Input::Chat(vec![("user".into(), "hi".into())]));
+        assert_eq!(r.max_tokens, 0);
+        assert_eq!(r.sampling.seed, 7);
+        assert!(!r.stream);
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens() {
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"max_completion_tokens":9}"#)
+            .unwrap();
+        assert_eq!(r.max_tokens, 9);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            ("{", None),
+            ("[]", None),
+            (r#"{"model":"x"}"#, Some("messages")),
+            (r#"{"messages":[]}"#, Some("messages")),
+            (
+                r#"{"messages":[{"role":"wizard","content":"x"}]}"#,
+                Some("messages[0].role"),
+            ),
+            (
+                r#"{"messages":[{"role":"user"}]}"#,
+                Some("messages[0].content"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                Some("messages[0].content[0]"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
+                Some("temperature"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
+                Some("top_p"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+                Some("max_tokens"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}"#,
+                Some("max_tokens"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+                Some("n"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
+                Some("stop"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-3}"#,
+                Some("presence_penalty"),
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"edgesplit":{"transport":"carrier-pigeon"}}"#,
+                Some("edgesplit.transport"),
+            ),
+        ];
+        for (body, param) in cases {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
+            assert_eq!(e.kind, "invalid_request_error");
+        }
+    }
+
+    #[test]
+    fn completions_need_a_prompt() {
+        let r = parse(Endpoint::Completion, br#"{"prompt":"Once"}"#, || 1).unwrap();
+        assert_eq!(r.input, Input::Prompt("Once".into()));
+        let e = parse(Endpoint::Completion, br#"{"prompt":""}"#, || 1).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn text_parts_are_joined_and_developer_is_system() {
+        let r = chat(r#"{"messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#)
+            .unwrap();
+        assert_eq!(r.input, Input::Chat(vec![("system".into(), "ab".into())]));
+    }
+}

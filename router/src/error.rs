@@ -1,0 +1,138 @@
+//! One table from failures to HTTP status + OpenAI error object.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error as the client sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI `type`: invalid_request_error, authentication_error, server_error...
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+    /// Seconds, sent as `Retry-After`.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// 400 naming the parameter that failed.
+    pub fn invalid(param: impl Into<Option<String>>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.into(),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// Sets the machine-readable code.
+    #[must_use]
+    pub fn with_code(mut self, code: &str) -> Self {
+        self.code = Some(code.to_string());
+        self
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found".into()),
+            retry_after: None,
+        }
+    }
+
+    pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some(code.into()),
+            retry_after: Some(1),
+        }
+    }
+
+    pub fn upstream(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_GATEWAY,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some(code.into()),
+            retry_after: None,
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("internal_error".into()),
+            retry_after: None,
+        }
+    }
+
+    /// The OpenAI error object.
+    #[must_use]
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// Maps a node's gRPC status; `param` names the input field for input errors.
+    #[must_use]
+    pub fn from_status(st: &tonic::Status, input_param: &str) -> Self {
+        let name = st
+            .metadata()
+            .get(edgesplit_proto_error_key())
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let msg = st.message().to_string();
+        match name.as_str() {
+            "context_length_exceeded" | "empty_prompt" | "no_chat_template" | "template_error" => {
+                Self::invalid(Some(input_param.to_string()), msg).with_code(&name)
+            }
+            "handoff_unreachable" | "capacity" => Self::unavailable("decode_unavailable", msg),
+            "" => match st.code() {
+                tonic::Code::Unavailable => Self::unavailable(
+                    "node_unavailable",
+                    format!("a node could not be reached: {msg}"),
+                ),
+                tonic::Code::DeadlineExceeded => Self::upstream("timeout", msg),
+                tonic::Code::InvalidArgument => Self::invalid(None, msg),
+                _ => Self::internal(msg),
+            },
+            other => Self::upstream(other, msg),
+        }
+    }
+}
+
+fn edgesplit_proto_error_key() -> &'static str {
+    // Mirrors `edgesplit_engine::wire::ERROR_CODE_KEY` (the router does not link llama.cpp).
+    "x-edgesplit-error"
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}

@@ -1,0 +1,386 @@
+//! From backend [`Event`]s to OpenAI responses: the whole-answer JSON, and the SSE chunk
+//! sequence (role chunk, content chunks, one finish chunk, optional usage chunk, `[DONE]`;
+//! an error is an in-band error event followed by `[DONE]`). Pure state, no HTTP.
+
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::api::{Endpoint, Transport};
+use crate::backend::{Event, FinishReason};
+use crate::error::ApiError;
+use crate::text::TextAssembler;
+
+/// Fixed facts of one response.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub endpoint: Endpoint,
+    pub include_usage: bool,
+    pub request_id: String,
+    pub transport: Transport,
+    pub received: Instant,
+}
+
+/// Where the time went (the `edgesplit` extension object).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timing {
+    pub ttft_ms: Option<f64>,
+    pub prefill_ms: Option<f64>,
+    pub handoff_bytes: Option<u64>,
+    pub handoff_ms: Option<f64>,
+    pub export_ms: Option<f64>,
+    pub import_ms: Option<f64>,
+    pub decode_ms: Option<f64>,
+    pub decode_tokens: u32,
+}
+
+/// What one event means for the client.
+#[derive(Debug, PartialEq)]
+pub enum Step {
+    /// Nothing to send yet.
+    Nothing,
+    /// Text to send.
+    Text(String),
+    /// Text to send (maybe empty), then the answer is over.
+    Done(String),
+    Failed(ApiError),
+}
+
+/// Accumulates one answer.
+pub struct Answer {
+    pub meta: Meta,
+    text: TextAssembler,
+    pub completion_tokens: u32,
+    pub prompt_tokens: u32,
+    pub finish: Option<FinishReason>,
+    pub timing: Timing,
+}
+
+impl Answer {
+    #[must_use]
+    pub fn new(
+        meta: Meta,
+        stops: Vec<String>,
+        prompt_tokens: Option<u32>,
+        prefill_ms: Option<f64>,
+    ) -> Self {
+        Self {
+            meta,
+            text: TextAssembler::new(stops),
+            completion_tokens: 0,
+            prompt_tokens: prompt_tokens.unwrap_or(0),
+            finish: None,
+            timing: Timing {
+                prefill_ms,
+                ..Timing::default()
+            },
+        }
+    }
+
+    /// Folds one backend event in.
+    pub fn on_event(&mut self, ev: Event) -> Step {
+        match ev {
+            Event::Prefilled {
+                prompt_tokens,
+                prefill_ms,
+            } => {
+                self.prompt_tokens = prompt_tokens;
+                self.timing.prefill_ms = Some(prefill_ms);
+                Step::Nothing
+            }
+            Event::Token { bytes } => {
+                self.completion_tokens += 1;
+                let d = self.text.push(&bytes);
+                if self.timing.ttft_ms.is_none() && !d.text.is_empty() {
+                    self.timing.ttft_ms = Some(self.meta.received.elapsed().as_secs_f64() * 1000.0);
+                }
+                if d.stopped {
+                    self.finish = Some(FinishReason::Stop);
+                    Step::Done(d.text)
+                } else if d.text.is_empty() {
+                    Step::Nothing
+                } else {
+                    Step::Text(d.text)
+                }
+            }
+            Event::Handoff {
+                bytes,
+                export_ms,
+                transfer_ms,
+            } => {
+                self.timing.handoff_bytes = Some(bytes);
+                self.timing.export_ms = Some(export_ms);
+                self.timing.handoff_ms = Some(transfer_ms);
+                Step::Nothing
+            }
+            Event::Finished {
+                reason,
+                decode_tokens,
+                decode_ms,
+                import_ms,
+                prompt_tokens,
+                prefill_ms,
+            } => {
+                self.finish = Some(reason);
+                self.timing.decode_tokens = decode_tokens;
+                self.timing.decode_ms = Some(decode_ms);
+                if self.meta.transport == Transport::V2 {
+                    self.timing.import_ms = Some(import_ms);
+                }
+                if let Some(p) = prompt_tokens {
+                    self.prompt_tokens = p;
+                }
+                if let Some(p) = prefill_ms {
+                    self.timing.prefill_ms = Some(p);
+                }
+                Step::Done(self.text.finish())
+            }
+            Event::Error(e) => Step::Failed(e),
+        }
+    }
+
+    /// The `usage` object.
+    #[must_use]
+    pub fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+
+    /// The `edgesplit` extension object.
+    #[must_use]
+    pub fn timing_json(&self) -> Value {
+        let t = &self.timing;
+        let tps = match t.decode_ms {
+            Some(ms) if ms > 0.0 && t.decode_tokens > 0 => {
+                Some(f64::from(t.decode_tokens) / (ms / 1000.0))
+            }
+            _ => None,
+        };
+        json!({
+            "request_id": self.meta.request_id,
+            "transport": self.meta.transport.as_str(),
+            "first_token_from": "prefill",
+            "ttft_ms": t.ttft_ms,
+            "prefill_ms": t.prefill_ms,
+            "handoff_bytes": t.handoff_bytes,
+            "handoff_ms": t.handoff_ms,
+            "export_ms": t.export_ms,
+            "import_ms": t.import_ms,
+            "decode_ms": t.decode_ms,
+            "decode_tokens": t.decode_tokens,
+            "decode_tokens_per_s": tps,
+        })
+    }
+
+    fn finish_str(&self) -> &'static str {
+        self.finish.unwrap_or(FinishReason::Length).as_str()
+    }
+
+    /// The non-streaming response body for the full `text`.
+    #[must_use]
+    pub fn full_response(&self, text: &str) -> Value {
+        let choice = match self.meta.endpoint {
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": self.finish_str(),
+            }),
+            Endpoint::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": self.finish_str(),
+            }),
+        };
+        json!({
+            "id": self.meta.id,
+            "object": match self.meta.endpoint {
+                Endpoint::Chat => "chat.completion",
+                Endpoint::Completion => "text_completion",
+            },
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [choice],
+            "usage": self.usage(),
+            "edgesplit": self.timing_json(),
+        })
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        json!({
+            "id": self.meta.id,
+            "object": match self.meta.endpoint {
+                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Completion => "text_completion",
+            },
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        })
+    }
+
+    /// The first SSE chunk (chat: the role).
+    #[must_use]
+    pub fn role_chunk(&self) -> Option<Value> {
+        match self.meta.endpoint {
+            Endpoint::Chat => Some(self.chunk(json!([{
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": null,
+                "finish_reason": null,
+            }]))),
+            Endpoint::Completion => None,
+        }
+    }
+
+    /// A content chunk.
+    #[must_use]
+    pub fn text_chunk(&self, text: &str) -> Value {
+        match self.meta.endpoint {
+            Endpoint::Chat => self.chunk(json!([{
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": null,
+                "finish_reason": null,
+            }])),
+            Endpoint::Completion => self.chunk(json!([{
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": null,
+            }])),
+        }
+    }
+
+    /// The finish chunk(s): finish reason (with the timing report), then usage if asked.
+    #[must_use]
+    pub fn final_chunks(&self) -> Vec<Value> {
+        let choice = match self.meta.endpoint {
+            Endpoint::Chat => json!({
+                "index": 0, "delta": {}, "logprobs": null, "finish_reason": self.finish_str(),
+            }),
+            Endpoint::Completion => json!({
+                "index": 0, "text": "", "logprobs": null, "finish_reason": self.finish_str(),
+            }),
+        };
+        let mut finish = self.chunk(json!([choice]));
+        finish["edgesplit"] = self.timing_json();
+        let mut out = vec![finish];
+        if self.meta.include_usage {
+            let mut usage = self.chunk(json!([]));
+            usage["usage"] = self.usage();
+            usage["edgesplit"] = self.timing_json();
+            out.push(usage);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(endpoint: Endpoint, include_usage: bool, stops: Vec<String>) -> Answer {
+        Answer::new(
+            Meta {
+                id: "chatcmpl-1".into(),
+                created: 1,
+                model: "m".into(),
+                endpoint,
+                include_usage,
+                request_id: "r".into(),
+                transport: Transport::V2,
+                received: Instant::now(),
+            },
+            stops,
+            Some(5),
+            Some(10.0),
+        )
+    }
+
+    fn finished(reason: FinishReason) -> Event {
+        Event::Finished {
+            reason,
+            decode_tokens: 2,
+            decode_ms: 20.0,
+            import_ms: 1.0,
+            prompt_tokens: None,
+            prefill_ms: None,
+        }
+    }
+
+    #[test]
+    fn tokens_then_finish() {
+        let mut a = answer(Endpoint::Chat, true, vec![]);
+        assert_eq!(
+            a.on_event(Event::Token {
+                bytes: b"Hi".to_vec()
+            }),
+            Step::Text("Hi".into())
+        );
+        assert_eq!(
+            a.on_event(Event::Handoff {
+                bytes: 100,
+                export_ms: 1.0,
+                transfer_ms: 2.0
+            }),
+            Step::Nothing
+        );
+        assert_eq!(
+            a.on_event(Event::Token {
+                bytes: b" there".to_vec()
+            }),
+            Step::Text(" there".into())
+        );
+        assert_eq!(a.on_event(Event::Token { bytes: vec![] }), Step::Nothing);
+        assert_eq!(
+            a.on_event(finished(FinishReason::Stop)),
+            Step::Done(String::new())
+        );
+        assert_eq!(
+            a.usage(),
+            json!({"prompt_tokens":5,"completion_tokens":3,"total_tokens":8})
+        );
+        let t = a.timing_json();
+        assert_eq!(t["handoff_bytes"], 100);
+        assert_eq!(t["decode_tokens_per_s"], 100.0);
+        let chunks = a.final_chunks();
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[0]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(chunks[1]["choices"], json!([]));
+        assert_eq!(chunks[1]["usage"]["total_tokens"], 8);
+        assert_eq!(
+            a.role_chunk().unwrap()["choices"][0]["delta"]["role"],
+            "assistant"
+        );
+    }
+
+    #[test]
+    fn stop_string_ends_the_answer_with_stop() {
+        let mut a = answer(Endpoint::Completion, false, vec!["\n\n".into()]);
+        assert_eq!(
+            a.on_event(Event::Token {
+                bytes: b"a\n".to_vec()
+            }),
+            Step::Text("a".into())
+        );
+        assert_eq!(
+            a.on_event(Event::Token {
+                bytes: b"\nb".to_vec()
+            }),
+            Step::Done(String::new())
+        );
+        assert_eq!(a.finish, Some(FinishReason::Stop));
+        assert_eq!(a.completion_tokens, 2);
+        assert!(a.role_chunk().is_none());
+        assert_eq!(a.final_chunks().len(), 1);
+        assert_eq!(a.full_response("a")["choices"][0]["text"], "a");
+    }
+}

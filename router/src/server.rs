@@ -1,0 +1,277 @@
+//! HTTP routes and handlers.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::api::{self, Endpoint, Transport};
+use crate::backend::Backend;
+use crate::error::ApiError;
+use crate::respond::{Answer, Meta, Step};
+
+/// Shared state of the handlers.
+pub struct AppState {
+    pub backend: Backend,
+    pub default_transport: Transport,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+}
+
+/// The router's HTTP API.
+pub fn app(state: Arc<AppState>) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("unknown_url".into()),
+        retry_after: None,
+    }
+}
+
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    serve(s, Endpoint::Chat, &headers, body).await
+}
+
+async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    serve(s, Endpoint::Completion, &headers, body).await
+}
+
+fn random_seed() -> u32 {
+    // A v4 UUID is 122 random bits; 32 of them make the seed.
+    let b = uuid::Uuid::new_v4().into_bytes();
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(rej) => {
+            let mut e = ApiError::invalid(None, rej.body_text()).with_code("invalid_body");
+            e.status = rej.status();
+            return e.into_response();
+        }
+    };
+    match serve_inner(s, endpoint, headers, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn serve_inner(
+    s: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let received = Instant::now();
+    let req = api::parse(endpoint, body, random_seed)?;
+    let header_transport = match headers.get("x-edgesplit-transport") {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| "not ASCII".to_string())
+                .and_then(Transport::parse)
+                .map_err(|m| ApiError::invalid(Some("X-EdgeSplit-Transport".into()), m))?,
+        ),
+        None => None,
+    };
+    let transport = req
+        .transport
+        .or(header_transport)
+        .unwrap_or(s.default_transport);
+    let info = s.backend.prefill_info().await?;
+    if let Some(m) = &req.model {
+        if m != &info.model_id {
+            return Err(ApiError::model_not_found(m));
+        }
+    }
+    let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
+    tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
+    let started = s.backend.start(&req, transport, &request_id).await?;
+    let meta = Meta {
+        id: match endpoint {
+            Endpoint::Chat => format!("chatcmpl-{}", &request_id[4..]),
+            Endpoint::Completion => format!("cmpl-{}", &request_id[4..]),
+        },
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model: info.model_id,
+        endpoint,
+        include_usage: req.include_usage,
+        request_id,
+        transport: started.transport,
+        received,
+    };
+    let answer = Answer::new(
+        meta,
+        req.stop.clone(),
+        started.prompt_tokens,
+        started.prefill_ms,
+    );
+    if req.stream {
+        Ok(stream_response(answer, started.events).into_response())
+    } else {
+        whole_response(answer, started.events).await
+    }
+}
+
+async fn whole_response(
+    mut answer: Answer,
+    mut events: mpsc::Receiver<crate::backend::Event>,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = events.recv().await {
+        match answer.on_event(ev) {
+            Step::Nothing => {}
+            Step::Text(t) => text.push_str(&t),
+            Step::Done(t) => {
+                text.push_str(&t);
+                return Ok(Json(answer.full_response(&text)).into_response());
+            }
+            Step::Failed(e) => return Err(e),
+        }
+    }
+    Err(ApiError::upstream(
+        "stream_ended",
+        "the generation ended without finishing",
+    ))
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+fn stream_response(
+    mut answer: Answer,
+    mut events: mpsc::Receiver<crate::backend::Event>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        // Every send failing means the client went away: returning drops `events`, which
+        // cancels the generation on the nodes.
+        if let Some(role) = answer.role_chunk() {
+            if tx.send(Ok(data(&role))).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let step = match events.recv().await {
+                Some(ev) => answer.on_event(ev),
+                None => Step::Failed(ApiError::upstream(
+                    "stream_ended",
+                    "the generation ended without finishing",
+                )),
+            };
+            match step {
+                Step::Nothing => {}
+                Step::Text(t) => {
+                    if tx.send(Ok(data(&answer.text_chunk(&t)))).await.is_err() {
+                        return;
+                    }
+                }
+                Step::Done(t) => {
+                    if !t.is_empty() && tx.send(Ok(data(&answer.text_chunk(&t)))).await.is_err() {
+                        return;
+                    }
+                    for c in answer.final_chunks() {
+                        if tx.send(Ok(data(&c))).await.is_err() {
+                            return;
+                        }
+                    }
+                    break;
+                }
+                Step::Failed(e) => {
+                    tracing::warn!(request_id = %answer.meta.request_id, error = %e.message, "request failed mid-stream");
+                    if tx.send(Ok(data(&e.body()))).await.is_err() {
+                        return;
+                    }
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    Sse::new(ReceiverStream::new(rx))
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let info = s.backend.prefill_info().await?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": info.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "edgesplit",
+            "meta": {
+                "n_ctx": info.n_ctx,
+                "fingerprint": info.model_fingerprint,
+                "build_id": info.build_id,
+                "kv_bytes_per_token": info.kv_bytes_per_token,
+                "has_chat_template": info.has_chat_template,
+            }
+        }]
+    })))
+}
+
+fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
+    match r {
+        Ok(i) => json!({
+            "status": "ok",
+            "model_id": i.model_id,
+            "model_fingerprint": i.model_fingerprint,
+            "build_id": i.build_id,
+            "n_ctx": i.n_ctx,
+            "kv_bytes_per_token": i.kv_bytes_per_token,
+            "mem_available_bytes": i.mem_available_bytes,
+            "handoff_addr": i.handoff_addr,
+            "handoff_bytes_received": i.handoff_bytes_received,
+            "handoffs_received": i.handoffs_received,
+            "handoffs_refused": i.handoffs_refused,
+        }),
+        Err(e) => json!({"status": "unavailable", "error": e.message}),
+    }
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    let (p, d) = tokio::join!(s.backend.prefill_info(), s.backend.decode_info());
+    let ok = p.is_ok() && d.is_ok();
+    let body = json!({
+        "status": if ok { "ok" } else { "degraded" },
+        "prefill": node_json(&p),
+        "decode": node_json(&d),
+    });
+    let code = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(body)).into_response()
+}
