@@ -96,6 +96,8 @@ pub struct ValidRequest {
     pub include_usage: bool,
     /// Set by the request (`edgesplit.transport` or the `X-EdgeSplit-Transport` header).
     pub transport: Option<Transport>,
+    /// `edgesplit.return_token_ids`: report the answer's token ids.
+    pub return_token_ids: bool,
 }
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "developer"];
@@ -203,22 +205,23 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError>
                 "each message must be an object",
             ));
         };
-        let role =
-            match m.get("role") {
-                Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
-                Some(Value::String(r)) => return Err(ApiError::invalid(
+        let role = match m.get("role") {
+            Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+            Some(Value::String(r)) => {
+                return Err(ApiError::invalid(
                     Some(format!("messages[{i}].role")),
                     format!(
                         "invalid role {r:?}; expected one of system, user, assistant, developer"
                     ),
-                )),
-                _ => {
-                    return Err(ApiError::invalid(
-                        Some(format!("messages[{i}].role")),
-                        "role is required and must be a string",
-                    ))
-                }
-            };
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    Some(format!("messages[{i}].role")),
+                    "role is required and must be a string",
+                ))
+            }
+        };
         let param = format!("messages[{i}].content");
         let content = match m.get("content") {
             None | Some(Value::Null) => {
@@ -389,7 +392,18 @@ pub fn parse(
             ))
         }
     };
+    let return_token_ids = match obj.get("edgesplit") {
+        Some(Value::Object(o)) => boolean(o, "return_token_ids")?,
+        None | Some(Value::Null) => false,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("edgesplit".into()),
+                "edgesplit must be an object",
+            ))
+        }
+    };
     Ok(ValidRequest {
+        return_token_ids,
         endpoint,
         model,
         input,

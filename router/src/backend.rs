@@ -56,6 +56,7 @@ pub enum Event {
     },
     /// One sampled token (an end-of-generation token has empty bytes).
     Token {
+        id: i32,
         bytes: Vec<u8>,
     },
     /// The KV state reached the decode node.
@@ -320,7 +321,10 @@ impl Backend {
 
 fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
     match ev.event {
-        Some(pb::token_event::Event::Token(t)) => Event::Token { bytes: t.piece },
+        Some(pb::token_event::Event::Token(t)) => Event::Token {
+            id: t.id,
+            bytes: t.piece,
+        },
         Some(pb::token_event::Event::Prefilled(p)) => Event::Prefilled {
             prompt_tokens: p.prompt_tokens,
             prefill_ms: p.prefill_ms,
@@ -352,6 +356,7 @@ async fn drive_v2(
 ) {
     if tx
         .send(Event::Token {
+            id: first.token,
             bytes: first.piece.clone(),
         })
         .await

@@ -22,6 +22,8 @@ pub struct Meta {
     pub request_id: String,
     pub transport: Transport,
     pub received: Instant,
+    /// Report the answer's token ids in the `edgesplit` object.
+    pub return_token_ids: bool,
 }
 
 /// Where the time went (the `edgesplit` extension object).
@@ -54,6 +56,7 @@ pub struct Answer {
     pub meta: Meta,
     text: TextAssembler,
     pub completion_tokens: u32,
+    pub token_ids: Vec<i32>,
     pub prompt_tokens: u32,
     pub finish: Option<FinishReason>,
     pub timing: Timing,
@@ -71,6 +74,7 @@ impl Answer {
             meta,
             text: TextAssembler::new(stops),
             completion_tokens: 0,
+            token_ids: Vec::new(),
             prompt_tokens: prompt_tokens.unwrap_or(0),
             finish: None,
             timing: Timing {
@@ -91,8 +95,9 @@ impl Answer {
                 self.timing.prefill_ms = Some(prefill_ms);
                 Step::Nothing
             }
-            Event::Token { bytes } => {
+            Event::Token { id, bytes } => {
                 self.completion_tokens += 1;
+                self.token_ids.push(id);
                 let d = self.text.push(&bytes);
                 if self.timing.ttft_ms.is_none() && !d.text.is_empty() {
                     self.timing.ttft_ms = Some(self.meta.received.elapsed().as_secs_f64() * 1000.0);
@@ -162,7 +167,7 @@ impl Answer {
             }
             _ => None,
         };
-        json!({
+        let mut v = json!({
             "request_id": self.meta.request_id,
             "transport": self.meta.transport.as_str(),
             "first_token_from": "prefill",
@@ -175,7 +180,11 @@ impl Answer {
             "decode_ms": t.decode_ms,
             "decode_tokens": t.decode_tokens,
             "decode_tokens_per_s": tps,
-        })
+        });
+        if self.meta.return_token_ids {
+            v["token_ids"] = json!(self.token_ids);
+        }
+        v
     }
 
     fn finish_str(&self) -> &'static str {
@@ -298,6 +307,7 @@ mod tests {
                 request_id: "r".into(),
                 transport: Transport::V2,
                 received: Instant::now(),
+                return_token_ids: false,
             },
             stops,
             Some(5),
@@ -321,6 +331,7 @@ mod tests {
         let mut a = answer(Endpoint::Chat, true, vec![]);
         assert_eq!(
             a.on_event(Event::Token {
+                id: 0,
                 bytes: b"Hi".to_vec()
             }),
             Step::Text("Hi".into())
@@ -335,11 +346,18 @@ mod tests {
         );
         assert_eq!(
             a.on_event(Event::Token {
+                id: 0,
                 bytes: b" there".to_vec()
             }),
             Step::Text(" there".into())
         );
-        assert_eq!(a.on_event(Event::Token { bytes: vec![] }), Step::Nothing);
+        assert_eq!(
+            a.on_event(Event::Token {
+                id: 0,
+                bytes: vec![]
+            }),
+            Step::Nothing
+        );
         assert_eq!(
             a.on_event(finished(FinishReason::Stop)),
             Step::Done(String::new())
@@ -367,12 +385,14 @@ mod tests {
         let mut a = answer(Endpoint::Completion, false, vec!["\n\n".into()]);
         assert_eq!(
             a.on_event(Event::Token {
+                id: 0,
                 bytes: b"a\n".to_vec()
             }),
             Step::Text("a".into())
         );
         assert_eq!(
             a.on_event(Event::Token {
+                id: 0,
                 bytes: b"\nb".to_vec()
             }),
             Step::Done(String::new())

@@ -128,6 +128,7 @@ async fn serve_inner(
         request_id,
         transport: started.transport,
         received,
+        return_token_ids: req.return_token_ids,
     };
     let answer = Answer::new(
         meta,

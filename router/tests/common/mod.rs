@@ -1,0 +1,304 @@
+//! Starts the real services (decode node, prefill node, router) on loopback port 0 with a
+//! real model, on a runtime of their own that lives as long as the test binary.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+/// Where the models live (`scripts/fetch-models.sh` puts them there).
+pub fn model(file: &str) -> PathBuf {
+    let dir = std::env::var("EDGESPLIT_MODELS_DIR").map_or_else(
+        |_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"),
+        PathBuf::from,
+    );
+    let p = dir.join(file);
+    assert!(
+        p.is_file(),
+        "model {} missing: run scripts/test.sh, which fetches it",
+        p.display()
+    );
+    p
+}
+
+pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Options of a test stack.
+#[derive(Clone)]
+pub struct StackOptions {
+    pub model: PathBuf,
+    pub n_ctx: u32,
+    /// Put something between the nodes: the decode node advertises this address instead of
+    /// its own handoff listener (given the real one, returns the address to advertise).
+    pub handoff_proxy: Option<fn(String) -> String>,
+    /// Point the router at this decode URL instead of the real decode node.
+    pub decode_url_override: Option<String>,
+}
+
+impl StackOptions {
+    pub fn new(model_file: &str) -> Self {
+        Self {
+            model: model(model_file),
+            n_ctx: 2048,
+            handoff_proxy: None,
+            decode_url_override: None,
+        }
+    }
+}
+
+/// Addresses of a running stack.
+#[derive(Clone, Debug)]
+pub struct Stack {
+    pub router: String,
+    pub prefill_grpc: String,
+    pub decode_grpc: String,
+    /// The decode node's real V2 listener.
+    pub handoff_addr: String,
+}
+
+/// Starts a stack on a dedicated thread and runtime that outlive the calling test.
+pub fn start(opts: StackOptions) -> Stack {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let stack = serve(opts).await;
+            tx.send(stack).unwrap();
+            std::future::pending::<()>().await;
+        });
+    });
+    rx.recv_timeout(Duration::from_secs(120))
+        .expect("stack started")
+}
+
+async fn serve(opts: StackOptions) -> Stack {
+    let decode_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handoff = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let prefill_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handoff_addr = handoff.local_addr().unwrap().to_string();
+    let decode_url = format!("http://{}", decode_grpc.local_addr().unwrap());
+    let prefill_url = format!("http://{}", prefill_grpc.local_addr().unwrap());
+    let stack = Stack {
+        router: format!("http://{}", router.local_addr().unwrap()),
+        prefill_grpc: prefill_url.clone(),
+        decode_grpc: decode_url.clone(),
+        handoff_addr: handoff_addr.clone(),
+    };
+
+    let dcfg = edgesplit_decode::Config {
+        model: opts.model.clone(),
+        listen: String::new(),
+        handoff_listen: String::new(),
+        handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),
+        n_ctx: opts.n_ctx,
+        threads: None,
+        flash_attn: false,
+        handoff_wait_s: 30,
+        pending_ttl_s: 120,
+        max_pending_bytes: 1 << 30,
+        handoff_frame_timeout_s: 30,
+        max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
+    };
+    let pcfg = edgesplit_prefill::Config {
+        model: opts.model.clone(),
+        listen: String::new(),
+        n_ctx: opts.n_ctx,
+        threads: None,
+        batch: 512,
+        flash_attn: false,
+        gpu_layers: None,
+        handoff_connect_timeout_s: 5,
+        handoff_frame_timeout_s: 30,
+    };
+    let dengine = edgesplit_engine::Engine::start(dcfg.engine())
+        .await
+        .unwrap();
+    let pengine = edgesplit_engine::Engine::start(pcfg.engine())
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        edgesplit_decode::run(decode_grpc, handoff, dengine, &dcfg, std::future::pending())
+            .await
+            .unwrap();
+    });
+    tokio::spawn(async move {
+        edgesplit_prefill::run(prefill_grpc, pengine, &pcfg, std::future::pending())
+            .await
+            .unwrap();
+    });
+    let rcfg =
+        edgesplit_router::Config::new(prefill_url, opts.decode_url_override.unwrap_or(decode_url));
+    tokio::spawn(async move {
+        edgesplit_router::run(router, &rcfg, std::future::pending())
+            .await
+            .unwrap();
+    });
+    stack
+}
+
+/// The default-model stack shared by a test binary.
+pub fn smollm2() -> &'static Stack {
+    static S: OnceLock<Stack> = OnceLock::new();
+    S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+/// POSTs JSON; returns status, headers and the parsed body.
+pub async fn post(url: &str, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+    let r = client().post(url).json(body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let v = r.json().await.unwrap_or(Value::Null);
+    (status, headers, v)
+}
+
+/// POSTs raw bytes.
+pub async fn post_raw(url: &str, body: &'static str) -> (u16, Value) {
+    let r = client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// A streamed response: every `data:` payload in order (the final `[DONE]` included).
+pub async fn stream(url: &str, body: &Value) -> (u16, Vec<String>) {
+    let r = client().post(url).json(body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    let datas = text
+        .split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+                .map(str::to_string)
+        })
+        .collect();
+    (status, datas)
+}
+
+/// Parses the JSON chunks of a stream (everything before `[DONE]`).
+pub fn chunks(datas: &[String]) -> Vec<Value> {
+    assert_eq!(
+        datas.last().map(String::as_str),
+        Some("[DONE]"),
+        "{datas:?}"
+    );
+    datas[..datas.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// A chat body with the given messages and options merged in.
+pub fn chat_body(messages: Value, extra: Value) -> Value {
+    let mut b = json!({"messages": messages});
+    if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    b
+}
+
+/// What an answer came to, streamed or not, so the two can be compared.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub text: String,
+    pub token_ids: Vec<i64>,
+    pub finish_reason: String,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v["edgesplit"]["token_ids"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_i64).collect())
+        .unwrap_or_default()
+}
+
+/// Runs `body` (chat or completion, per `path`) on `transport`, streamed or not.
+pub async fn run(
+    stack: &Stack,
+    path: &str,
+    body: &Value,
+    transport: &str,
+    streamed: bool,
+) -> Outcome {
+    let mut body = body.clone();
+    body["edgesplit"] = json!({"transport": transport, "return_token_ids": true});
+    body["stream"] = json!(streamed);
+    if streamed {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    let url = format!("{}{}", stack.router, path);
+    if !streamed {
+        let (status, _, v) = post(&url, &body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["edgesplit"]["transport"], transport);
+        let choice = &v["choices"][0];
+        let text = choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str())
+            .unwrap()
+            .to_string();
+        return Outcome {
+            text,
+            token_ids: ids(&v),
+            finish_reason: choice["finish_reason"].as_str().unwrap().to_string(),
+            prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
+        };
+    }
+    let (status, datas) = stream(&url, &body).await;
+    assert_eq!(status, 200);
+    let cs = chunks(&datas);
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    let mut token_ids = Vec::new();
+    for c in &cs {
+        assert!(c.get("error").is_none(), "in-band error: {c}");
+        if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
+            usage = Some(u.clone());
+            token_ids = ids(c);
+            continue;
+        }
+        let ch = &c["choices"][0];
+        if let Some(t) = ch["delta"]["content"].as_str().or(ch["text"].as_str()) {
+            text.push_str(t);
+        }
+        if let Some(f) = ch["finish_reason"].as_str() {
+            assert!(finish.is_none(), "two finish chunks");
+            finish = Some(f.to_string());
+        }
+    }
+    let usage = usage.expect("usage chunk");
+    Outcome {
+        text,
+        token_ids,
+        finish_reason: finish.expect("finish chunk"),
+        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
+        completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
+    }
+}

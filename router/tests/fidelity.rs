@@ -1,0 +1,118 @@
+//! Non-negotiable 1: the disaggregated answer (V2 handoff) is token-for-token identical to
+//! the single-process run (`local`: prefill and decode in the prefill node's one context),
+//! greedy and seeded, streamed and not, through the real HTTP API and the default model.
+
+mod common;
+
+use common::{run, smollm2, Outcome};
+use serde_json::{json, Value};
+
+fn samplings() -> [Value; 2] {
+    [
+        json!({"temperature": 0, "max_tokens": 24}),
+        json!({"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 42,
+               "frequency_penalty": 0.2, "max_completion_tokens": 24}),
+    ]
+}
+
+async fn assert_identical(messages: Value, min_prompt_tokens: u64) {
+    let stack = smollm2();
+    for s in samplings() {
+        let body = common::chat_body(messages.clone(), s.clone());
+        let reference: Outcome = run(stack, "/v1/chat/completions", &body, "local", false).await;
+        assert!(
+            reference.prompt_tokens >= min_prompt_tokens,
+            "prompt has {} tokens, wanted at least {min_prompt_tokens}",
+            reference.prompt_tokens
+        );
+        assert!(!reference.text.is_empty());
+        assert_eq!(
+            reference.completion_tokens as usize,
+            reference.token_ids.len()
+        );
+        for streamed in [false, true] {
+            let split = run(stack, "/v1/chat/completions", &body, "v2", streamed).await;
+            assert_eq!(split, reference, "sampling {s}, streamed {streamed}");
+        }
+        let local_streamed = run(stack, "/v1/chat/completions", &body, "local", true).await;
+        assert_eq!(local_streamed, reference, "local streamed, sampling {s}");
+    }
+}
+
+#[tokio::test]
+async fn short_question() {
+    assert_identical(json!([{"role": "user", "content": "Hi!"}]), 5).await;
+}
+
+#[tokio::test]
+async fn system_and_user() {
+    assert_identical(
+        json!([
+            {"role": "system", "content": "You are a terse assistant who answers in one sentence."},
+            {"role": "user", "content": "Why is the sky blue? Explain the physics briefly."}
+        ]),
+        30,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn multi_turn_conversation() {
+    assert_identical(
+        json!([
+            {"role": "system", "content": "You are a helpful travel guide."},
+            {"role": "user", "content": "I am visiting Lisbon for three days in spring. What should I see?"},
+            {"role": "assistant", "content": "Start in Alfama: walk up to the castle of São Jorge, then take tram 28 through the old quarters. On day two visit Belém for the tower, the monastery and the custard tarts. On day three take the train to Sintra."},
+            {"role": "user", "content": "Great. And where should I eat on the first evening, near the castle?"},
+            {"role": "assistant", "content": "Look for a small tasca in Alfama with grilled sardines and a glass of vinho verde; many have fado in the evening."},
+            {"role": "user", "content": "Summarise the whole plan as a list."}
+        ]),
+        120,
+    )
+    .await;
+}
+
+fn paragraph(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "Day {i}: the station at harbour {} recorded {} degrees, wind {} km/h from the {}.",
+                i % 7,
+                10 + (i * 7) % 23,
+                (i * 13) % 41,
+                ["north", "east", "south", "west"][i % 4]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test]
+async fn medium_document() {
+    let doc = paragraph(12);
+    assert_identical(
+        json!([{"role": "user", "content": format!("{doc}\n\nWhich day was the warmest?")}]),
+        250,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn long_document() {
+    let doc = paragraph(24);
+    assert_identical(
+        json!([{"role": "user", "content": format!("Read this log.\n{doc}\n\nSummarise the wind.")}]),
+        500,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn document_over_a_thousand_tokens() {
+    let doc = paragraph(50);
+    assert_identical(
+        json!([{"role": "user", "content": format!("Weather log:\n{doc}\n\nWhat was the coldest harbour?")}]),
+        1000,
+    )
+    .await;
+}
