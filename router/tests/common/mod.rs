@@ -102,7 +102,7 @@ async fn serve(opts: StackOptions) -> Stack {
         n_ctx: opts.n_ctx,
         threads: None,
         flash_attn: false,
-        handoff_wait_s: 30,
+        handoff_wait_s: 5,
         pending_ttl_s: 120,
         max_pending_bytes: 1 << 30,
         handoff_frame_timeout_s: 30,

@@ -1,0 +1,289 @@
+//! The V2 handoff between the real nodes: bytes really cross it, a wrong model or a
+//! corrupted payload is refused with a reason and nothing is imported, and the first token
+//! does not wait for it.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use edgesplit_proto::frame::{self, Frame, Identity, NackCode, StateFrame};
+use edgesplit_proto::handoff::{self, HandoffError, Limits};
+use edgesplit_proto::pb;
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_util::codec::Framed;
+
+async fn decode_info(stack: &common::Stack) -> pb::NodeInfo {
+    let mut c = pb::decode_client::DecodeClient::connect(stack.decode_grpc.clone())
+        .await
+        .unwrap();
+    c.info(pb::InfoRequest {}).await.unwrap().into_inner()
+}
+
+fn identity(info: &pb::NodeInfo) -> Identity {
+    let mut fp = [0u8; 32];
+    hex::decode_to_slice(&info.model_fingerprint, &mut fp).unwrap();
+    Identity {
+        model_fingerprint: fp,
+        build_id: info.build_id.clone(),
+        type_k: 1,
+        type_v: 1,
+        flash_attn: false,
+        n_ctx: info.n_ctx,
+    }
+}
+
+fn ask() -> Value {
+    common::chat_body(
+        json!([{"role":"user","content":"Name three rivers in Europe."}]),
+        json!({"temperature": 0, "max_tokens": 12}),
+    )
+}
+
+#[tokio::test]
+async fn kv_state_really_crosses_the_v2_connection() {
+    let s = common::smollm2();
+    let url = format!("{}/v1/chat/completions", s.router);
+    let before = decode_info(s).await;
+    let (st, _, v) = common::post(&url, &ask()).await;
+    assert_eq!(st, 200);
+    let after = decode_info(s).await;
+    let sent = v["edgesplit"]["handoff_bytes"].as_u64().unwrap();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(sent >= prompt * 23_040);
+    // Other tests share this stack: at least our bytes arrived, counted by the receiver.
+    assert!(after.handoff_bytes_received - before.handoff_bytes_received >= sent);
+    assert!(after.handoffs_received > before.handoffs_received);
+}
+
+#[tokio::test]
+async fn wrong_model_fingerprint_is_refused_with_a_reason() {
+    let s = common::smollm2();
+    let info = decode_info(s).await;
+    let mut id = identity(&info);
+    id.model_fingerprint[0] ^= 0xff;
+    let state = StateFrame {
+        handoff_id: "wrong-model".into(),
+        request_id: "t".into(),
+        tokens: vec![1],
+        descriptors: vec![],
+        payload: Bytes::new(),
+    };
+    let err = handoff::send_state(&s.handoff_addr, &id, state, &Limits::default())
+        .await
+        .unwrap_err();
+    let HandoffError::Refused(n) = err else {
+        panic!("expected a NACK, got {err:?}")
+    };
+    assert_eq!(n.code, NackCode::ModelMismatch);
+    assert!(n.reason.contains(&info.model_fingerprint), "{}", n.reason);
+    // A different context size is refused too, naming both sizes.
+    let mut id = identity(&info);
+    id.n_ctx = 4096;
+    let state = StateFrame {
+        handoff_id: "wrong-ctx".into(),
+        request_id: "t".into(),
+        tokens: vec![1],
+        descriptors: vec![],
+        payload: Bytes::new(),
+    };
+    let HandoffError::Refused(n) =
+        handoff::send_state(&s.handoff_addr, &id, state, &Limits::default())
+            .await
+            .unwrap_err()
+    else {
+        panic!("expected a NACK")
+    };
+    assert_eq!(n.code, NackCode::ContextMismatch);
+    assert!(
+        n.reason.contains("4096") && n.reason.contains("2048"),
+        "{}",
+        n.reason
+    );
+}
+
+/// A real state from the prefill node's engine would need another model load; a
+/// well-formed synthetic state (one cell, one layer) is enough to reach the checksum check.
+fn synthetic_state() -> Vec<u8> {
+    let mut v = Vec::new();
+    for x in [1u32, 1, 0, 1, 0, 0, 1, 0, 0] {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.extend_from_slice(&1u32.to_le_bytes());
+    v.extend_from_slice(&4u64.to_le_bytes());
+    v.extend_from_slice(&[1, 2, 3, 4]);
+    v
+}
+
+async fn raw_session(
+    addr: &str,
+    id: &Identity,
+) -> Framed<TcpStream, edgesplit_proto::codec::V2Codec> {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let mut f = Framed::new(stream, edgesplit_proto::codec::V2Codec::default());
+    f.send(Frame::Hello(id.clone())).await.unwrap();
+    assert!(matches!(f.next().await, Some(Ok(Frame::HelloOk(_)))));
+    f
+}
+
+#[tokio::test]
+async fn corrupted_payload_is_refused_and_nothing_is_imported() {
+    let s = common::smollm2();
+    let info = decode_info(s).await;
+    let id = identity(&info);
+    let payload = synthetic_state();
+    let state = StateFrame {
+        handoff_id: "corrupt-1".into(),
+        request_id: "t".into(),
+        tokens: vec![7],
+        descriptors: edgesplit_proto::layout::describe(&payload).descriptors,
+        payload: Bytes::from(payload),
+    };
+    let mut buf = BytesMut::new();
+    frame::encode(&Frame::State(state), &mut buf, frame::DEFAULT_MAX_FRAME).unwrap();
+    let n = buf.len();
+    buf[n - 40] ^= 0x01; // a payload byte, as a flaky link would flip it
+
+    let before = decode_info(s).await;
+    let mut f = raw_session(&s.handoff_addr, &id).await;
+    use tokio::io::AsyncWriteExt;
+    f.get_mut().write_all(&buf).await.unwrap();
+    match f.next().await {
+        Some(Ok(Frame::Nack(n))) => {
+            assert_eq!(n.code, NackCode::ChecksumMismatch);
+            assert!(n.reason.contains("SHA-256"), "{}", n.reason);
+        }
+        other => panic!("expected NACK, got {other:?}"),
+    }
+    let after = decode_info(s).await;
+    assert!(after.handoffs_refused > before.handoffs_refused);
+    // Nothing was stored: generating from that handoff finds no state.
+    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+        .await
+        .unwrap();
+    let err = c
+        .generate(pb::GenerateRequest {
+            request_id: "t".into(),
+            handoff_id: "corrupt-1".into(),
+            sampling: None,
+            max_new_tokens: 1,
+            first_token: Some(1),
+        })
+        .await
+        .err()
+        .expect("no state to generate from");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(
+        err.metadata().get("x-edgesplit-error").unwrap(),
+        "handoff_missing"
+    );
+}
+
+#[tokio::test]
+async fn declared_descriptors_must_match_the_payload() {
+    let s = common::smollm2();
+    let id = identity(&decode_info(s).await);
+    let payload = synthetic_state();
+    let mut descriptors = edgesplit_proto::layout::describe(&payload).descriptors;
+    descriptors[0].dtype = 0; // claims f32 where the payload says f16
+    let mut f = raw_session(&s.handoff_addr, &id).await;
+    f.send(Frame::State(StateFrame {
+        handoff_id: "desc-1".into(),
+        request_id: "t".into(),
+        tokens: vec![7],
+        descriptors,
+        payload: Bytes::from(payload),
+    }))
+    .await
+    .unwrap();
+    match f.next().await {
+        Some(Ok(Frame::Nack(n))) => assert_eq!(n.code, NackCode::DescriptorMismatch),
+        other => panic!("expected NACK, got {other:?}"),
+    }
+    // The connection stays usable: a good state on it is ACKed.
+    let payload = synthetic_state();
+    f.send(Frame::State(StateFrame {
+        handoff_id: "desc-2".into(),
+        request_id: "t".into(),
+        tokens: vec![7],
+        descriptors: edgesplit_proto::layout::describe(&payload).descriptors,
+        payload: Bytes::from(payload),
+    }))
+    .await
+    .unwrap();
+    assert!(matches!(f.next().await, Some(Ok(Frame::Ack { .. }))));
+}
+
+const DELAY: Duration = Duration::from_millis(1500);
+
+/// Between the nodes: holds every handoff connection for `DELAY` before forwarding.
+fn delaying_proxy(target: String) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = l.accept().await else {
+                return;
+            };
+            let target = target.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(DELAY).await;
+                let mut outbound = TcpStream::connect(target).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn first_token_does_not_wait_for_the_handoff() {
+    let mut opts = common::StackOptions::new(common::SMOLLM2);
+    opts.handoff_proxy = Some(delaying_proxy);
+    let s = common::start(opts);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let mut body = ask();
+    body["stream"] = json!(true);
+    let t0 = Instant::now();
+    let mut resp = common::client()
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut first_content = None;
+    let mut text = String::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        let chunk = String::from_utf8_lossy(&chunk).to_string();
+        for line in chunk.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(line).unwrap();
+            if let Some(c) = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|c| !c.is_empty())
+            {
+                first_content.get_or_insert(t0.elapsed());
+                text.push_str(c);
+            }
+        }
+    }
+    let total = t0.elapsed();
+    let first = first_content.expect("content arrived");
+    assert!(
+        first < DELAY / 2,
+        "first token after {first:?}: it waited for the handoff"
+    );
+    assert!(
+        total >= DELAY,
+        "answer finished in {total:?}, before the handoff could have"
+    );
+    // And the delayed split answer is still the single-device answer.
+    let reference = common::run(&s, "/v1/chat/completions", &ask(), "local", false).await;
+    assert_eq!(text, reference.text);
+}
