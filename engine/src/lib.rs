@@ -153,7 +153,9 @@ pub enum GenEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenSummary {
     pub finish: Finish,
-    /// Tokens emitted by this generation (the EOG token included if there was one).
+    /// Tokens produced by decode steps (the EOG token included if there was one). The
+    /// first answer token comes from the prefill's logits and is not counted here, so
+    /// `generated / decode_ms` is the decode speed on either path.
     pub generated: u32,
     pub prompt_tokens: u32,
     pub prefill_ms: f64,
@@ -627,7 +629,6 @@ impl Worker<'_> {
                 let t0 = Instant::now();
                 let first = self.prefill(&tokens, params)?;
                 summary.prefill_ms = ms(t0);
-                summary.generated = 1;
                 let prefilled = GenEvent::Prefilled {
                     prompt_tokens: summary.prompt_tokens,
                     prefill_ms: summary.prefill_ms,

@@ -72,7 +72,12 @@ async fn imported_state_continues_like_the_colocated_run() {
             .unwrap();
         assert_eq!(pre.first.id, colocated[0]);
         let state = pre.state.expect("state exported");
-        assert_eq!(state.len() > tokens.len() * 23_040, true);
+        assert!(state.len() > tokens.len() * 23_040);
+        // The V2 descriptors see every layer's K and V (30 layers), covering every token.
+        let layout = edgesplit_proto::layout::describe(&state);
+        assert_eq!(layout.max_cells, Some(tokens.len() as u64));
+        assert_eq!(layout.descriptors.len(), 60);
+        assert_eq!(layout.descriptors[0].dtype, edgesplit_engine::GGML_TYPE_F16);
         let (rest, done) = collect(
             b.generate(
                 Start::Imported {
@@ -129,4 +134,39 @@ async fn garbage_state_is_refused_and_the_engine_keeps_working() {
     )
     .await;
     assert_eq!(ids.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_state_is_walked_into_two_sections() {
+    let path = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        path.is_file(),
+        "{} missing: run scripts/setup.sh --gemma",
+        path.display()
+    );
+    let mut cfg = EngineConfig::new(path);
+    cfg.n_ctx = 1024;
+    let e = Engine::start(cfg).await.unwrap();
+    let prompt = (0..80)
+        .map(|i| format!("line {i} of the log."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tokens = e.tokenize(Input::Raw(prompt)).await.unwrap();
+    assert!(tokens.len() > 600, "{}", tokens.len());
+    let pre = e
+        .prefill(tokens.clone(), SamplingParams::default(), 8, true)
+        .await
+        .unwrap();
+    let layout = edgesplit_proto::layout::describe(&pre.state.unwrap());
+    // Full-attention layers keep every token; sliding-window layers keep only the window.
+    assert_eq!(layout.max_cells, Some(tokens.len() as u64));
+    let sections: std::collections::BTreeSet<_> = layout
+        .descriptors
+        .iter()
+        .map(|d| d.name.split('.').next().unwrap().to_string())
+        .collect();
+    assert_eq!(sections.len(), 2, "{sections:?}");
+    assert_eq!(layout.descriptors.len(), 2 * 18);
+    let swa_cells = layout.descriptors.last().unwrap().dims[1];
+    assert!(swa_cells < tokens.len() as u64, "{swa_cells}");
 }

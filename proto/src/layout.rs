@@ -4,6 +4,8 @@
 //! sliding-window model such as Gemma-3 has two sections, the full cache then the SWA cache):
 //!
 //! ```text
+//! u32 magic 0xaf143cd8, i32 source seq id            (llama_context::state_seq_get_data)
+//! then per memory section:
 //! u32 n_stream
 //! per stream: u32 cell_count; if cell_count > 0:
 //!   per cell: i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id
@@ -19,6 +21,8 @@
 
 use crate::frame::{TensorDescriptor, DTYPE_OPAQUE};
 
+/// `io_magic` of llama.cpp's `llama_context::state_seq_get_data`.
+pub const STATE_MAGIC: u32 = 0xaf14_3cd8;
 const MAX_STREAMS: u32 = 64;
 const MAX_SEQ_PER_CELL: u32 = 256;
 const MAX_LAYERS: u32 = 4096;
@@ -63,6 +67,10 @@ fn walk(buf: &[u8]) -> Option<Layout> {
     let mut descriptors = Vec::new();
     let mut max_cells = 0u64;
     let mut section = 0;
+    if r.u32()? != STATE_MAGIC {
+        return None;
+    }
+    let _source_seq = r.u32()?;
     while r.pos < buf.len() {
         let n_stream = r.u32()?;
         if n_stream == 0 || n_stream > MAX_STREAMS {
@@ -164,6 +172,8 @@ mod tests {
     /// A synthetic one-stream state: 2 cells, 2 layers, f16 rows of 4 bytes.
     fn synthetic(v_trans: bool) -> Vec<u8> {
         let mut v = Vec::new();
+        push32(&mut v, STATE_MAGIC);
+        push32(&mut v, 0);
         push32(&mut v, 1);
         push32(&mut v, 2);
         for pos in 0..2 {
@@ -208,7 +218,7 @@ mod tests {
     #[test]
     fn walks_a_transposed_state_and_two_sections() {
         let mut s = synthetic(true);
-        s.extend(synthetic(false));
+        s.extend(&synthetic(false)[8..]);
         let l = describe(&s);
         assert_eq!(l.descriptors.len(), 8);
         assert_eq!(l.descriptors[2].name, "m0.s0.l0.vt");
@@ -224,5 +234,8 @@ mod tests {
         assert_eq!(l.descriptors.len(), 1);
         assert_eq!(l.descriptors[0].dtype, DTYPE_OPAQUE);
         assert_eq!(describe(&[0xff; 3]).descriptors[0].nbytes, 3);
+        let mut wrong_magic = synthetic(false);
+        wrong_magic[0] ^= 1;
+        assert_eq!(describe(&wrong_magic).max_cells, None);
     }
 }

@@ -24,6 +24,8 @@ pub struct Meta {
     pub received: Instant,
     /// Report the answer's token ids in the `edgesplit` object.
     pub return_token_ids: bool,
+    /// The sampling seed used (the router draws one when a sampled request has none).
+    pub seed: u32,
 }
 
 /// Where the time went (the `edgesplit` extension object).
@@ -171,6 +173,7 @@ impl Answer {
             "request_id": self.meta.request_id,
             "transport": self.meta.transport.as_str(),
             "first_token_from": "prefill",
+            "seed": self.meta.seed,
             "ttft_ms": t.ttft_ms,
             "prefill_ms": t.prefill_ms,
             "handoff_bytes": t.handoff_bytes,
@@ -308,6 +311,7 @@ mod tests {
                 transport: Transport::V2,
                 received: Instant::now(),
                 return_token_ids: false,
+                seed: 0,
             },
             stops,
             Some(5),

@@ -129,6 +129,7 @@ async fn serve_inner(
         transport: started.transport,
         received,
         return_token_ids: req.return_token_ids,
+        seed: req.sampling.seed,
     };
     let answer = Answer::new(
         meta,

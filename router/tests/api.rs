@@ -166,7 +166,7 @@ async fn streaming_chunk_sequence() {
     assert_eq!(cs[0]["choices"][0]["delta"]["role"], "assistant");
     assert!(cs[1..].iter().all(|c| c["choices"]
         .get(0)
-        .map_or(true, |ch| ch["delta"].get("role").is_none())));
+        .is_none_or(|ch| ch["delta"].get("role").is_none())));
     let finishes: Vec<_> = cs
         .iter()
         .filter(|c| {

@@ -105,15 +105,29 @@ async fn wrong_model_fingerprint_is_refused_with_a_reason() {
 }
 
 /// A real state from the prefill node's engine would need another model load; a
-/// well-formed synthetic state (one cell, one layer) is enough to reach the checksum check.
+/// well-formed synthetic state (one cell, one layer, K and V) is enough to reach the checksum check.
 fn synthetic_state() -> Vec<u8> {
     let mut v = Vec::new();
-    for x in [1u32, 1, 0, 1, 0, 0, 1, 0, 0] {
+    for x in [
+        edgesplit_proto::layout::STATE_MAGIC,
+        0,
+        1,
+        1,
+        0,
+        1,
+        0,
+        0,
+        1,
+        0,
+        0,
+    ] {
         v.extend_from_slice(&x.to_le_bytes());
     }
-    v.extend_from_slice(&1u32.to_le_bytes());
-    v.extend_from_slice(&4u64.to_le_bytes());
-    v.extend_from_slice(&[1, 2, 3, 4]);
+    for _kv in 0..2 {
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&4u64.to_le_bytes());
+        v.extend_from_slice(&[1, 2, 3, 4]);
+    }
     v
 }
 
@@ -134,6 +148,9 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
     let info = decode_info(s).await;
     let id = identity(&info);
     let payload = synthetic_state();
+    assert!(edgesplit_proto::layout::describe(&payload)
+        .max_cells
+        .is_some());
     let state = StateFrame {
         handoff_id: "corrupt-1".into(),
         request_id: "t".into(),
@@ -172,8 +189,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
             first_token: Some(1),
         })
         .await
-        .err()
-        .expect("no state to generate from");
+        .expect_err("no state to generate from");
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
     assert_eq!(
         err.metadata().get("x-edgesplit-error").unwrap(),

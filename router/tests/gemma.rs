@@ -1,0 +1,122 @@
+//! The handoff is not tied to one architecture: Gemma-3-270M (a base model, so raw prompts
+//! through /v1/completions) keeps most layers in a sliding-window KV cache, a different
+//! state shape from SmolLM2's. Its disaggregated answers must equal the single-process ones,
+//! including for prompts longer than the 512-token window.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::{run, Stack, StackOptions};
+use serde_json::{json, Value};
+
+fn gemma() -> &'static Stack {
+    static S: OnceLock<Stack> = OnceLock::new();
+    S.get_or_init(|| common::start(StackOptions::new(common::GEMMA3)))
+}
+
+async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
+    let s = gemma();
+    for sampling in [
+        json!({"temperature": 0, "max_tokens": 20}),
+        json!({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1234, "max_tokens": 20}),
+    ] {
+        let mut body: Value = sampling.clone();
+        body["prompt"] = json!(prompt);
+        let reference = run(s, "/v1/completions", &body, "local", false).await;
+        assert!(
+            reference.prompt_tokens >= min_prompt_tokens,
+            "{}",
+            reference.prompt_tokens
+        );
+        assert!(!reference.token_ids.is_empty());
+        for streamed in [false, true] {
+            let split = run(s, "/v1/completions", &body, "v2", streamed).await;
+            assert_eq!(split, reference, "sampling {sampling}, streamed {streamed}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn short_prompt() {
+    assert_identical("The capital of France is".into(), 4).await;
+}
+
+#[tokio::test]
+async fn prompt_inside_the_sliding_window() {
+    let text = (0..15)
+        .map(|i| {
+            format!(
+                "Item {i}: a basket of {} apples and {} pears.",
+                i * 3 + 1,
+                i * 5 + 2
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert_identical(format!("{text}\nThe basket with the most pears is"), 150).await;
+}
+
+#[tokio::test]
+async fn prompt_longer_than_the_sliding_window() {
+    let text = (0..60)
+        .map(|i| {
+            format!(
+                "Entry {i}: the train from {} left at {}:{:02}.",
+                ["Oslo", "Rome", "Lyon", "Graz"][i % 4],
+                6 + i % 17,
+                (i * 7) % 60
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert_identical(format!("Timetable. {text}\nThe last train left from"), 700).await;
+}
+
+#[tokio::test]
+async fn dialogue_as_a_raw_prompt() {
+    // A base model has no chat template: a multi-turn exchange is written out as text.
+    let turns = [
+        ("Alice", "Have you fixed the bicycle yet?"),
+        (
+            "Bob",
+            "Almost. The chain was rusty, so I cleaned it and oiled it.",
+        ),
+        ("Alice", "And the brakes? They squeaked all last week."),
+        (
+            "Bob",
+            "New pads on the front, the back ones are still fine.",
+        ),
+        ("Alice", "Great. Can we ride to the lake on Saturday?"),
+    ];
+    let text = turns
+        .iter()
+        .map(|(who, said)| format!("{who}: {said}"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_identical(format!("{text}\nBob:"), 60).await;
+}
+
+#[tokio::test]
+async fn essay_prompt() {
+    let text = "The history of the bicycle begins in the early nineteenth century, when inventors \
+        in Europe experimented with two-wheeled machines pushed along by the rider's feet. "
+        .repeat(6);
+    assert_identical(format!("{text}The most important later invention was"), 150).await;
+}
+
+#[tokio::test]
+async fn prompt_over_a_thousand_tokens() {
+    let text = (0..95)
+        .map(|i| {
+            format!(
+                "Record {i}: sensor {} read {} units at hour {}.",
+                i % 9,
+                (i * 37) % 101,
+                i % 24
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert_identical(format!("{text}\nThe highest reading was"), 1000).await;
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up (packages, both models) and runs the whole test suite: formatting, clippy, and
+# every unit and integration test (real services on loopback, real models).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh --gemma
+echo "[test] cargo fmt --check" >&2
+cargo fmt --all --check
+# --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.
+echo "[test] cargo clippy" >&2
+cargo clippy --release --workspace --all-targets -- -D warnings
+echo "[test] cargo test" >&2
+cargo test --release --workspace
