@@ -59,22 +59,6 @@ impl From<&pb::Sampling> for SamplingParams {
     }
 }
 
-impl From<&SamplingParams> for pb::Sampling {
-    fn from(s: &SamplingParams) -> Self {
-        pb::Sampling {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: s.top_k,
-            min_p: s.min_p,
-            seed: s.seed,
-            repeat_penalty: s.repeat_penalty,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            penalty_last_n: s.penalty_last_n,
-        }
-    }
-}
-
 /// gRPC metadata key carrying a stable, machine-readable error code.
 pub const ERROR_CODE_KEY: &str = "x-edgesplit-error";
 
@@ -156,7 +140,6 @@ pub fn finished(s: &crate::GenSummary) -> pb::Finished {
         generated: s.generated,
         decode_ms: s.decode_ms,
         import_ms: s.import_ms,
-        handoff_bytes: 0,
         prompt_tokens: s.prompt_tokens,
         prefill_ms: s.prefill_ms,
     }

@@ -142,17 +142,12 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn prefill_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.prefill.clone();
-        match tokio::time::timeout(self.config.info_timeout, c.info(pb::InfoRequest {})).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(st)) => Err(ApiError::unavailable(
-                "prefill_unavailable",
-                format!("the prefill node is not reachable: {}", st.message()),
-            )),
-            Err(_) => Err(ApiError::unavailable(
-                "prefill_unavailable",
-                "the prefill node did not answer in time",
-            )),
-        }
+        self.info_within(
+            c.info(pb::InfoRequest {}),
+            "prefill_unavailable",
+            "the prefill node",
+        )
+        .await
     }
 
     /// The decode node's info, within the info timeout.
@@ -161,15 +156,29 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.decode.clone();
-        match tokio::time::timeout(self.config.info_timeout, c.info(pb::InfoRequest {})).await {
+        self.info_within(
+            c.info(pb::InfoRequest {}),
+            "decode_unavailable",
+            "the decode node",
+        )
+        .await
+    }
+
+    async fn info_within(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<pb::NodeInfo>, tonic::Status>>,
+        code: &str,
+        who: &str,
+    ) -> Result<pb::NodeInfo, ApiError> {
+        match tokio::time::timeout(self.config.info_timeout, call).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(st)) => Err(ApiError::unavailable(
-                "decode_unavailable",
-                format!("no decode node is reachable: {}", st.message()),
+                code,
+                format!("{who} is not reachable: {}", st.message()),
             )),
             Err(_) => Err(ApiError::unavailable(
-                "decode_unavailable",
-                "no decode node answered in time",
+                code,
+                format!("{who} did not answer within {:?}", self.config.info_timeout),
             )),
         }
     }

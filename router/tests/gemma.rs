@@ -120,3 +120,19 @@ async fn prompt_over_a_thousand_tokens() {
         .join(" ");
     assert_identical(format!("{text}\nThe highest reading was"), 1000).await;
 }
+
+#[tokio::test]
+async fn chat_on_a_model_without_a_chat_template_is_a_clear_400() {
+    let s = gemma();
+    let (status, _, v) = common::post(
+        &format!("{}/v1/chat/completions", s.router),
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "no_chat_template");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("/v1/completions"));
+}
