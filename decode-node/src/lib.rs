@@ -54,9 +54,10 @@ pub struct Config {
     /// Threads (default: physical cores).
     #[arg(long)]
     pub threads: Option<i32>,
-    /// Flash attention (both nodes must agree).
-    #[arg(long)]
-    pub flash_attn: bool,
+    /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
+    /// Both nodes must resolve to the same setting (the handoff handshake checks).
+    #[arg(long, default_value = "auto")]
+    pub flash_attn: edgesplit_engine::FlashAttn,
     /// Seconds `Generate` waits for its handoff state to arrive.
     #[arg(long, default_value_t = 30)]
     pub handoff_wait_s: u64,

@@ -42,6 +42,7 @@ impl ModelInfo {
         config: &EngineConfig,
         fingerprint: [u8; 32],
         n_ctx: u32,
+        flash_attn: bool,
     ) -> Self {
         let arch = model
             .meta_val_str("general.architecture")
@@ -73,11 +74,23 @@ impl ModelInfo {
             build_id: BUILD_ID.to_string(),
             type_k: GGML_TYPE_F16,
             type_v: GGML_TYPE_F16,
-            flash_attn: config.flash_attn,
+            flash_attn,
             has_chat_template: model.chat_template(None).is_ok(),
             n_layer,
         }
     }
+}
+
+/// Whether the GGUF declares sliding-window attention (`{arch}.attention.sliding_window`).
+pub(crate) fn has_sliding_window(model: &LlamaModel) -> bool {
+    let arch = model
+        .meta_val_str("general.architecture")
+        .unwrap_or_default();
+    model
+        .meta_val_str(&format!("{arch}.attention.sliding_window"))
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|w| w > 0)
 }
 
 /// SHA-256 of the whole GGUF file (~0.1 s per 100 MB with SHA-NI).

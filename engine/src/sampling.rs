@@ -77,6 +77,12 @@ pub fn sample(
     history: &[i32],
     step: u32,
 ) -> LlamaToken {
+    if params.temperature <= 0.0 && !params.penalties_active() {
+        // Plain greedy: an argmax over the logits gives llama.cpp's greedy sampler's answer
+        // (first maximum wins) without building a candidate array of the whole vocabulary
+        // every step.
+        return LlamaToken(argmax(ctx.get_logits_ith(idx)));
+    }
     let mut chain = Vec::with_capacity(6);
     if params.penalties_active() {
         let mut p = LlamaSampler::penalties(
@@ -109,9 +115,26 @@ pub fn sample(
     sampler.sample(ctx, idx)
 }
 
+/// Index of the first maximum (llama.cpp's greedy sampler keeps the first on ties).
+fn argmax(logits: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_keeps_the_first_maximum() {
+        assert_eq!(argmax(&[0.0, 2.0, 1.0, 2.0]), 1);
+        assert_eq!(argmax(&[5.0]), 0);
+    }
 
     #[test]
     fn step_seeds_differ_and_repeat() {

@@ -38,6 +38,9 @@ impl ModelInfo {
             mem_available_bytes: crate::mem_available_bytes().unwrap_or(0),
             build_id: self.build_id.clone(),
             has_chat_template: self.has_chat_template,
+            flash_attn: self.flash_attn,
+            type_k: self.type_k,
+            type_v: self.type_v,
             ..Default::default()
         }
     }

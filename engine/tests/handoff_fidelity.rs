@@ -38,6 +38,8 @@ async fn imported_state_continues_like_the_colocated_run() {
     let a = Engine::start(cfg.clone()).await.unwrap();
     let b = Engine::start(cfg).await.unwrap();
     assert_eq!(a.info().kv_bytes_per_token, 23_040);
+    // Full attention only: flash attention resolves to on (V stored untransposed).
+    assert!(a.info().flash_attn);
 
     let tokens = a
         .tokenize(Input::Chat(vec![(
@@ -147,6 +149,8 @@ async fn sliding_window_state_is_walked_into_two_sections() {
     let mut cfg = EngineConfig::new(path);
     cfg.n_ctx = 1024;
     let e = Engine::start(cfg).await.unwrap();
+    // Sliding-window attention: flash attention resolves to off (see `FlashAttn`).
+    assert!(!e.info().flash_attn);
     let prompt = (0..80)
         .map(|i| format!("line {i} of the log."))
         .collect::<Vec<_>>()

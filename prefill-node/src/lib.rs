@@ -42,9 +42,10 @@ pub struct Config {
     /// Prefill batch size.
     #[arg(long, default_value_t = 512)]
     pub batch: u32,
-    /// Flash attention (both nodes must agree).
-    #[arg(long)]
-    pub flash_attn: bool,
+    /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
+    /// Both nodes must resolve to the same setting (the handoff handshake checks).
+    #[arg(long, default_value = "auto")]
+    pub flash_attn: edgesplit_engine::FlashAttn,
     /// Layers offloaded to the GPU (cuda builds; default all).
     #[arg(long)]
     pub gpu_layers: Option<u32>,

@@ -251,6 +251,7 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
             "model_fingerprint": i.model_fingerprint,
             "build_id": i.build_id,
             "n_ctx": i.n_ctx,
+            "flash_attn": i.flash_attn,
             "kv_bytes_per_token": i.kv_bytes_per_token,
             "mem_available_bytes": i.mem_available_bytes,
             "handoff_addr": i.handoff_addr,

@@ -28,9 +28,9 @@ fn identity(info: &pb::NodeInfo) -> Identity {
     Identity {
         model_fingerprint: fp,
         build_id: info.build_id.clone(),
-        type_k: 1,
-        type_v: 1,
-        flash_attn: false,
+        type_k: info.type_k,
+        type_v: info.type_v,
+        flash_attn: info.flash_attn,
         n_ctx: info.n_ctx,
     }
 }
