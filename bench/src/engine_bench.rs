@@ -22,6 +22,9 @@ pub struct EngineArgs {
     /// Generated tokens for the decode test (llama-bench `-n`).
     #[arg(long, default_value_t = 128)]
     pub tg: u32,
+    /// Prompt tokens already in the cache when the decode test starts (llama-bench `-d`).
+    #[arg(long, default_value_t = 0)]
+    pub depth: usize,
     /// Repetitions (llama-bench `-r`).
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
@@ -40,16 +43,18 @@ fn mean_sd(xs: &[f64]) -> (f64, f64) {
 /// Model load or engine failures.
 pub async fn run(args: &EngineArgs) -> anyhow::Result<()> {
     let mut cfg = EngineConfig::new(&args.model);
-    cfg.n_ctx = u32::try_from(args.pp + args.tg as usize + 64)?.max(1024);
+    cfg.n_ctx = u32::try_from(args.pp.max(args.depth) + args.tg as usize + 64)?.max(1024);
     if let Some(t) = args.threads {
         cfg.n_threads = t;
     }
     let threads = cfg.n_threads;
     let engine = Engine::start(cfg).await?;
     // A prompt of exactly `pp` tokens: tokenize a long text and cut it.
-    let text = "The quick brown fox jumps over the lazy dog. ".repeat(args.pp / 5 + 10);
-    let mut tokens = engine.tokenize(Input::Raw(text)).await?;
-    tokens.truncate(args.pp);
+    let n = args.pp.max(args.depth).max(1);
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(n / 5 + 10);
+    let all = engine.tokenize(Input::Raw(text)).await?;
+    let tokens = all[..args.pp.min(all.len())].to_vec();
+    let depth = all[..args.depth.clamp(1, all.len())].to_vec();
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for rep in 0..=args.reps {
@@ -62,7 +67,7 @@ pub async fn run(args: &EngineArgs) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let mut rx = engine
             .generate(
-                Start::Prompt(tokens[..1].to_vec()),
+                Start::Prompt(depth.clone()),
                 SamplingParams::default(),
                 args.tg + 1,
             )
@@ -100,8 +105,13 @@ pub async fn run(args: &EngineArgs) -> anyhow::Result<()> {
         "| edgesplit | {threads} | pp{} | {ppm:.2} ± {pps:.2} |",
         args.pp
     );
+    let at = if args.depth > 0 {
+        format!(" @ d{}", args.depth)
+    } else {
+        String::new()
+    };
     println!(
-        "| edgesplit | {threads} | tg{} | {tgm:.2} ± {tgs:.2} |",
+        "| edgesplit | {threads} | tg{}{at} | {tgm:.2} ± {tgs:.2} |",
         args.tg
     );
     Ok(())
