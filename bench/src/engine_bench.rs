@@ -59,7 +59,12 @@ pub async fn run(args: &EngineArgs) -> anyhow::Result<()> {
     let mut tg = Vec::new();
     for rep in 0..=args.reps {
         let out = engine
-            .prefill(tokens.clone(), SamplingParams::default(), 1, false)
+            .prefill(
+                tokens.clone(),
+                SamplingParams::default(),
+                1,
+                edgesplit_engine::Export::None,
+            )
             .await?;
         let pp_tps = args.pp as f64 / (out.prefill_ms / 1000.0);
         // Decode from a one-token prompt, `tg` tokens, EOG never stopping it early: a

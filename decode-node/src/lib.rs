@@ -5,6 +5,7 @@
 //! its SHA-256, the sender's model fingerprint and build, and its tensor layout.
 
 pub mod store;
+pub mod upload;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -22,7 +23,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-pub use store::{Store, StoreLimits};
+pub use store::{Held, Store, StoreLimits};
 
 /// Command-line and environment configuration.
 #[derive(Debug, Clone, clap::Parser)]
@@ -48,6 +49,15 @@ pub struct Config {
     /// Address the prefill node should dial for the handoff (default: the bound address).
     #[arg(long)]
     pub handoff_advertise: Option<String>,
+    /// V1 upload listen address (HTTP).
+    #[arg(long, env = "EDGESPLIT_V1_LISTEN", default_value = "127.0.0.1:50062")]
+    pub v1_listen: String,
+    /// Base URL the prefill node should upload V1 files to (default: from the bound address).
+    #[arg(long)]
+    pub v1_advertise: Option<String>,
+    /// Folder for V1 state files between upload and import.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
     /// Context size in tokens; must equal the prefill node's.
     #[arg(long, default_value_t = 4096)]
     pub n_ctx: u32,
@@ -95,6 +105,7 @@ pub struct DecodeService {
     engine: Engine,
     store: Arc<Store>,
     handoff_addr: String,
+    v1_url: String,
     wait: Duration,
 }
 
@@ -130,20 +141,19 @@ impl pb::decode_server::Decode for DecodeService {
         tracing::info!(
             request_id = %req.request_id,
             handoff_id = %req.handoff_id,
-            tokens = state.tokens.len(),
             "generating from handoff"
         );
+        let start = match state {
+            Held::Frame(f) => Start::Imported {
+                state: f.payload.to_vec(),
+                tokens: f.tokens,
+                first,
+            },
+            Held::File { path, .. } => Start::ImportedFile { path, first },
+        };
         let rx = self
             .engine
-            .generate(
-                Start::Imported {
-                    state: state.payload.to_vec(),
-                    tokens: state.tokens,
-                    first,
-                },
-                params,
-                req.max_new_tokens,
-            )
+            .generate(start, params, req.max_new_tokens)
             .await
             .map_err(|e| status(&e))?;
         Ok(Response::new(Box::pin(token_events(rx))))
@@ -152,6 +162,7 @@ impl pb::decode_server::Decode for DecodeService {
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
         let mut info = self.engine.info().node_info("decode");
         info.handoff_addr.clone_from(&self.handoff_addr);
+        info.v1_url.clone_from(&self.v1_url);
         let c = &self.store.counters;
         info.handoff_bytes_received = c.bytes_received.load(Ordering::Relaxed);
         info.handoffs_received = c.handoffs_received.load(Ordering::Relaxed);
@@ -160,13 +171,22 @@ impl pb::decode_server::Decode for DecodeService {
     }
 }
 
-/// Serves gRPC on `grpc` and the V2 handoff on `handoff` until `shutdown` resolves.
+/// The decode node's three listeners.
+pub struct Listeners {
+    /// gRPC control plane.
+    pub grpc: TcpListener,
+    /// V2 handoff (raw TCP).
+    pub handoff: TcpListener,
+    /// V1 uploads (HTTP).
+    pub v1: TcpListener,
+}
+
+/// Serves gRPC, the V2 handoff and V1 uploads until `shutdown` resolves.
 ///
 /// # Errors
-/// The gRPC server's transport error, or the handoff listener's address.
+/// The gRPC server's transport error, a listener's address, or the state folder.
 pub async fn run(
-    grpc: TcpListener,
-    handoff_listener: TcpListener,
+    listeners: Listeners,
     engine: Engine,
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -176,10 +196,32 @@ pub async fn run(
         max_bytes: config.max_pending_bytes,
         max_tokens: engine.info().n_ctx,
     }));
+    let Listeners {
+        grpc,
+        handoff: handoff_listener,
+        v1: v1_listener,
+    } = listeners;
     let handoff_addr = match &config.handoff_advertise {
         Some(a) => a.clone(),
         None => handoff_listener.local_addr()?.to_string(),
     };
+    let v1_url = match &config.v1_advertise {
+        Some(u) => u.clone(),
+        None => format!("http://{}/v1/handoff", v1_listener.local_addr()?),
+    };
+    let state_dir = config.state_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("edgesplit-decode-{}", std::process::id()))
+    });
+    std::fs::create_dir_all(&state_dir)?;
+    let upload_cfg = Arc::new(upload::UploadConfig {
+        store: store.clone(),
+        dir: state_dir,
+        max_bytes: config.max_pending_bytes,
+        fingerprint_hex: engine.info().fingerprint_hex(),
+        build_id: engine.info().build_id.clone(),
+        n_ctx: engine.info().n_ctx,
+    });
+    let mut stop_v1 = None;
     let limits = Limits {
         frame: Duration::from_secs(config.handoff_frame_timeout_s),
         max_frame: config.max_frame_bytes,
@@ -196,10 +238,20 @@ pub async fn run(
             let _ = stop_handoff.wait_for(|s| *s).await;
         },
     ));
+    let mut stop_up = stop_rx.clone();
+    let v1_server = tokio::spawn(async move {
+        axum::serve(v1_listener, upload::router(upload_cfg))
+            .with_graceful_shutdown(async move {
+                let _ = stop_up.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    stop_v1.replace(v1_server);
     let svc = DecodeService {
         engine,
         store,
         handoff_addr,
+        v1_url,
         wait: Duration::from_secs(config.handoff_wait_s),
     };
     let result = tonic::transport::Server::builder()
@@ -208,5 +260,8 @@ pub async fn run(
         .await;
     let _ = stop_tx.send(true);
     let _ = receiver.await;
+    if let Some(v1) = stop_v1 {
+        let _ = v1.await;
+    }
     Ok(result?)
 }

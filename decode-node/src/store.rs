@@ -1,10 +1,11 @@
-//! Verified states waiting for their `Generate` call.
+//! Verified states waiting for their `Generate` call: V2 frames in memory, V1 files on disk.
 //!
 //! The V2 receiver puts a state here only after its checksum, handshake and descriptors
 //! passed; `Generate` takes it out (waiting a bounded time for it to arrive). Entries older
 //! than the TTL are dropped, and the total bytes held are capped.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,8 +33,32 @@ pub struct Counters {
     pub handoffs_refused: AtomicU64,
 }
 
+/// A verified state.
+#[derive(Debug)]
+pub enum Held {
+    /// A V2 state frame (checksum, identity and descriptors verified).
+    Frame(StateFrame),
+    /// A V1 sequence-state file (checksum, identity and header verified), renamed into place.
+    File { path: PathBuf, bytes: u64 },
+}
+
+impl Held {
+    fn bytes(&self) -> u64 {
+        match self {
+            Held::Frame(s) => s.payload.len() as u64,
+            Held::File { bytes, .. } => *bytes,
+        }
+    }
+
+    fn discard(&self) {
+        if let Held::File { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 struct Entry {
-    state: StateFrame,
+    state: Held,
     at: Instant,
 }
 
@@ -62,6 +87,7 @@ impl Store {
             let keep = e.at.elapsed() < ttl;
             if !keep {
                 tracing::warn!(handoff_id = %id, "dropping unclaimed handoff state after its TTL");
+                e.state.discard();
             }
             keep
         });
@@ -75,7 +101,7 @@ impl Store {
     }
 
     /// Takes the state of `handoff_id`, waiting up to `wait` for it to arrive.
-    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Option<StateFrame> {
+    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Option<Held> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.arrived.notified();
@@ -94,6 +120,63 @@ impl Store {
         }
     }
 
+    /// True when `handoff_id` is held now.
+    #[must_use]
+    pub fn contains(&self, handoff_id: &str) -> bool {
+        self.lock().contains_key(handoff_id)
+    }
+
+    /// Stores a verified V1 file under `handoff_id`.
+    ///
+    /// # Errors
+    /// A duplicate id or no room; the caller deletes the file.
+    pub fn put_file(&self, handoff_id: &str, path: PathBuf, bytes: u64) -> Result<(), Nack> {
+        self.insert(handoff_id, Held::File { path, bytes })
+    }
+
+    fn insert(&self, handoff_id: &str, held: Held) -> Result<(), Nack> {
+        let refuse = |code, reason: String| Nack {
+            code,
+            handoff_id: handoff_id.to_string(),
+            reason,
+        };
+        let bytes = held.bytes();
+        let mut map = self.lock();
+        self.expire(&mut map);
+        if map.contains_key(handoff_id) {
+            return Err(refuse(
+                NackCode::DuplicateHandoff,
+                format!("handoff {handoff_id} is already held"),
+            ));
+        }
+        let used: u64 = map.values().map(|e| e.state.bytes()).sum();
+        if used + bytes > self.limits.max_bytes {
+            return Err(refuse(
+                NackCode::Capacity,
+                format!(
+                    "holding {used} bytes; {bytes} more would exceed the cap of {}",
+                    self.limits.max_bytes
+                ),
+            ));
+        }
+        map.insert(
+            handoff_id.to_string(),
+            Entry {
+                state: held,
+                at: Instant::now(),
+            },
+        );
+        drop(map);
+        self.counters
+            .bytes_received
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.counters
+            .handoffs_received
+            .fetch_add(1, Ordering::Relaxed);
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
     /// Number of states held.
     #[must_use]
     pub fn len(&self) -> usize {
@@ -109,62 +192,27 @@ impl Store {
 
 impl StateSink for Store {
     fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
-        let refuse = |code, reason: String| Nack {
-            code,
-            handoff_id: state.handoff_id.clone(),
-            reason,
-        };
         if state.tokens.len() as u64 >= u64::from(self.limits.max_tokens) {
-            return Err(refuse(
-                NackCode::SequenceTooLong,
-                format!(
+            return Err(Nack {
+                code: NackCode::SequenceTooLong,
+                handoff_id: state.handoff_id.clone(),
+                reason: format!(
                     "sequence of {} tokens does not fit the receiver's context of {}",
                     state.tokens.len(),
                     self.limits.max_tokens
                 ),
-            ));
+            });
         }
         let bytes = state.payload.len() as u64;
-        let mut map = self.lock();
-        self.expire(&mut map);
-        if map.contains_key(&state.handoff_id) {
-            return Err(refuse(
-                NackCode::DuplicateHandoff,
-                format!("handoff {} is already held", state.handoff_id),
-            ));
-        }
-        let held: u64 = map.values().map(|e| e.state.payload.len() as u64).sum();
-        if held + bytes > self.limits.max_bytes {
-            return Err(refuse(
-                NackCode::Capacity,
-                format!(
-                    "holding {held} bytes; {bytes} more would exceed the cap of {}",
-                    self.limits.max_bytes
-                ),
-            ));
-        }
         tracing::info!(
             handoff_id = %state.handoff_id,
             request_id = %state.request_id,
             tokens = state.tokens.len(),
             bytes,
-            "handoff state received and verified"
+            "V2 state received and verified"
         );
-        map.insert(
-            state.handoff_id.clone(),
-            Entry {
-                state,
-                at: Instant::now(),
-            },
-        );
-        drop(map);
-        self.counters
-            .bytes_received
-            .fetch_add(bytes, Ordering::Relaxed);
-        self.counters
-            .handoffs_received
-            .fetch_add(1, Ordering::Relaxed);
-        self.arrived.notify_waiters();
+        let id = state.handoff_id.clone();
+        self.insert(&id, Held::Frame(state))?;
         Ok(bytes)
     }
 
@@ -206,7 +254,10 @@ mod tests {
         let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
         tokio::task::yield_now().await;
         s.accept(state("a", 10)).unwrap();
-        assert_eq!(waiter.await.unwrap().unwrap().handoff_id, "a");
+        let Some(Held::Frame(f)) = waiter.await.unwrap() else {
+            panic!("frame expected")
+        };
+        assert_eq!(f.handoff_id, "a");
         assert!(s.take("missing", Duration::from_millis(20)).await.is_none());
         assert!(s.is_empty());
     }

@@ -151,9 +151,30 @@ pub struct PrefillOutput {
     pub prompt_tokens: Vec<i32>,
     pub first: TokenOut,
     pub prefill_ms: f64,
-    /// The raw sequence state, when an export was asked for and the answer continues.
-    pub state: Option<Vec<u8>>,
+    /// The exported state, when an export was asked for and the answer continues.
+    pub state: Option<Exported>,
     pub export_ms: f64,
+}
+
+/// How a prefill exports its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Export {
+    None,
+    /// Raw sequence state bytes (V2).
+    Raw,
+    /// llama.cpp's sequence-state file at this path (V1).
+    File(PathBuf),
+}
+
+/// An exported state.
+#[derive(Debug)]
+pub enum Exported {
+    Raw(Vec<u8>),
+    /// The file written, and its size.
+    File {
+        path: PathBuf,
+        bytes: u64,
+    },
 }
 
 /// Why a generation stopped.
@@ -199,6 +220,8 @@ pub struct GenSummary {
 pub enum Start {
     /// Prefill these tokens here, then continue (the colocated run).
     Prompt(Vec<i32>),
+    /// Load a verified sequence-state file (V1), delete it, then continue from `first`.
+    ImportedFile { path: PathBuf, first: i32 },
     /// Import a verified state covering `tokens`, then continue from `first`.
     Imported {
         state: Vec<u8>,
@@ -217,7 +240,7 @@ enum Command {
         tokens: Vec<i32>,
         params: SamplingParams,
         max_tokens: u32,
-        export: bool,
+        export: Export,
         reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
     },
     Generate {
@@ -302,7 +325,7 @@ impl Engine {
         tokens: Vec<i32>,
         params: SamplingParams,
         max_tokens: u32,
-        export: bool,
+        export: Export,
     ) -> Result<PrefillOutput, EngineError> {
         self.call(|reply| Command::Prefill {
             tokens,
@@ -427,7 +450,7 @@ fn owner_thread(
                 export,
                 reply,
             } => {
-                let _ = reply.send(worker.prefill_cmd(&tokens, &params, max_tokens, export));
+                let _ = reply.send(worker.prefill_cmd(&tokens, &params, max_tokens, &export));
             }
             Command::Generate {
                 start,
@@ -555,7 +578,7 @@ impl Worker<'_> {
         tokens: &[i32],
         params: &SamplingParams,
         max_tokens: u32,
-        export: bool,
+        export: &Export,
     ) -> Result<PrefillOutput, EngineError> {
         self.check_fits(tokens.len(), max_tokens)?;
         let t0 = Instant::now();
@@ -570,8 +593,15 @@ impl Worker<'_> {
         let continues = !first.eog && max_tokens > 1;
         let mut state = None;
         let t1 = Instant::now();
-        if export && continues {
-            state = Some(self.export().inspect_err(|_| self.clear())?);
+        if continues {
+            state = match export {
+                Export::None => None,
+                Export::Raw => Some(Exported::Raw(self.export().inspect_err(|_| self.clear())?)),
+                Export::File(path) => Some(
+                    self.export_file(path, tokens)
+                        .inspect_err(|_| self.clear())?,
+                ),
+            };
         }
         let export_ms = ms(t1);
         self.clear();
@@ -602,6 +632,36 @@ impl Worker<'_> {
             )));
         }
         Ok(buf)
+    }
+
+    fn export_file(&self, path: &std::path::Path, tokens: &[i32]) -> Result<Exported, EngineError> {
+        let toks: Vec<LlamaToken> = tokens.iter().map(|t| LlamaToken(*t)).collect();
+        let bytes = self
+            .ctx
+            .state_seq_save_file(path, 0, &toks)
+            .map_err(|e| EngineError::Export(e.to_string()))?;
+        Ok(Exported::File {
+            path: path.to_path_buf(),
+            bytes: bytes as u64,
+        })
+    }
+
+    /// Loads a sequence-state file into sequence 0; returns the tokens it covers. The file
+    /// is deleted whatever happens.
+    fn import_file(&mut self, path: &std::path::Path) -> Result<Vec<i32>, EngineError> {
+        self.clear();
+        let n_ctx = self.ctx.n_ctx() as usize;
+        let res = self.ctx.state_seq_load_file(path, 0, n_ctx);
+        let _ = std::fs::remove_file(path);
+        match res {
+            Ok((toks, _)) => Ok(toks.into_iter().map(|t| t.0).collect()),
+            Err(e) => {
+                self.clear();
+                Err(EngineError::Import(format!(
+                    "llama.cpp refused the state file: {e}"
+                )))
+            }
+        }
     }
 
     fn import(&mut self, state: &[u8]) -> Result<(), EngineError> {
@@ -674,6 +734,15 @@ impl Worker<'_> {
                     return Ok(());
                 }
                 (tokens, first, max_tokens.saturating_sub(1))
+            }
+            Start::ImportedFile { path, first } => {
+                let t0 = Instant::now();
+                let tokens = self.import_file(&path)?;
+                summary.import_ms = ms(t0);
+                self.check_fits(tokens.len(), max_tokens + 1)?;
+                summary.prompt_tokens = tokens.len() as u32;
+                let first = self.token_out(LlamaToken(first));
+                (tokens, first, max_tokens)
             }
             Start::Imported {
                 state,

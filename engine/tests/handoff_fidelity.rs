@@ -1,7 +1,9 @@
 //! Engine-level proof that export -> import into another engine continues exactly like the
 //! colocated run (greedy and seeded), on the real default model.
 
-use edgesplit_engine::{Engine, EngineConfig, GenEvent, Input, SamplingParams, Start};
+use edgesplit_engine::{
+    Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
+};
 
 fn model_path() -> std::path::PathBuf {
     let p = std::env::var("EDGESPLIT_MODEL").map_or_else(
@@ -69,11 +71,13 @@ async fn imported_state_continues_like_the_colocated_run() {
         assert!(colocated.len() > 1);
 
         let pre = a
-            .prefill(tokens.clone(), params.clone(), 24, true)
+            .prefill(tokens.clone(), params.clone(), 24, Export::Raw)
             .await
             .unwrap();
         assert_eq!(pre.first.id, colocated[0]);
-        let state = pre.state.expect("state exported");
+        let Some(Exported::Raw(state)) = pre.state else {
+            panic!("state exported")
+        };
         assert!(state.len() > tokens.len() * 23_040);
         // The V2 descriptors see every layer's K and V (30 layers), covering every token.
         let layout = edgesplit_proto::layout::describe(&state);
@@ -158,10 +162,13 @@ async fn sliding_window_state_is_walked_into_two_sections() {
     let tokens = e.tokenize(Input::Raw(prompt)).await.unwrap();
     assert!(tokens.len() > 600, "{}", tokens.len());
     let pre = e
-        .prefill(tokens.clone(), SamplingParams::default(), 8, true)
+        .prefill(tokens.clone(), SamplingParams::default(), 8, Export::Raw)
         .await
         .unwrap();
-    let layout = edgesplit_proto::layout::describe(&pre.state.unwrap());
+    let Some(Exported::Raw(state)) = pre.state else {
+        panic!("state exported")
+    };
+    let layout = edgesplit_proto::layout::describe(&state);
     // Full-attention layers keep every token; sliding-window layers keep only the window.
     assert_eq!(layout.max_cells, Some(tokens.len() as u64));
     let sections: std::collections::BTreeSet<_> = layout

@@ -1,6 +1,9 @@
 //! EdgeSplit prefill node: a gRPC service that prefills a prompt, samples the first token
 //! (so the router can stream it at once), and sends the sequence's KV state to a decode
-//! node over the V2 handoff. It also serves colocated runs (the `local` transport).
+//! node over the V2 handoff (or, V1, as llama.cpp's sequence-state file by HTTP upload). It
+//! also serves colocated runs (the `local` transport).
+
+pub mod upload;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -9,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edgesplit_engine::wire::{status, status_with_code, token_events};
-use edgesplit_engine::{Engine, EngineConfig, Input, SamplingParams, Start};
+use edgesplit_engine::{Engine, EngineConfig, Export, Exported, Input, SamplingParams, Start};
 use edgesplit_proto::frame::StateFrame;
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
 use edgesplit_proto::{layout, pb};
@@ -55,6 +58,9 @@ pub struct Config {
     /// Seconds allowed for one handoff frame (transfer of the state included).
     #[arg(long, default_value_t = 60)]
     pub handoff_frame_timeout_s: u64,
+    /// Folder for V1 state files while they are uploaded (deleted after each upload).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -87,6 +93,8 @@ impl Config {
 pub struct PrefillService {
     engine: Engine,
     limits: Limits,
+    state_dir: PathBuf,
+    http: reqwest::Client,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -105,10 +113,23 @@ fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
 }
 
 impl PrefillService {
-    /// A service over a started engine.
-    #[must_use]
-    pub fn new(engine: Engine, limits: Limits) -> Self {
-        Self { engine, limits }
+    /// A service over a started engine; V1 files go to `state_dir` (created if missing).
+    ///
+    /// # Errors
+    /// The state folder cannot be created.
+    pub fn new(engine: Engine, limits: Limits, state_dir: PathBuf) -> std::io::Result<Self> {
+        std::fs::create_dir_all(&state_dir)?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(limits.connect)
+            .timeout(limits.frame)
+            .build()
+            .map_err(std::io::Error::other)?;
+        Ok(Self {
+            engine,
+            limits,
+            state_dir,
+            http,
+        })
     }
 
     async fn tokenize(&self, req: &pb::PrefillRequest) -> Result<(Vec<i32>, u32), Status> {
@@ -152,9 +173,17 @@ impl pb::prefill_server::Prefill for PrefillService {
                 return Err(Status::invalid_argument("invalid handoff id"));
             }
         }
+        let v1 = handoff
+            .as_ref()
+            .is_some_and(|h| h.transport == pb::HandoffTransport::V1 as i32);
+        let export = match &handoff {
+            None => Export::None,
+            Some(h) if v1 => Export::File(self.state_dir.join(format!("{}.ggsq", h.handoff_id))),
+            Some(_) => Export::Raw,
+        };
         let out = self
             .engine
-            .prefill(tokens, params, max_tokens, handoff.is_some())
+            .prefill(tokens, params, max_tokens, export)
             .await
             .map_err(|e| status(&e))?;
         tracing::info!(
@@ -178,7 +207,42 @@ impl pb::prefill_server::Prefill for PrefillService {
         };
         // The first token goes out before the handoff starts: TTFT does not wait for it.
         let _ = tx.send(Ok(first)).await;
-        if let (Some(state), Some(h), false) = (out.state, handoff, last) {
+        if let (Some(Exported::File { path, .. }), Some(h)) = (&out.state, &handoff) {
+            let (path, h) = (path.clone(), h.clone());
+            let info = self.engine.info().clone();
+            let http = self.http.clone();
+            let export_ms = out.export_ms;
+            let request_id = req.request_id.clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let result = upload::upload(
+                    &http,
+                    &h.decode_addr,
+                    &h.handoff_id,
+                    &request_id,
+                    &path,
+                    &info,
+                )
+                .await;
+                let _ = tokio::fs::remove_file(&path).await;
+                let ev = match result {
+                    Ok(bytes) => {
+                        let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
+                        tracing::info!(%request_id, handoff_id = %h.handoff_id, bytes, transfer_ms, "V1 upload done");
+                        Ok(handoff_done(bytes, export_ms, transfer_ms))
+                    }
+                    Err(e) => {
+                        tracing::warn!(%request_id, error = %e, "V1 upload failed");
+                        Err(status_with_code(
+                            tonic::Code::Unavailable,
+                            e.code(),
+                            format!("KV handoff (V1 upload) failed: {e}"),
+                        ))
+                    }
+                };
+                let _ = tx.send(ev).await;
+            });
+        } else if let (Some(Exported::Raw(state)), Some(h), false) = (out.state, handoff, last) {
             let ours = self.engine.info().identity();
             let limits = self.limits;
             let export_ms = out.export_ms;
@@ -204,13 +268,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                             transfer_ms,
                             "handoff sent"
                         );
-                        Ok(pb::PrefillEvent {
-                            event: Some(pb::prefill_event::Event::Handoff(pb::HandoffDone {
-                                bytes: report.payload_bytes,
-                                export_ms,
-                                transfer_ms,
-                            })),
-                        })
+                        Ok(handoff_done(report.payload_bytes, export_ms, transfer_ms))
                     }
                     Err(e) => {
                         tracing::warn!(%request_id, error = %e, "handoff failed");
@@ -242,6 +300,16 @@ impl pb::prefill_server::Prefill for PrefillService {
     }
 }
 
+fn handoff_done(bytes: u64, export_ms: f64, transfer_ms: f64) -> pb::PrefillEvent {
+    pb::PrefillEvent {
+        event: Some(pb::prefill_event::Event::Handoff(pb::HandoffDone {
+            bytes,
+            export_ms,
+            transfer_ms,
+        })),
+    }
+}
+
 fn handoff_status(e: &HandoffError) -> Status {
     let name = match e {
         HandoffError::Refused(n) | HandoffError::Mismatch(n) => n.code.as_str(),
@@ -265,10 +333,16 @@ pub async fn run(
     engine: Engine,
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
-    let svc = PrefillService::new(engine, config.limits());
+) -> anyhow::Result<()> {
+    let state_dir = config
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("edgesplit-prefill"));
+    let svc = PrefillService::new(engine, config.limits(), state_dir)
+        .map_err(|e| anyhow::anyhow!("state folder: {e}"))?;
     tonic::transport::Server::builder()
         .add_service(pb::prefill_server::PrefillServer::new(svc))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await
+        .await?;
+    Ok(())
 }

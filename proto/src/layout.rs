@@ -62,15 +62,14 @@ impl Reader<'_> {
     }
 }
 
-fn walk(buf: &[u8]) -> Option<Layout> {
-    let mut r = Reader { buf, pos: 0 };
+/// Walks the memory sections from `start` to the end of `buf`. Also returns the offset of
+/// each stream's `n_rot_k, n_rot_v` pair (fields that sequence-file version 3 lacks).
+fn walk_sections(buf: &[u8], start: usize) -> Option<(Layout, Vec<usize>)> {
+    let mut r = Reader { buf, pos: start };
     let mut descriptors = Vec::new();
+    let mut rot_fields = Vec::new();
     let mut max_cells = 0u64;
     let mut section = 0;
-    if r.u32()? != STATE_MAGIC {
-        return None;
-    }
-    let _source_seq = r.u32()?;
     while r.pos < buf.len() {
         let n_stream = r.u32()?;
         if n_stream == 0 || n_stream > MAX_STREAMS {
@@ -92,6 +91,7 @@ fn walk(buf: &[u8]) -> Option<Layout> {
             }
             let v_trans = r.u32()?;
             let n_layer = r.u32()?;
+            rot_fields.push(r.pos);
             let _n_rot_k = r.u32()?;
             let _n_rot_v = r.u32()?;
             if v_trans > 1 || n_layer > MAX_LAYERS {
@@ -140,10 +140,44 @@ fn walk(buf: &[u8]) -> Option<Layout> {
         }
         section += 1;
     }
-    Some(Layout {
-        descriptors,
-        max_cells: Some(max_cells),
-    })
+    Some((
+        Layout {
+            descriptors,
+            max_cells: Some(max_cells),
+        },
+        rot_fields,
+    ))
+}
+
+fn walk(buf: &[u8]) -> Option<Layout> {
+    let mut r = Reader { buf, pos: 0 };
+    if r.u32()? != STATE_MAGIC {
+        return None;
+    }
+    let _source_seq = r.u32()?;
+    walk_sections(buf, r.pos).map(|(l, _)| l)
+}
+
+/// Rewrites the memory sections of a sequence-state *file* body (no io header) from
+/// llama.cpp's sequence-file version 4 to version 3, which lacks the per-stream
+/// `n_rot_k, n_rot_v` fields. `None` if the body cannot be walked exactly.
+#[must_use]
+pub fn sections_v4_to_v3(body: &[u8]) -> Option<Vec<u8>> {
+    let (_, rot) = walk_sections(body, 0)?;
+    let mut out = Vec::with_capacity(body.len());
+    let mut from = 0;
+    for at in rot {
+        out.extend_from_slice(&body[from..at]);
+        from = at + 8;
+    }
+    out.extend_from_slice(&body[from..]);
+    Some(out)
+}
+
+/// Describes the memory sections of a sequence-state file body (no io header).
+#[must_use]
+pub fn describe_sections(body: &[u8]) -> Option<Layout> {
+    walk_sections(body, 0).map(|(l, _)| l)
 }
 
 /// Describes `state` as tensors; falls back to one opaque tensor if the layout is unknown.
@@ -223,6 +257,19 @@ mod tests {
         assert_eq!(l.descriptors.len(), 8);
         assert_eq!(l.descriptors[2].name, "m0.s0.l0.vt");
         assert_eq!(l.descriptors[7].name, "m1.s0.l1.v");
+    }
+
+    #[test]
+    fn v4_sections_lose_their_rot_fields_in_v3() {
+        let s = synthetic(false);
+        let body = &s[8..];
+        let v3 = sections_v4_to_v3(body).unwrap();
+        assert_eq!(v3.len(), body.len() - 8);
+        // n_stream, cell_count, two cells (3 words each), v_trans, n_layer: 40 bytes kept,
+        // then the 8 bytes of n_rot_k, n_rot_v dropped.
+        assert_eq!(&v3[..40], &body[..40]);
+        assert_eq!(&v3[40..], &body[48..]);
+        assert!(sections_v4_to_v3(&body[..body.len() - 1]).is_none());
     }
 
     #[test]

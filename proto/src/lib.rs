@@ -8,6 +8,7 @@ pub mod codec;
 pub mod frame;
 pub mod handoff;
 pub mod layout;
+pub mod v1;
 
 /// Generated gRPC types and services.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]

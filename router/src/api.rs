@@ -17,6 +17,8 @@ pub enum Endpoint {
 pub enum Transport {
     /// Prefill node -> decode node over the V2 framed TCP handoff.
     V2,
+    /// Prefill node -> decode node as llama.cpp's sequence-state file, by HTTP upload.
+    V1,
     /// No handoff: prefill and decode both on the prefill node (the single-device baseline).
     Local,
 }
@@ -29,9 +31,10 @@ impl Transport {
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "v2" => Ok(Transport::V2),
+            "v1" => Ok(Transport::V1),
             "local" => Ok(Transport::Local),
             other => Err(format!(
-                "unknown transport {other:?}; expected \"v2\" or \"local\""
+                "unknown transport {other:?}; expected \"v2\", \"v1\" or \"local\""
             )),
         }
     }
@@ -41,6 +44,7 @@ impl Transport {
     pub fn as_str(self) -> &'static str {
         match self {
             Transport::V2 => "v2",
+            Transport::V1 => "v1",
             Transport::Local => "local",
         }
     }

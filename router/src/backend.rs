@@ -208,7 +208,7 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         match transport {
-            Transport::V2 => self.start_v2(req, request_id).await,
+            Transport::V2 | Transport::V1 => self.start_split(req, transport, request_id).await,
             Transport::Local => self.start_local(req, request_id).await,
         }
     }
@@ -273,14 +273,27 @@ impl Backend {
         })
     }
 
-    async fn start_v2(&self, req: &ValidRequest, request_id: &str) -> Result<Started, ApiError> {
+    async fn start_split(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+    ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
         // Refuse before prefilling if no decode node can take the answer.
         let decode_info = self.decode_info().await?;
-        if decode_info.handoff_addr.is_empty() {
+        let (addr, wire) = if transport == Transport::V1 {
+            (decode_info.v1_url, pb::HandoffTransport::V1)
+        } else {
+            (decode_info.handoff_addr, pb::HandoffTransport::V2)
+        };
+        if addr.is_empty() {
             return Err(ApiError::unavailable(
                 "decode_unavailable",
-                "the decode node advertises no handoff address",
+                format!(
+                    "the decode node advertises no {} handoff address",
+                    transport.as_str()
+                ),
             ));
         }
         let handoff_id = request_id.to_string();
@@ -289,7 +302,8 @@ impl Backend {
             request_id,
             Some(pb::Handoff {
                 handoff_id: handoff_id.clone(),
-                decode_addr: decode_info.handoff_addr,
+                decode_addr: addr,
+                transport: wire as i32,
             }),
         );
         let mut client = self.prefill.clone();
@@ -310,7 +324,7 @@ impl Backend {
         };
         let (tx, rx) = mpsc::channel(64);
         let started = Started {
-            transport: Transport::V2,
+            transport,
             prompt_tokens: Some(first.prompt_tokens),
             prefill_ms: Some(first.prefill_ms),
             events: rx,

@@ -134,7 +134,7 @@ impl Answer {
                 self.finish = Some(reason);
                 self.timing.decode_tokens = decode_tokens;
                 self.timing.decode_ms = Some(decode_ms);
-                if self.meta.transport == Transport::V2 {
+                if self.meta.transport != Transport::Local {
                     self.timing.import_ms = Some(import_ms);
                 }
                 if let Some(p) = prompt_tokens {

@@ -1,6 +1,7 @@
-//! Non-negotiable 1: the disaggregated answer (V2 handoff) is token-for-token identical to
-//! the single-process run (`local`: prefill and decode in the prefill node's one context),
-//! greedy and seeded, streamed and not, through the real HTTP API and the default model.
+//! Non-negotiable 1: the disaggregated answer (V2 handoff, and V1 file upload) is
+//! token-for-token identical to the single-process run (`local`: prefill and decode in the
+//! prefill node's one context), greedy and seeded, streamed and not, through the real HTTP
+//! API and the default model.
 
 mod common;
 
@@ -30,9 +31,12 @@ async fn assert_identical(messages: Value, min_prompt_tokens: u64) {
             reference.completion_tokens as usize,
             reference.token_ids.len()
         );
-        for streamed in [false, true] {
-            let split = run(stack, "/v1/chat/completions", &body, "v2", streamed).await;
-            assert_eq!(split, reference, "sampling {s}, streamed {streamed}");
+        for (transport, streamed) in [("v2", false), ("v2", true), ("v1", false), ("v1", true)] {
+            let split = run(stack, "/v1/chat/completions", &body, transport, streamed).await;
+            assert_eq!(
+                split, reference,
+                "{transport}, sampling {s}, streamed {streamed}"
+            );
         }
         let local_streamed = run(stack, "/v1/chat/completions", &body, "local", true).await;
         assert_eq!(local_streamed, reference, "local streamed, sampling {s}");

@@ -30,9 +30,12 @@ async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
             reference.prompt_tokens
         );
         assert!(!reference.token_ids.is_empty());
-        for streamed in [false, true] {
-            let split = run(s, "/v1/completions", &body, "v2", streamed).await;
-            assert_eq!(split, reference, "sampling {sampling}, streamed {streamed}");
+        for (transport, streamed) in [("v2", false), ("v2", true), ("v1", false)] {
+            let split = run(s, "/v1/completions", &body, transport, streamed).await;
+            assert_eq!(
+                split, reference,
+                "{transport}, sampling {sampling}, streamed {streamed}"
+            );
         }
     }
 }

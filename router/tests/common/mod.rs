@@ -58,6 +58,10 @@ pub struct Stack {
     pub decode_grpc: String,
     /// The decode node's real V2 listener.
     pub handoff_addr: String,
+    /// The decode node's V1 upload URL.
+    pub v1_url: String,
+    /// Where the decode node keeps V1 files.
+    pub decode_state_dir: PathBuf,
 }
 
 /// Starts a stack on a dedicated thread and runtime that outlive the calling test.
@@ -82,6 +86,13 @@ pub fn start(opts: StackOptions) -> Stack {
 async fn serve(opts: StackOptions) -> Stack {
     let decode_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handoff = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let v1 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let v1_url = format!("http://{}/v1/handoff", v1.local_addr().unwrap());
+    static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let base = std::env::temp_dir().join(format!("edgesplit-test-{}-{n}", std::process::id()));
+    let decode_state_dir = base.join("decode");
+    let _ = std::fs::remove_dir_all(&base);
     let prefill_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let router = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handoff_addr = handoff.local_addr().unwrap().to_string();
@@ -92,6 +103,8 @@ async fn serve(opts: StackOptions) -> Stack {
         prefill_grpc: prefill_url.clone(),
         decode_grpc: decode_url.clone(),
         handoff_addr: handoff_addr.clone(),
+        v1_url,
+        decode_state_dir: decode_state_dir.clone(),
     };
 
     let dcfg = edgesplit_decode::Config {
@@ -99,6 +112,9 @@ async fn serve(opts: StackOptions) -> Stack {
         listen: String::new(),
         handoff_listen: String::new(),
         handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),
+        v1_listen: String::new(),
+        v1_advertise: None,
+        state_dir: Some(decode_state_dir),
         n_ctx: opts.n_ctx,
         threads: None,
         flash_attn: edgesplit_engine::FlashAttn::Auto,
@@ -118,6 +134,7 @@ async fn serve(opts: StackOptions) -> Stack {
         gpu_layers: None,
         handoff_connect_timeout_s: 5,
         handoff_frame_timeout_s: 30,
+        state_dir: Some(base.join("prefill")),
     };
     let dengine = edgesplit_engine::Engine::start(dcfg.engine())
         .await
@@ -126,7 +143,12 @@ async fn serve(opts: StackOptions) -> Stack {
         .await
         .unwrap();
     tokio::spawn(async move {
-        edgesplit_decode::run(decode_grpc, handoff, dengine, &dcfg, std::future::pending())
+        let listeners = edgesplit_decode::Listeners {
+            grpc: decode_grpc,
+            handoff,
+            v1,
+        };
+        edgesplit_decode::run(listeners, dengine, &dcfg, std::future::pending())
             .await
             .unwrap();
     });

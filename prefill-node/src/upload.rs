@@ -1,0 +1,103 @@
+//! V1 handoff, sender side: stream a sequence-state file to the decode node by HTTP PUT.
+//! The file is read twice (hash, then upload) and never held in memory whole.
+
+use std::path::Path;
+
+use edgesplit_engine::ModelInfo;
+use edgesplit_proto::v1;
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncReadExt;
+use tokio_util::io::ReaderStream;
+
+/// Why an upload failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("could not read the state file: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("upload to {url} failed: {source}")]
+    Send { url: String, source: reqwest::Error },
+    #[error("refused by the decode node ({status}, {code}): {message}")]
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
+}
+
+impl UploadError {
+    /// Stable name for metrics and the router.
+    #[must_use]
+    pub fn code(&self) -> &str {
+        match self {
+            UploadError::Io(_) => "export_failed",
+            UploadError::Send { source, .. } if source.is_connect() || source.is_timeout() => {
+                "handoff_unreachable"
+            }
+            UploadError::Send { .. } => "handoff_failed",
+            UploadError::Refused { code, .. } => code,
+        }
+    }
+}
+
+async fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut f = tokio::fs::File::open(path).await?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Uploads `path` as handoff `handoff_id` to `url_base`; returns the bytes sent.
+///
+/// # Errors
+/// Reading the file, the HTTP request, or a refusal by the decode node.
+pub async fn upload(
+    client: &reqwest::Client,
+    url_base: &str,
+    handoff_id: &str,
+    request_id: &str,
+    path: &Path,
+    info: &ModelInfo,
+) -> Result<u64, UploadError> {
+    let sha = sha256_file(path).await?;
+    let file = tokio::fs::File::open(path).await?;
+    let len = file.metadata().await?.len();
+    let url = format!("{}/{handoff_id}", url_base.trim_end_matches('/'));
+    let resp = client
+        .put(&url)
+        .header(reqwest::header::CONTENT_LENGTH, len)
+        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+        .header(v1::HEADER_SHA256, &sha)
+        .header(v1::HEADER_MODEL, info.fingerprint_hex())
+        .header(v1::HEADER_BUILD, &info.build_id)
+        .header(v1::HEADER_REQUEST, request_id)
+        .body(reqwest::Body::wrap_stream(ReaderStream::new(file)))
+        .send()
+        .await
+        .map_err(|source| UploadError::Send {
+            url: url.clone(),
+            source,
+        })?;
+    let status = resp.status().as_u16();
+    if resp.status().is_success() {
+        return Ok(len);
+    }
+    let body: serde_json::Value = resp.json().await.unwrap_or_default();
+    Err(UploadError::Refused {
+        status,
+        code: body["error"]["code"]
+            .as_str()
+            .unwrap_or("refused")
+            .to_string(),
+        message: body["error"]["message"]
+            .as_str()
+            .unwrap_or("no reason given")
+            .to_string(),
+    })
+}

@@ -1,0 +1,191 @@
+//! V1 handoff: llama.cpp's own sequence-state file (`llama_state_seq_save_file`), uploaded
+//! by HTTP. File layout: `u32 magic 'ggsq' (0x67677371), u32 version, u32 n_tokens,
+//! n_tokens x i32 token ids`, then the memory sections (see [`crate::layout`]).
+//!
+//! Upload: `PUT {v1_url}/{handoff_id}` with `Content-Length`, and the headers below. The
+//! receiver answers 200 with `{"handoff_id","bytes"}` or a 4xx OpenAI-style error object
+//! whose `code` says why (see the decode node).
+
+/// `LLAMA_STATE_SEQ_MAGIC` ('ggsq').
+pub const GGSQ_MAGIC: u32 = 0x6767_7371;
+/// `LLAMA_STATE_SEQ_VERSION` of the llama.cpp we build (llama-cpp-sys-2 0.1.161).
+pub const FILE_VERSION: u32 = 4;
+/// Header: SHA-256 of the whole body, lowercase hex.
+pub const HEADER_SHA256: &str = "x-edgesplit-sha256";
+/// Header: model fingerprint (SHA-256 of the GGUF), lowercase hex.
+pub const HEADER_MODEL: &str = "x-edgesplit-model-fingerprint";
+/// Header: llama.cpp build identity.
+pub const HEADER_BUILD: &str = "x-edgesplit-build";
+/// Header: request id, for logs.
+pub const HEADER_REQUEST: &str = "x-edgesplit-request-id";
+
+/// The fixed part of a sequence-state file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileHeader {
+    pub version: u32,
+    pub n_tokens: u32,
+    /// Byte offset where the memory sections start.
+    pub state_offset: usize,
+}
+
+/// Why a sequence-state file was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FileError {
+    #[error("not a llama.cpp sequence-state file (magic {0:#010x}, expected 'ggsq')")]
+    BadMagic(u32),
+    #[error("sequence-state file version {0}, this build reads version {FILE_VERSION}")]
+    Version(u32),
+    #[error("file of {len} bytes is shorter than its {n_tokens} token ids")]
+    Truncated { len: usize, n_tokens: u32 },
+    #[error("{n_tokens} tokens do not fit the context of {max}")]
+    TooLong { n_tokens: u32, max: u32 },
+    #[error("the state in the file could not be read")]
+    Layout,
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Checks the header of `file` (at least its first 12 bytes plus the token ids).
+///
+/// # Errors
+/// Wrong magic or version, a token count past the bytes present or past `max_tokens`.
+pub fn parse_header(file: &[u8], max_tokens: u32) -> Result<FileHeader, FileError> {
+    let short = FileError::Truncated {
+        len: file.len(),
+        n_tokens: 0,
+    };
+    let magic = u32_at(file, 0).ok_or(short.clone())?;
+    if magic != GGSQ_MAGIC {
+        return Err(FileError::BadMagic(magic));
+    }
+    let version = u32_at(file, 4).ok_or(short.clone())?;
+    if version != FILE_VERSION {
+        return Err(FileError::Version(version));
+    }
+    let n_tokens = u32_at(file, 8).ok_or(short)?;
+    if n_tokens >= max_tokens {
+        return Err(FileError::TooLong {
+            n_tokens,
+            max: max_tokens,
+        });
+    }
+    let state_offset = 12 + n_tokens as usize * 4;
+    if file.len() < state_offset {
+        return Err(FileError::Truncated {
+            len: file.len(),
+            n_tokens,
+        });
+    }
+    Ok(FileHeader {
+        version,
+        n_tokens,
+        state_offset,
+    })
+}
+
+/// Validates a whole file: header, and a state that walks exactly to the end with as many
+/// cells as tokens. Returns the header.
+///
+/// # Errors
+/// As [`parse_header`], or [`FileError::Layout`].
+pub fn validate(file: &[u8], max_tokens: u32) -> Result<FileHeader, FileError> {
+    let h = parse_header(file, max_tokens)?;
+    let layout =
+        crate::layout::describe_sections(&file[h.state_offset..]).ok_or(FileError::Layout)?;
+    if layout.max_cells != Some(u64::from(h.n_tokens)) {
+        return Err(FileError::Layout);
+    }
+    Ok(h)
+}
+
+/// Converts a version-4 file to version 3, the format of the stock llama.cpp that the
+/// llama-cpp-python 0.3.36 sources carry (it lacks the per-stream `n_rot_k, n_rot_v`).
+///
+/// # Errors
+/// A file that is not a valid version-4 file.
+pub fn to_version_3(file: &[u8]) -> Result<Vec<u8>, FileError> {
+    let h = parse_header(file, u32::MAX)?;
+    let body =
+        crate::layout::sections_v4_to_v3(&file[h.state_offset..]).ok_or(FileError::Layout)?;
+    let mut out = Vec::with_capacity(h.state_offset + body.len());
+    out.extend_from_slice(&file[..4]);
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&file[8..h.state_offset]);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(tokens: &[i32], body: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        f.extend_from_slice(&GGSQ_MAGIC.to_le_bytes());
+        f.extend_from_slice(&FILE_VERSION.to_le_bytes());
+        f.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            f.extend_from_slice(&t.to_le_bytes());
+        }
+        f.extend_from_slice(body);
+        f
+    }
+
+    /// One stream, one cell, one layer, K and V of 4 bytes.
+    fn body() -> Vec<u8> {
+        let mut v = Vec::new();
+        for x in [1u32, 1, 0, 1, 0, 0, 1, 0, 0] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for _ in 0..2 {
+            v.extend_from_slice(&1u32.to_le_bytes());
+            v.extend_from_slice(&4u64.to_le_bytes());
+            v.extend_from_slice(&[1, 2, 3, 4]);
+        }
+        v
+    }
+
+    #[test]
+    fn valid_file_passes_and_converts() {
+        let f = file(&[42], &body());
+        let h = validate(&f, 100).unwrap();
+        assert_eq!(h.n_tokens, 1);
+        assert_eq!(h.state_offset, 16);
+        let v3 = to_version_3(&f).unwrap();
+        assert_eq!(v3.len(), f.len() - 8);
+        assert_eq!(u32_at(&v3, 4), Some(3));
+    }
+
+    #[test]
+    fn refusals() {
+        let mut f = file(&[42], &body());
+        assert_eq!(
+            validate(&f, 1),
+            Err(FileError::TooLong {
+                n_tokens: 1,
+                max: 1
+            })
+        );
+        f[0] = b'x';
+        assert!(matches!(validate(&f, 100), Err(FileError::BadMagic(_))));
+        let mut f = file(&[42], &body());
+        f[4] = 3;
+        assert_eq!(validate(&f, 100), Err(FileError::Version(3)));
+        let f = file(&[42, 43], &body());
+        assert_eq!(validate(&f, 100), Err(FileError::Layout)); // 1 cell, 2 tokens
+        let f = file(&[42], &body()[..10]);
+        assert_eq!(validate(&f, 100), Err(FileError::Layout));
+        let mut f = file(&[], &[]);
+        f[8] = 200;
+        assert!(matches!(
+            validate(&f, 1000),
+            Err(FileError::Truncated { .. })
+        ));
+        assert!(matches!(
+            validate(&[1, 2], 10),
+            Err(FileError::Truncated { .. })
+        ));
+    }
+}
