@@ -69,8 +69,14 @@ impl Drop for PartFile {
     }
 }
 
+/// The header's one value; a header sent twice counts as absent (no guessing which one).
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    h.get(name).and_then(|v| v.to_str().ok())
+    let mut values = h.get_all(name).iter();
+    let first = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    first.to_str().ok()
 }
 
 async fn put_handoff(

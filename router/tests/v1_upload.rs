@@ -1,0 +1,226 @@
+//! V1 uploads the decode node must refuse: each gets a 4xx with a machine code and a reason,
+//! and leaves no file behind. A file that passes the upload checks but that llama.cpp
+//! refuses at import is a clean error too, and is deleted.
+
+mod common;
+
+use edgesplit_proto::{pb, v1};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn fingerprint(s: &common::Stack) -> (String, String) {
+    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+        .await
+        .unwrap();
+    let i = c.info(pb::InfoRequest {}).await.unwrap().into_inner();
+    (i.model_fingerprint, i.build_id)
+}
+
+/// A well-formed sequence-state file header with `n` tokens and a small body.
+fn ggsq(n: u32) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&v1::GGSQ_MAGIC.to_le_bytes());
+    f.extend_from_slice(&v1::FILE_VERSION.to_le_bytes());
+    f.extend_from_slice(&n.to_le_bytes());
+    for t in 0..n {
+        f.extend_from_slice(&(t as i32).to_le_bytes());
+    }
+    f.extend_from_slice(&[0u8; 64]);
+    f
+}
+
+fn sha(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+fn leftovers(s: &common::Stack, id: &str) -> Vec<String> {
+    std::fs::read_dir(&s.decode_state_dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(id))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn put(
+    s: &common::Stack,
+    id: &str,
+    body: Vec<u8>,
+    edit: impl FnOnce(&mut reqwest::header::HeaderMap),
+) -> (u16, serde_json::Value) {
+    let (fp, build) = fingerprint(s).await;
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert(v1::HEADER_SHA256, sha(&body).parse().unwrap());
+    h.insert(v1::HEADER_MODEL, fp.parse().unwrap());
+    h.insert(v1::HEADER_BUILD, build.parse().unwrap());
+    edit(&mut h);
+    let r = common::client()
+        .put(format!("{}/{id}", s.v1_url))
+        .headers(h)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or_default())
+}
+
+fn assert_refused(got: &(u16, serde_json::Value), status: u16, code: &str) {
+    assert_eq!(got.0, status, "{}", got.1);
+    assert_eq!(got.1["error"]["code"], code, "{}", got.1);
+    assert!(got.1["error"]["message"]
+        .as_str()
+        .is_some_and(|m| !m.is_empty()));
+}
+
+#[tokio::test]
+async fn refusals_leave_no_file() {
+    let s = common::smollm2();
+    // Mismatched model fingerprint.
+    let got = put(s, "v1-model", ggsq(3), |h| {
+        h.insert(v1::HEADER_MODEL, "00".repeat(32).parse().unwrap());
+    })
+    .await;
+    assert_refused(&got, 409, "model_mismatch");
+    assert!(leftovers(s, "v1-model").is_empty());
+    // Mis-hashed body.
+    let got = put(s, "v1-hash", ggsq(3), |h| {
+        h.insert(v1::HEADER_SHA256, sha(b"other").parse().unwrap());
+    })
+    .await;
+    assert_refused(&got, 400, "checksum_mismatch");
+    assert!(leftovers(s, "v1-hash").is_empty());
+    // Not a sequence-state file (valid checksum over garbage).
+    let got = put(
+        s,
+        "v1-garbage",
+        b"this is not a ggsq file at all".to_vec(),
+        |_| {},
+    )
+    .await;
+    assert_refused(&got, 400, "invalid_state_file");
+    assert!(leftovers(s, "v1-garbage").is_empty());
+    // More tokens than the context.
+    let got = put(s, "v1-long", ggsq(2048), |_| {}).await;
+    assert_refused(&got, 400, "invalid_state_file");
+    assert!(got.1["error"]["message"].as_str().unwrap().contains("2048"));
+    assert!(leftovers(s, "v1-long").is_empty());
+    // Missing checksum header.
+    let (fp, build) = fingerprint(s).await;
+    let r = common::client()
+        .put(format!("{}/v1-nosum", s.v1_url))
+        .header(v1::HEADER_MODEL, fp)
+        .header(v1::HEADER_BUILD, build)
+        .body(ggsq(1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(leftovers(s, "v1-nosum").is_empty());
+}
+
+#[tokio::test]
+async fn path_traversal_ids_are_refused() {
+    let s = common::smollm2();
+    for id in ["..%2F..%2Fetc%2Fpasswd", ".hidden", "a%2Fb", "%2E%2E"] {
+        let got = put(s, id, ggsq(1), |_| {}).await;
+        assert!(got.0 == 400 || got.0 == 404, "{id}: {}", got.0);
+        if got.0 == 400 {
+            assert_eq!(got.1["error"]["code"], "invalid_handoff_id", "{id}");
+        }
+    }
+    let parent = s.decode_state_dir.parent().unwrap();
+    assert!(!parent.join("passwd").exists());
+    assert!(leftovers(s, ".hidden").is_empty());
+}
+
+/// Raw HTTP, for requests reqwest will not send (lying Content-Length, early close).
+async fn raw(s: &common::Stack, head: String, body: &[u8]) -> String {
+    let addr = s
+        .v1_url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(body).await.unwrap();
+    sock.shutdown().await.unwrap(); // half-close: the body ends here
+    let mut out = String::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        sock.read_to_string(&mut out),
+    )
+    .await;
+    out
+}
+
+#[tokio::test]
+async fn truncated_and_oversized_uploads_are_refused() {
+    let s = common::smollm2();
+    let (fp, build) = fingerprint(s).await;
+    let body = ggsq(4);
+    let head = |id: &str, len: usize| {
+        format!(
+            "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
+            v1::HEADER_SHA256,
+            sha(&body),
+            v1::HEADER_MODEL,
+            v1::HEADER_BUILD
+        )
+    };
+    // Declares more than it sends, then closes.
+    let resp = raw(s, head("v1-trunc", body.len() + 100), &body).await;
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(resp.contains("truncated"), "{resp}");
+    assert!(leftovers(s, "v1-trunc").is_empty());
+    // Declares more than the cap (1 GiB in the test stack): refused before reading a byte.
+    let resp = raw(s, head("v1-huge", 4 << 30), b"").await;
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(resp.contains("too_large"), "{resp}");
+    assert!(leftovers(s, "v1-huge").is_empty());
+}
+
+#[tokio::test]
+async fn duplicate_and_unloadable_files() {
+    let s = common::smollm2();
+    // Passes every upload check (header, checksum) but is no real state.
+    let got = put(s, "v1-fake", ggsq(3), |_| {}).await;
+    assert_eq!(got.0, 200, "{}", got.1);
+    assert_eq!(leftovers(s, "v1-fake"), vec!["v1-fake.ggsq".to_string()]);
+    let got = put(s, "v1-fake", ggsq(3), |_| {}).await;
+    assert_refused(&got, 409, "duplicate_handoff");
+    // Importing it fails cleanly in llama.cpp, and the file is gone afterwards.
+    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+        .await
+        .unwrap();
+    let mut stream = c
+        .generate(pb::GenerateRequest {
+            request_id: "t".into(),
+            handoff_id: "v1-fake".into(),
+            sampling: None,
+            max_new_tokens: 2,
+            first_token: Some(1),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = stream.message().await.expect_err("import must fail");
+    assert_eq!(
+        err.metadata().get("x-edgesplit-error").unwrap(),
+        "import_failed"
+    );
+    assert!(leftovers(s, "v1-fake").is_empty());
+    // And the node still serves a real request.
+    let (st, _, v) = common::post(
+        &format!("{}/v1/chat/completions", s.router),
+        &serde_json::json!({"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"edgesplit":{"transport":"v1"}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["edgesplit"]["transport"], "v1");
+    assert!(v["edgesplit"]["handoff_bytes"].as_u64().unwrap() > 0);
+}
