@@ -12,14 +12,15 @@ ROUTER_PORT="${ROUTER_PORT:-8080}"
 PREFILL_PORT="${PREFILL_PORT:-50051}"
 DECODE_PORT="${DECODE_PORT:-50052}"
 HANDOFF_PORT="${HANDOFF_PORT:-50061}"
+V1_PORT="${V1_PORT:-50062}"
 PROMPT="${PROMPT:-Explain in two sentences why the sky is blue.}"
 
 echo "[demo] building (first time: ~5 minutes on 2 cores)" >&2
 cargo build --release --bins --quiet
 
-for p in "$ROUTER_PORT" "$PREFILL_PORT" "$DECODE_PORT" "$HANDOFF_PORT"; do
+for p in "$ROUTER_PORT" "$PREFILL_PORT" "$DECODE_PORT" "$HANDOFF_PORT" "$V1_PORT"; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-        echo "[demo] port $p is in use; set ROUTER_PORT/PREFILL_PORT/DECODE_PORT/HANDOFF_PORT" >&2
+        echo "[demo] port $p is in use; set ROUTER_PORT/PREFILL_PORT/DECODE_PORT/HANDOFF_PORT/V1_PORT" >&2
         exit 1
     fi
 done
@@ -33,7 +34,7 @@ trap 'exit 130' INT TERM
 
 BIN="$ROOT/target/release"
 "$BIN/edgesplit-decode" --model "$MODEL" --listen "127.0.0.1:$DECODE_PORT" \
-    --handoff-listen "127.0.0.1:$HANDOFF_PORT" >"$LOGS/decode.log" 2>&1 &
+    --handoff-listen "127.0.0.1:$HANDOFF_PORT" --v1-listen "127.0.0.1:$V1_PORT" >"$LOGS/decode.log" 2>&1 &
 pids+=($!)
 "$BIN/edgesplit-prefill" --model "$MODEL" --listen "127.0.0.1:$PREFILL_PORT" >"$LOGS/prefill.log" 2>&1 &
 pids+=($!)

@@ -46,7 +46,8 @@ pub struct Config {
         default_value = "http://127.0.0.1:50052"
     )]
     pub decode_url: String,
-    /// Default transport: v2 (disaggregated) or local (both phases on the prefill node).
+    /// Default transport: v2 (disaggregated, framed TCP), v1 (disaggregated, llama.cpp state
+    /// file by HTTP upload) or local (both phases on the prefill node).
     #[arg(long, default_value = "v2", value_parser = Transport::parse)]
     pub transport: Transport,
     /// Milliseconds allowed to connect to a node.

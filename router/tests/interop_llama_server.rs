@@ -1,0 +1,224 @@
+//! Interop: a V1 file written by our prefill node is restored by a stock llama.cpp
+//! `llama-server` (`POST /slots/0?action=restore`), which then continues with the same
+//! greedy tokens as our decode node.
+//!
+//! The stock server is built from the llama.cpp sources in the llama-cpp-python 0.3.36
+//! sdist (`scripts/stock-llama.sh`, cached under `.build/`). That llama.cpp reads
+//! sequence-state file version 3; ours writes version 4, which adds `u32 n_rot_k, u32
+//! n_rot_v` per stream. `edgesplit_proto::v1::to_version_3` drops them: that is the
+//! compatible pairing, and this test is its proof.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use edgesplit_proto::{pb, v1};
+use serde_json::{json, Value};
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn stock_bin() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("bash")
+        .arg(root.join("scripts/stock-llama.sh"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("bash runs");
+    assert!(out.status.success(), "building stock llama.cpp failed");
+    std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+#[tokio::test]
+async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
+    let bin = tokio::task::spawn_blocking(stock_bin).await.unwrap();
+    let s = common::smollm2();
+
+    // 1. Our prefill node writes and uploads the V1 file for a chat prompt (greedy).
+    let mut prefill = pb::prefill_client::PrefillClient::connect(s.prefill_grpc.clone())
+        .await
+        .unwrap();
+    const N: u32 = 16;
+    let mut events = prefill
+        .prefill(pb::PrefillRequest {
+            request_id: "interop".into(),
+            input: Some(pb::prefill_request::Input::Chat(pb::ChatInput {
+                messages: vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: "List four colours of the rainbow.".into(),
+                }],
+            })),
+            sampling: Some(pb::Sampling {
+                top_p: 1.0,
+                repeat_penalty: 1.0,
+                ..Default::default()
+            }),
+            max_tokens: N,
+            handoff: Some(pb::Handoff {
+                handoff_id: "interop-1".into(),
+                decode_addr: s.v1_url.clone(),
+                transport: pb::HandoffTransport::V1 as i32,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(pb::PrefillEvent {
+        event: Some(pb::prefill_event::Event::First(first)),
+    }) = events.message().await.unwrap()
+    else {
+        panic!("first token expected")
+    };
+    assert!(!first.last);
+    let Some(pb::PrefillEvent {
+        event: Some(pb::prefill_event::Event::Handoff(done)),
+    }) = events.message().await.unwrap()
+    else {
+        panic!("handoff report expected")
+    };
+
+    // 2. The file as our decode node received it, converted for the stock server.
+    let ours_v4 = std::fs::read(s.decode_state_dir.join("interop-1.ggsq")).unwrap();
+    assert_eq!(ours_v4.len() as u64, done.bytes);
+    let header = v1::validate(&ours_v4, 2048).unwrap();
+    let prompt: Vec<i32> = ours_v4[12..header.state_offset]
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(prompt.len() as u32, first.prompt_tokens);
+    let slots = tempdir("interop-slots");
+    std::fs::write(
+        slots.join("interop.bin"),
+        v1::to_version_3(&ours_v4).unwrap(),
+    )
+    .unwrap();
+
+    // 3. Our decode node continues from the file (this also deletes it there).
+    let mut decode = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+        .await
+        .unwrap();
+    let mut stream = decode
+        .generate(pb::GenerateRequest {
+            request_id: "interop".into(),
+            handoff_id: "interop-1".into(),
+            sampling: Some(pb::Sampling {
+                top_p: 1.0,
+                repeat_penalty: 1.0,
+                ..Default::default()
+            }),
+            max_new_tokens: N - 1,
+            first_token: Some(first.token),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut ours = Vec::new();
+    while let Some(ev) = stream.message().await.unwrap() {
+        if let Some(pb::token_event::Event::Token(t)) = ev.event {
+            ours.push(i64::from(t.id));
+        }
+    }
+    assert_eq!(ours.len(), (N - 1) as usize);
+
+    // 4. Stock llama-server: restore the slot, then continue after the first token.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut slot_path = slots.display().to_string();
+    slot_path.push('/');
+    let _server = Server(
+        Command::new(bin.join("llama-server"))
+            .args(["-m", common::model(common::SMOLLM2).to_str().unwrap()])
+            .args([
+                "-c",
+                "2048",
+                "-t",
+                "2",
+                "-np",
+                "1",
+                "-fa",
+                "on",
+                "--no-webui",
+            ])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--slot-save-path", &slot_path])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("llama-server starts"),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let http = common::client();
+    let t0 = Instant::now();
+    while http
+        .get(format!("{base}/health"))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .ok()
+        != Some(200)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "llama-server did not become healthy"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let restored: Value = http
+        .post(format!("{base}/slots/0?action=restore"))
+        .json(&json!({"filename": "interop.bin"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(restored["n_restored"], prompt.len(), "{restored}");
+
+    let mut with_first = prompt.clone();
+    with_first.push(first.token);
+    let done: Value = http
+        .post(format!("{base}/completion"))
+        .json(&json!({
+            "prompt": with_first,
+            "n_predict": N - 1,
+            "temperature": 0,
+            "cache_prompt": true,
+            "id_slot": 0,
+            "return_tokens": true,
+            "ignore_eos": false,
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    // Only the first token was evaluated: the rest came from the restored state.
+    assert_eq!(done["timings"]["prompt_n"], 1, "{done}");
+    let theirs: Vec<i64> = done["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_i64)
+        .collect();
+    assert_eq!(
+        theirs, ours,
+        "stock llama-server continued differently: {done}"
+    );
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("edgesplit-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
