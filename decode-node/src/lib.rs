@@ -143,19 +143,37 @@ impl pb::decode_server::Decode for DecodeService {
             handoff_id = %req.handoff_id,
             "generating from handoff"
         );
-        let start = match state {
-            Held::Frame(f) => Start::Imported {
-                state: f.payload.to_vec(),
-                tokens: f.tokens,
-                first,
-            },
-            Held::File { path, .. } => Start::ImportedFile { path, first },
+        let (start, file) = match state {
+            Held::Frame(f) => (
+                Start::Imported {
+                    state: f.payload.to_vec(),
+                    tokens: f.tokens,
+                    first,
+                },
+                None,
+            ),
+            Held::File { path, .. } => (
+                Start::ImportedFile {
+                    path: path.clone(),
+                    first,
+                },
+                Some(path),
+            ),
         };
-        let rx = self
+        let rx = match self
             .engine
             .generate(start, params, req.max_new_tokens)
             .await
-            .map_err(|e| status(&e))?;
+        {
+            Ok(rx) => rx,
+            Err(e) => {
+                // The engine never saw the file: delete it here.
+                if let Some(p) = file {
+                    let _ = std::fs::remove_file(p);
+                }
+                return Err(status(&e));
+            }
+        };
         Ok(Response::new(Box::pin(token_events(rx))))
     }
 
@@ -221,7 +239,6 @@ pub async fn run(
         build_id: engine.info().build_id.clone(),
         n_ctx: engine.info().n_ctx,
     });
-    let mut stop_v1 = None;
     let limits = Limits {
         frame: Duration::from_secs(config.handoff_frame_timeout_s),
         max_frame: config.max_frame_bytes,
@@ -246,7 +263,6 @@ pub async fn run(
             })
             .await
     });
-    stop_v1.replace(v1_server);
     let svc = DecodeService {
         engine,
         store,
@@ -260,8 +276,6 @@ pub async fn run(
         .await;
     let _ = stop_tx.send(true);
     let _ = receiver.await;
-    if let Some(v1) = stop_v1 {
-        let _ = v1.await;
-    }
+    let _ = v1_server.await;
     Ok(result?)
 }

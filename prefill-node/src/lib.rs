@@ -181,11 +181,20 @@ impl pb::prefill_server::Prefill for PrefillService {
             Some(h) if v1 => Export::File(self.state_dir.join(format!("{}.ggsq", h.handoff_id))),
             Some(_) => Export::Raw,
         };
-        let out = self
+        let out = match self
             .engine
-            .prefill(tokens, params, max_tokens, export)
+            .prefill(tokens, params, max_tokens, export.clone())
             .await
-            .map_err(|e| status(&e))?;
+        {
+            Ok(out) => out,
+            Err(e) => {
+                // A failed file export may leave a partial file behind.
+                if let Export::File(path) = export {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(status(&e));
+            }
+        };
         tracing::info!(
             request_id = %req.request_id,
             prompt_tokens = out.prompt_tokens.len(),

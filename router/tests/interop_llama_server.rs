@@ -55,11 +55,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                     content: "List four colours of the rainbow.".into(),
                 }],
             })),
-            sampling: Some(pb::Sampling {
-                top_p: 1.0,
-                repeat_penalty: 1.0,
-                ..Default::default()
-            }),
+            sampling: Some(greedy()),
             max_tokens: N,
             handoff: Some(pb::Handoff {
                 handoff_id: "interop-1".into(),
@@ -108,11 +104,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
         .generate(pb::GenerateRequest {
             request_id: "interop".into(),
             handoff_id: "interop-1".into(),
-            sampling: Some(pb::Sampling {
-                top_p: 1.0,
-                repeat_penalty: 1.0,
-                ..Default::default()
-            }),
+            sampling: Some(greedy()),
             max_new_tokens: N - 1,
             first_token: Some(first.token),
         })
@@ -214,6 +206,14 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
         theirs, ours,
         "stock llama-server continued differently: {done}"
     );
+}
+
+fn greedy() -> pb::Sampling {
+    pb::Sampling {
+        top_p: 1.0,
+        repeat_penalty: 1.0,
+        ..Default::default()
+    }
 }
 
 fn tempdir(name: &str) -> std::path::PathBuf {
