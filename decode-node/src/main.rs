@@ -2,12 +2,7 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,llama_cpp_2=warn".into()),
-        )
-        .init();
+    edgesplit_proto::service::init_tracing("info,llama_cpp_2=warn");
     let config = edgesplit_decode::Config::parse();
     let engine = edgesplit_engine::Engine::start(config.engine()).await?;
     let listeners = edgesplit_decode::Listeners {
@@ -21,8 +16,11 @@ async fn main() -> anyhow::Result<()> {
         v1 = %listeners.v1.local_addr()?,
         "decode node listening"
     );
-    edgesplit_decode::run(listeners, engine, &config, async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
+    edgesplit_decode::run(
+        listeners,
+        engine,
+        &config,
+        edgesplit_proto::service::shutdown_signal(),
+    )
     .await
 }

@@ -8,6 +8,7 @@ pub mod codec;
 pub mod frame;
 pub mod handoff;
 pub mod layout;
+pub mod service;
 pub mod v1;
 
 /// Generated gRPC types and services.
