@@ -13,14 +13,15 @@ PREFILL_PORT="${PREFILL_PORT:-50051}"
 DECODE_PORT="${DECODE_PORT:-50052}"
 HANDOFF_PORT="${HANDOFF_PORT:-50061}"
 V1_PORT="${V1_PORT:-50062}"
+METRICS_PORT="${METRICS_PORT:-50063}"
 PROMPT="${PROMPT:-Explain in two sentences why the sky is blue.}"
 
 echo "[demo] building (first time: ~5 minutes on 2 cores)" >&2
 cargo build --release --bins --quiet
 
-for p in "$ROUTER_PORT" "$PREFILL_PORT" "$DECODE_PORT" "$HANDOFF_PORT" "$V1_PORT"; do
+for p in "$ROUTER_PORT" "$PREFILL_PORT" "$DECODE_PORT" "$HANDOFF_PORT" "$V1_PORT" "$METRICS_PORT"; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-        echo "[demo] port $p is in use; set ROUTER_PORT/PREFILL_PORT/DECODE_PORT/HANDOFF_PORT/V1_PORT" >&2
+        echo "[demo] port $p is in use; set ROUTER_PORT/PREFILL_PORT/DECODE_PORT/HANDOFF_PORT/V1_PORT/METRICS_PORT" >&2
         exit 1
     fi
 done
@@ -36,7 +37,8 @@ BIN="$ROOT/target/release"
 "$BIN/edgesplit-decode" --model "$MODEL" --listen "127.0.0.1:$DECODE_PORT" \
     --handoff-listen "127.0.0.1:$HANDOFF_PORT" --v1-listen "127.0.0.1:$V1_PORT" >"$LOGS/decode.log" 2>&1 &
 pids+=($!)
-"$BIN/edgesplit-prefill" --model "$MODEL" --listen "127.0.0.1:$PREFILL_PORT" >"$LOGS/prefill.log" 2>&1 &
+"$BIN/edgesplit-prefill" --model "$MODEL" --listen "127.0.0.1:$PREFILL_PORT" \
+    --metrics-listen "127.0.0.1:$METRICS_PORT" >"$LOGS/prefill.log" 2>&1 &
 pids+=($!)
 "$BIN/edgesplit-router" --listen "127.0.0.1:$ROUTER_PORT" \
     --prefill-url "http://127.0.0.1:$PREFILL_PORT" --decode-url "http://127.0.0.1:$DECODE_PORT" \

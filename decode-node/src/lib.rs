@@ -4,6 +4,7 @@
 //! Architecture invariant: a state reaches the engine only after the V2 receiver verified
 //! its SHA-256, the sender's model fingerprint and build, and its tensor layout.
 
+pub mod metrics;
 pub mod store;
 pub mod upload;
 
@@ -49,7 +50,7 @@ pub struct Config {
     /// Address the prefill node should dial for the handoff (default: the bound address).
     #[arg(long)]
     pub handoff_advertise: Option<String>,
-    /// V1 upload listen address (HTTP).
+    /// V1 upload listen address (HTTP; also serves `GET /metrics`).
     #[arg(long, env = "EDGESPLIT_V1_LISTEN", default_value = "127.0.0.1:50062")]
     pub v1_listen: String,
     /// Base URL the prefill node should upload V1 files to (default: from the bound address).
@@ -255,9 +256,14 @@ pub async fn run(
             let _ = stop_handoff.wait_for(|s| *s).await;
         },
     ));
+    let sources = Arc::new(metrics::Sources {
+        store: store.clone(),
+        engine: engine.clone(),
+    });
+    let http = upload::router(upload_cfg).merge(metrics::router(sources));
     let mut stop_up = stop_rx.clone();
     let v1_server = tokio::spawn(async move {
-        axum::serve(v1_listener, upload::router(upload_cfg))
+        axum::serve(v1_listener, http)
             .with_graceful_shutdown(async move {
                 let _ = stop_up.wait_for(|s| *s).await;
             })

@@ -120,6 +120,12 @@ impl Store {
         }
     }
 
+    /// Bytes of all states held now.
+    #[must_use]
+    pub fn held_bytes(&self) -> u64 {
+        self.lock().values().map(|e| e.state.bytes()).sum()
+    }
+
     /// True when `handoff_id` is held now.
     #[must_use]
     pub fn contains(&self, handoff_id: &str) -> bool {

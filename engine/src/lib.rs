@@ -10,6 +10,7 @@ pub mod wire;
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -257,6 +258,7 @@ enum Command {
 pub struct Engine {
     tx: mpsc::Sender<Command>,
     info: Arc<ModelInfo>,
+    kv_tokens: Arc<AtomicU64>,
 }
 
 fn backend() -> &'static LlamaBackend {
@@ -275,9 +277,11 @@ impl Engine {
     pub async fn start(config: EngineConfig) -> Result<Engine, EngineError> {
         let (tx, rx) = mpsc::channel(64);
         let (ready_tx, ready_rx) = oneshot::channel();
+        let kv_tokens = Arc::new(AtomicU64::new(0));
+        let kv = kv_tokens.clone();
         std::thread::Builder::new()
             .name("llama-engine".into())
-            .spawn(move || owner_thread(config, rx, ready_tx))
+            .spawn(move || owner_thread(config, rx, ready_tx, kv))
             .map_err(|e| EngineError::Load {
                 path: String::new(),
                 reason: e.to_string(),
@@ -286,7 +290,14 @@ impl Engine {
         Ok(Engine {
             tx,
             info: Arc::new(info),
+            kv_tokens,
         })
+    }
+
+    /// Tokens whose KV the context holds now (0 when idle).
+    #[must_use]
+    pub fn kv_tokens(&self) -> u64 {
+        self.kv_tokens.load(Ordering::Relaxed)
     }
 
     /// Facts about the loaded model and context.
@@ -366,6 +377,7 @@ fn owner_thread(
     config: EngineConfig,
     mut rx: mpsc::Receiver<Command>,
     ready: oneshot::Sender<Result<ModelInfo, EngineError>>,
+    kv_tokens: Arc<AtomicU64>,
 ) {
     let load_err = |reason: String| EngineError::Load {
         path: config.model_path.display().to_string(),
@@ -434,6 +446,7 @@ fn owner_thread(
         batch: LlamaBatch::new(n_batch, 1),
         n_batch,
         n_vocab: model.n_vocab(),
+        kv_tokens,
     };
     if ready.send(Ok(info)).is_err() {
         return;
@@ -468,6 +481,8 @@ struct Worker<'m> {
     batch: LlamaBatch<'static>,
     n_batch: usize,
     n_vocab: i32,
+    /// Tokens in sequence 0's KV, for memory reporting.
+    kv_tokens: Arc<AtomicU64>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -563,6 +578,7 @@ impl Worker<'_> {
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
         }
+        self.set_kv_tokens(tokens.len());
         let idx = self.batch.n_tokens() - 1;
         let id = sampling::sample(&self.ctx, idx, self.n_vocab, params, tokens, 0);
         Ok(self.token_out(id))
@@ -571,6 +587,11 @@ impl Worker<'_> {
     fn clear(&mut self) {
         // Seq id 0 always fits in an i32; this cannot fail.
         let _ = self.ctx.clear_kv_cache_seq(Some(0), None, None);
+        self.set_kv_tokens(0);
+    }
+
+    fn set_kv_tokens(&self, n: usize) {
+        self.kv_tokens.store(n as u64, Ordering::Relaxed);
     }
 
     fn prefill_cmd(
@@ -654,7 +675,10 @@ impl Worker<'_> {
         let res = self.ctx.state_seq_load_file(path, 0, n_ctx);
         let _ = std::fs::remove_file(path);
         match res {
-            Ok((toks, _)) => Ok(toks.into_iter().map(|t| t.0).collect()),
+            Ok((toks, _)) => {
+                self.set_kv_tokens(toks.len());
+                Ok(toks.into_iter().map(|t| t.0).collect())
+            }
             Err(e) => {
                 self.clear();
                 Err(EngineError::Import(format!(
@@ -681,6 +705,8 @@ impl Worker<'_> {
                 "llama.cpp refused the state (shape or type mismatch)".into(),
             ));
         }
+        let held = self.ctx.kv_cache_seq_pos_max(0) + 1;
+        self.set_kv_tokens(usize::try_from(held).unwrap_or(0));
         Ok(())
     }
 
@@ -778,6 +804,7 @@ impl Worker<'_> {
             self.ctx
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
+            self.set_kv_tokens(history.len());
             let id = sampling::sample(&self.ctx, 0, self.n_vocab, params, &history, step);
             step += 1;
             emitted += 1;

@@ -3,11 +3,13 @@
 //! node over the V2 handoff (or, V1, as llama.cpp's sequence-state file by HTTP upload). It
 //! also serves colocated runs (the `local` transport).
 
+pub mod metrics;
 pub mod upload;
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -58,6 +60,13 @@ pub struct Config {
     /// Seconds allowed for one handoff frame (transfer of the state included).
     #[arg(long, default_value_t = 60)]
     pub handoff_frame_timeout_s: u64,
+    /// HTTP listen address of `GET /metrics`.
+    #[arg(
+        long,
+        env = "EDGESPLIT_PREFILL_METRICS_LISTEN",
+        default_value = "127.0.0.1:50063"
+    )]
+    pub metrics_listen: String,
     /// Folder for V1 state files while they are uploaded (deleted after each upload).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
@@ -95,6 +104,7 @@ pub struct PrefillService {
     limits: Limits,
     state_dir: PathBuf,
     http: reqwest::Client,
+    metrics: Arc<metrics::NodeMetrics>,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -129,6 +139,7 @@ impl PrefillService {
             limits,
             state_dir,
             http,
+            metrics: Arc::default(),
         })
     }
 
@@ -201,6 +212,10 @@ impl pb::prefill_server::Prefill for PrefillService {
             prefill_ms = out.prefill_ms,
             "prefilled"
         );
+        self.metrics.prefill.observe(out.prefill_ms / 1000.0);
+        self.metrics
+            .prompt_tokens
+            .inc_by(out.prompt_tokens.len() as u64);
         let (tx, rx) = mpsc::channel(2);
         let last = out.state.is_none();
         let first = pb::PrefillEvent {
@@ -222,6 +237,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             let http = self.http.clone();
             let export_ms = out.export_ms;
             let request_id = req.request_id.clone();
+            let metrics = self.metrics.clone();
             tokio::spawn(async move {
                 let t0 = Instant::now();
                 let result = upload::upload(
@@ -234,6 +250,8 @@ impl pb::prefill_server::Prefill for PrefillService {
                 )
                 .await;
                 let _ = tokio::fs::remove_file(&path).await;
+                let secs = t0.elapsed().as_secs_f64();
+                metrics.handoff("v1", result.is_ok(), *result.as_ref().unwrap_or(&0), secs);
                 let ev = match result {
                     Ok(bytes) => {
                         let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
@@ -256,6 +274,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             let limits = self.limits;
             let export_ms = out.export_ms;
             let request_id = req.request_id.clone();
+            let metrics = self.metrics.clone();
             tokio::spawn(async move {
                 let layout = layout::describe(&state);
                 let frame = StateFrame {
@@ -267,6 +286,8 @@ impl pb::prefill_server::Prefill for PrefillService {
                 };
                 let t0 = Instant::now();
                 let result = handoff::send_state(&h.decode_addr, &ours, frame, &limits).await;
+                let bytes = result.as_ref().map_or(0, |r| r.payload_bytes);
+                metrics.handoff("v2", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
                 let ev = match result {
                     Ok(report) => {
                         let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
@@ -333,12 +354,20 @@ fn handoff_status(e: &HandoffError) -> Status {
     )
 }
 
-/// Serves the prefill gRPC API on `listener` until `shutdown` resolves.
+/// The prefill node's listeners.
+pub struct Listeners {
+    /// gRPC control plane.
+    pub grpc: TcpListener,
+    /// `GET /metrics` (HTTP).
+    pub metrics: TcpListener,
+}
+
+/// Serves the prefill gRPC API and its metrics until `shutdown` resolves.
 ///
 /// # Errors
-/// The gRPC server's transport error.
+/// The gRPC server's transport error, or the state folder.
 pub async fn run(
-    listener: TcpListener,
+    listeners: Listeners,
     engine: Engine,
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -349,9 +378,20 @@ pub async fn run(
         .unwrap_or_else(|| std::env::temp_dir().join("edgesplit-prefill"));
     let svc = PrefillService::new(engine, config.limits(), state_dir)
         .map_err(|e| anyhow::anyhow!("state folder: {e}"))?;
-    tonic::transport::Server::builder()
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let app = metrics::router(svc.metrics.clone());
+    let http = tokio::spawn(async move {
+        axum::serve(listeners.metrics, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let result = tonic::transport::Server::builder()
         .add_service(pb::prefill_server::PrefillServer::new(svc))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
-    Ok(())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), shutdown)
+        .await;
+    let _ = stop_tx.send(true);
+    let _ = http.await;
+    Ok(result?)
 }

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod backend;
 pub mod error;
+pub mod metrics;
 pub mod respond;
 pub mod server;
 pub mod text;
@@ -99,6 +100,7 @@ pub async fn run(
     })?;
     let state = Arc::new(server::AppState {
         backend,
+        metrics: Arc::new(metrics::Metrics::new()),
         default_transport: config.transport,
         max_body_bytes: config.max_body_bytes,
     });

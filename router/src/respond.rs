@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use crate::api::{Endpoint, Transport};
 use crate::backend::{Event, FinishReason};
 use crate::error::ApiError;
+use crate::metrics::{label, RequestObserver};
 use crate::text::TextAssembler;
 
 /// Fixed facts of one response.
@@ -57,6 +58,9 @@ pub enum Step {
 pub struct Answer {
     pub meta: Meta,
     text: TextAssembler,
+    /// Where the answer is recorded once it ends (absent in unit tests).
+    observer: Option<RequestObserver>,
+    last_token_at: Option<Instant>,
     pub completion_tokens: u32,
     pub token_ids: Vec<i32>,
     pub prompt_tokens: u32,
@@ -75,6 +79,8 @@ impl Answer {
         Self {
             meta,
             text: TextAssembler::new(stops),
+            observer: None,
+            last_token_at: None,
             completion_tokens: 0,
             token_ids: Vec::new(),
             prompt_tokens: prompt_tokens.unwrap_or(0),
@@ -86,8 +92,66 @@ impl Answer {
         }
     }
 
-    /// Folds one backend event in.
+    /// Records this answer into `metrics` as it goes.
+    #[must_use]
+    pub fn observed(mut self, observer: RequestObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Folds one backend event in (and records metrics when observed).
     pub fn on_event(&mut self, ev: Event) -> Step {
+        let is_token = matches!(ev, Event::Token { .. });
+        let step = self.fold(ev);
+        let Some(obs) = &self.observer else {
+            return step;
+        };
+        let m = &obs.metrics;
+        if is_token {
+            let now = Instant::now();
+            if let Some(prev) = self.last_token_at.replace(now) {
+                m.itl.observe((now - prev).as_secs_f64());
+            }
+        }
+        match &step {
+            Step::Done(_) => {
+                let t = &self.timing;
+                if let Some(ms) = t.ttft_ms {
+                    m.ttft.observe(ms / 1000.0);
+                }
+                m.e2e.observe(self.meta.received.elapsed().as_secs_f64());
+                if let Some(ms) = t.prefill_ms {
+                    m.prefill.observe(ms / 1000.0);
+                }
+                if let Some(ms) = t.decode_ms {
+                    m.decode.observe(ms / 1000.0);
+                }
+                m.prompt_tokens.inc_by(u64::from(self.prompt_tokens));
+                m.generation_tokens
+                    .inc_by(u64::from(self.completion_tokens));
+                m.success
+                    .get_or_create(&label("finished_reason", self.finish_str()))
+                    .inc();
+                let transport = self.meta.transport.as_str();
+                if let (Some(b), Some(ms)) = (t.handoff_bytes, t.handoff_ms) {
+                    m.handoff_bytes
+                        .get_or_create(&label("transport", transport))
+                        .inc_by(b);
+                    m.handoff_seconds
+                        .get_or_create(&vec![
+                            ("transport".to_string(), transport.to_string()),
+                            ("outcome".to_string(), "ok".to_string()),
+                        ])
+                        .observe(ms / 1000.0);
+                }
+            }
+            Step::Failed(e) => m.failed(e.code.as_deref().unwrap_or(e.kind)),
+            Step::Nothing | Step::Text(_) => {}
+        }
+        step
+    }
+
+    fn fold(&mut self, ev: Event) -> Step {
         match ev {
             Event::Prefilled {
                 prompt_tokens,

@@ -24,6 +24,7 @@ use crate::respond::{Answer, Meta, Step};
 /// Shared state of the handlers.
 pub struct AppState {
     pub backend: Backend,
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     pub default_transport: Transport,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
@@ -37,6 +38,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -78,9 +80,14 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
             return e.into_response();
         }
     };
+    let metrics = s.metrics.clone();
     match serve_inner(s, endpoint, headers, &body).await {
         Ok(r) => r,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            // Failures before the first token; later ones are counted by the answer.
+            metrics.failed(e.code.as_deref().unwrap_or(e.kind));
+            e.into_response()
+        }
     }
 }
 
@@ -91,6 +98,7 @@ async fn serve_inner(
     body: &[u8],
 ) -> Result<Response, ApiError> {
     let received = Instant::now();
+    let observer = crate::metrics::RequestObserver::new(s.metrics.clone());
     let req = api::parse(endpoint, body, random_seed)?;
     let header_transport = match headers.get("x-edgesplit-transport") {
         Some(v) => Some(
@@ -114,6 +122,7 @@ async fn serve_inner(
     let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
     tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
     let started = s.backend.start(&req, transport, &request_id).await?;
+    let observer = observer.started();
     let meta = Meta {
         id: match endpoint {
             Endpoint::Chat => format!("chatcmpl-{}", &request_id[4..]),
@@ -136,7 +145,8 @@ async fn serve_inner(
         req.stop.clone(),
         started.prompt_tokens,
         started.prefill_ms,
-    );
+    )
+    .observed(observer);
     if req.stream {
         Ok(stream_response(answer, started.events).into_response())
     } else {
@@ -221,6 +231,17 @@ fn stream_response(
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });
     Sse::new(ReceiverStream::new(rx))
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {

@@ -62,6 +62,8 @@ pub struct Stack {
     pub v1_url: String,
     /// Where the decode node keeps V1 files.
     pub decode_state_dir: PathBuf,
+    /// The prefill node's `/metrics` URL.
+    pub prefill_metrics: String,
 }
 
 /// Starts a stack on a dedicated thread and runtime that outlive the calling test.
@@ -94,6 +96,8 @@ async fn serve(opts: StackOptions) -> Stack {
     let decode_state_dir = base.join("decode");
     let _ = std::fs::remove_dir_all(&base);
     let prefill_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let prefill_metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let prefill_metrics_url = format!("http://{}/metrics", prefill_metrics.local_addr().unwrap());
     let router = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handoff_addr = handoff.local_addr().unwrap().to_string();
     let decode_url = format!("http://{}", decode_grpc.local_addr().unwrap());
@@ -105,6 +109,7 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_addr: handoff_addr.clone(),
         v1_url,
         decode_state_dir: decode_state_dir.clone(),
+        prefill_metrics: prefill_metrics_url,
     };
 
     let dcfg = edgesplit_decode::Config {
@@ -135,6 +140,7 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_connect_timeout_s: 5,
         handoff_frame_timeout_s: 30,
         state_dir: Some(base.join("prefill")),
+        metrics_listen: String::new(),
     };
     let dengine = edgesplit_engine::Engine::start(dcfg.engine())
         .await
@@ -153,7 +159,11 @@ async fn serve(opts: StackOptions) -> Stack {
             .unwrap();
     });
     tokio::spawn(async move {
-        edgesplit_prefill::run(prefill_grpc, pengine, &pcfg, std::future::pending())
+        let listeners = edgesplit_prefill::Listeners {
+            grpc: prefill_grpc,
+            metrics: prefill_metrics,
+        };
+        edgesplit_prefill::run(listeners, pengine, &pcfg, std::future::pending())
             .await
             .unwrap();
     });

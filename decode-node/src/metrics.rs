@@ -1,0 +1,109 @@
+//! `GET /metrics` of the decode node (served on the V1 HTTP listener), Prometheus/OpenMetrics
+//! text, `edgesplit:` names:
+//!
+//! | series | kind | meaning |
+//! |---|---|---|
+//! | `edgesplit:handoffs_received_total` | counter | states verified and held (V1 and V2) |
+//! | `edgesplit:handoff_bytes_received_total` | counter | their bytes |
+//! | `edgesplit:handoffs_refused_total` | counter | refused states and uploads |
+//! | `edgesplit:kv_bytes_in_use` | gauge | KV of the sequence being decoded (tokens x KV bytes/token) |
+//! | `edgesplit:pending_handoff_bytes` | gauge | verified states waiting for their `Generate` |
+//! | `edgesplit:mem_available_bytes` | gauge | `MemAvailable` of the machine |
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use edgesplit_engine::Engine;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::store::Store;
+
+/// What the metrics are read from.
+pub struct Sources {
+    pub store: Arc<Store>,
+    pub engine: Engine,
+}
+
+/// The `/metrics` route.
+pub fn router(src: Arc<Sources>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(src)
+}
+
+fn counter(r: &mut Registry, name: &str, help: &str, v: u64) {
+    let c = Counter::<u64>::default();
+    c.inc_by(v);
+    r.register(name, help, c);
+}
+
+fn gauge(r: &mut Registry, name: &str, help: &str, v: u64) {
+    let g = Gauge::<i64>::default();
+    g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    r.register(name, help, g);
+}
+
+/// Renders the current values.
+#[must_use]
+pub fn render(src: &Sources) -> String {
+    let c = &src.store.counters;
+    let mut r = Registry::default();
+    counter(
+        &mut r,
+        "edgesplit:handoffs_received",
+        "States verified and held",
+        c.handoffs_received.load(Ordering::Relaxed),
+    );
+    counter(
+        &mut r,
+        "edgesplit:handoff_bytes_received",
+        "Bytes of states verified and held",
+        c.bytes_received.load(Ordering::Relaxed),
+    );
+    counter(
+        &mut r,
+        "edgesplit:handoffs_refused",
+        "Refused states and uploads",
+        c.handoffs_refused.load(Ordering::Relaxed),
+    );
+    let kv = src.engine.kv_tokens() * src.engine.info().kv_bytes_per_token;
+    gauge(
+        &mut r,
+        "edgesplit:kv_bytes_in_use",
+        "KV bytes of the sequence being decoded",
+        kv,
+    );
+    gauge(
+        &mut r,
+        "edgesplit:pending_handoff_bytes",
+        "Verified states waiting for Generate",
+        src.store.held_bytes(),
+    );
+    gauge(
+        &mut r,
+        "edgesplit:mem_available_bytes",
+        "MemAvailable",
+        edgesplit_engine::mem_available_bytes().unwrap_or(0),
+    );
+    let mut out = String::new();
+    let _ = encode(&mut out, &r);
+    out
+}
+
+async fn metrics(State(src): State<Arc<Sources>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        render(&src),
+    )
+}

@@ -1,0 +1,260 @@
+//! The router's Prometheus metrics, named as vLLM names them (users' dashboards already
+//! know those) under an `edgesplit:` prefix. Histograms have explicit buckets.
+//!
+//! | series | kind | meaning |
+//! |---|---|---|
+//! | `edgesplit:time_to_first_token_seconds` | histogram | request received to first text |
+//! | `edgesplit:inter_token_latency_seconds` | histogram | between successive tokens |
+//! | `edgesplit:e2e_request_latency_seconds` | histogram | request received to end |
+//! | `edgesplit:request_prefill_time_seconds` | histogram | prefill, as the node measured it |
+//! | `edgesplit:request_decode_time_seconds` | histogram | decode steps, as the node measured them |
+//! | `edgesplit:prompt_tokens_total` | counter | prompt tokens of finished requests |
+//! | `edgesplit:generation_tokens_total` | counter | tokens generated |
+//! | `edgesplit:request_success_total{finished_reason}` | counter | finished requests |
+//! | `edgesplit:request_failure_total{code}` | counter | failed requests, by error code |
+//! | `edgesplit:num_requests_running` | gauge | answers being streamed |
+//! | `edgesplit:num_requests_waiting` | gauge | requests not yet at their first token |
+//! | `edgesplit:handoff_bytes_total{transport}` | counter | KV bytes handed over |
+//! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time (connect to ACK) |
+//! | `edgesplit:fallbacks_total{cause}` | counter | requests finished on another node than planned |
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+const LATENCY: [f64; 18] = [
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+    20.0, 40.0,
+];
+const ITL: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+];
+const REQUEST: [f64; 17] = [
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
+];
+
+fn latency() -> Histogram {
+    Histogram::new(LATENCY)
+}
+
+/// All router series.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub prefill: Histogram,
+    pub decode: Histogram,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub success: Family<Labels, Counter>,
+    pub failure: Family<Labels, Counter>,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub handoff_bytes: Family<Labels, Counter>,
+    pub handoff_seconds: Family<Labels, Histogram>,
+    pub fallbacks: Family<Labels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every series.
+    #[must_use]
+    pub fn new() -> Self {
+        let m = Metrics {
+            registry: Mutex::new(Registry::default()),
+            ttft: latency(),
+            itl: Histogram::new(ITL),
+            e2e: Histogram::new(REQUEST),
+            prefill: Histogram::new(REQUEST),
+            decode: Histogram::new(REQUEST),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            success: Family::default(),
+            failure: Family::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            handoff_bytes: Family::default(),
+            handoff_seconds: Family::new_with_constructor(latency),
+            fallbacks: Family::default(),
+        };
+        {
+            let mut r = m
+                .registry
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            r.register(
+                "edgesplit:time_to_first_token_seconds",
+                "Time to first token",
+                m.ttft.clone(),
+            );
+            r.register(
+                "edgesplit:inter_token_latency_seconds",
+                "Time between tokens",
+                m.itl.clone(),
+            );
+            r.register(
+                "edgesplit:e2e_request_latency_seconds",
+                "Request latency",
+                m.e2e.clone(),
+            );
+            r.register(
+                "edgesplit:request_prefill_time_seconds",
+                "Prefill time",
+                m.prefill.clone(),
+            );
+            r.register(
+                "edgesplit:request_decode_time_seconds",
+                "Decode time",
+                m.decode.clone(),
+            );
+            r.register(
+                "edgesplit:prompt_tokens",
+                "Prompt tokens",
+                m.prompt_tokens.clone(),
+            );
+            r.register(
+                "edgesplit:generation_tokens",
+                "Generated tokens",
+                m.generation_tokens.clone(),
+            );
+            r.register(
+                "edgesplit:request_success",
+                "Finished requests",
+                m.success.clone(),
+            );
+            r.register(
+                "edgesplit:request_failure",
+                "Failed requests",
+                m.failure.clone(),
+            );
+            r.register(
+                "edgesplit:num_requests_running",
+                "Requests streaming",
+                m.running.clone(),
+            );
+            r.register(
+                "edgesplit:num_requests_waiting",
+                "Requests before their first token",
+                m.waiting.clone(),
+            );
+            r.register(
+                "edgesplit:handoff_bytes",
+                "KV bytes handed over",
+                m.handoff_bytes.clone(),
+            );
+            r.register(
+                "edgesplit:handoff_seconds",
+                "KV handoff time",
+                m.handoff_seconds.clone(),
+            );
+            r.register(
+                "edgesplit:fallbacks",
+                "Requests that fell back to another node",
+                m.fallbacks.clone(),
+            );
+        }
+        m
+    }
+
+    /// Counts a failed request.
+    pub fn failed(&self, code: &str) {
+        self.failure.get_or_create(&label("code", code)).inc();
+    }
+
+    /// The Prometheus (OpenMetrics) text of every series.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let r = self
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &r);
+        out
+    }
+}
+
+/// Tracks one request in the running/waiting gauges: waiting from creation, running after
+/// [`RequestObserver::started`], out of both when dropped.
+pub struct RequestObserver {
+    pub metrics: std::sync::Arc<Metrics>,
+    running: bool,
+}
+
+impl RequestObserver {
+    /// A request that has arrived (counted as waiting).
+    #[must_use]
+    pub fn new(metrics: std::sync::Arc<Metrics>) -> Self {
+        metrics.waiting.inc();
+        Self {
+            metrics,
+            running: false,
+        }
+    }
+
+    /// The request has its first token: waiting -> running.
+    #[must_use]
+    pub fn started(mut self) -> Self {
+        if !self.running {
+            self.metrics.waiting.dec();
+            self.metrics.running.inc();
+            self.running = true;
+        }
+        self
+    }
+}
+
+impl Drop for RequestObserver {
+    fn drop(&mut self) {
+        if self.running {
+            self.metrics.running.dec();
+        } else {
+            self.metrics.waiting.dec();
+        }
+    }
+}
+
+/// One label pair.
+#[must_use]
+pub fn label(k: &str, v: &str) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_vllm_style_names() {
+        let m = Metrics::new();
+        m.prompt_tokens.inc_by(7);
+        m.ttft.observe(0.2);
+        m.handoff_bytes
+            .get_or_create(&label("transport", "v2"))
+            .inc_by(100);
+        let text = m.render();
+        assert!(text.contains("edgesplit:prompt_tokens_total 7"), "{text}");
+        assert!(
+            text.contains("edgesplit:time_to_first_token_seconds_bucket{le=\"0.2\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("edgesplit:handoff_bytes_total{transport=\"v2\"} 100"),
+            "{text}"
+        );
+    }
+}
