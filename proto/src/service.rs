@@ -1,13 +1,16 @@
 //! What every EdgeSplit binary does the same way: logging set-up and the shutdown signal.
 
-/// Installs the tracing subscriber: `RUST_LOG` if set, else `default_filter`.
+/// Installs the tracing subscriber: `RUST_LOG` if set, else `default_filter`; one JSON
+/// object per line when `EDGESPLIT_LOG_FORMAT=json` (for log shippers), text otherwise.
 pub fn init_tracing(default_filter: &str) {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
-        )
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_filter.into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if std::env::var("EDGESPLIT_LOG_FORMAT").is_ok_and(|v| v == "json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM (systemd, `kill`, container stop).
