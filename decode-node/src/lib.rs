@@ -69,6 +69,14 @@ pub struct Config {
     /// Both nodes must resolve to the same setting (the handoff handshake checks).
     #[arg(long, default_value = "auto")]
     pub flash_attn: edgesplit_engine::FlashAttn,
+    /// KV memory one sequence may use, in bytes (0 = no budget). The router refuses
+    /// requests whose prompt + max_tokens would need more, before they are prefilled, and
+    /// the receiver refuses states that would. Size it from `--plan`.
+    #[arg(long, default_value_t = 0)]
+    pub kv_budget_bytes: u64,
+    /// Print how many tokens of context fit in the memory available now, then exit.
+    #[arg(long)]
+    pub plan: bool,
     /// Seconds `Generate` waits for its handoff state to arrive.
     #[arg(long, default_value_t = 30)]
     pub handoff_wait_s: u64,
@@ -107,6 +115,7 @@ pub struct DecodeService {
     store: Arc<Store>,
     handoff_addr: String,
     v1_url: String,
+    kv_budget_bytes: u64,
     wait: Duration,
 }
 
@@ -182,12 +191,60 @@ impl pb::decode_server::Decode for DecodeService {
         let mut info = self.engine.info().node_info("decode");
         info.handoff_addr.clone_from(&self.handoff_addr);
         info.v1_url.clone_from(&self.v1_url);
+        info.kv_budget_bytes = self.kv_budget_bytes;
         let c = &self.store.counters;
         info.handoff_bytes_received = c.bytes_received.load(Ordering::Relaxed);
         info.handoffs_received = c.handoffs_received.load(Ordering::Relaxed);
         info.handoffs_refused = c.handoffs_refused.load(Ordering::Relaxed);
         Ok(Response::new(info))
     }
+}
+
+/// `--plan`: how many tokens of context fit in the memory available now.
+///
+/// # Errors
+/// The model cannot be read or loaded.
+pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
+    let model_bytes = std::fs::metadata(&config.model)?.len();
+    // A small context: only the model's metadata matters here.
+    let mut ecfg = config.engine();
+    ecfg.n_ctx = 256;
+    let engine = Engine::start(ecfg).await?;
+    let info = engine.info();
+    let avail = edgesplit_engine::mem_available_bytes()
+        .ok_or_else(|| anyhow::anyhow!("MemAvailable is not readable from /proc/meminfo"))?;
+    let p = edgesplit_engine::MemoryPlan::new(avail, model_bytes, info.kv_bytes_per_token);
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "model            {} ({:.1} MiB, mapped)",
+        config.model.display(),
+        mib(p.model_bytes)
+    );
+    println!(
+        "KV per token     {} bytes (f16 K+V, {} layers, from the GGUF metadata)",
+        p.kv_bytes_per_token, info.n_layer
+    );
+    println!(
+        "available now    {:.1} MiB (MemAvailable, not total RAM)",
+        mib(p.mem_available)
+    );
+    println!(
+        "safety margin    {:.1} MiB (max of 10% and 256 MiB)",
+        mib(p.margin)
+    );
+    println!(
+        "context that fits {} tokens ({:.1} MiB of KV)",
+        p.tokens,
+        mib(p.kv_budget_bytes())
+    );
+    // No more context than the model was trained for, in steps of 256.
+    let n_ctx = p.tokens.min(u64::from(info.n_ctx_train)) / 256 * 256;
+    println!(
+        "suggested        --n-ctx {n_ctx} --kv-budget-bytes {}  (model trained for {} tokens)",
+        n_ctx * p.kv_bytes_per_token,
+        info.n_ctx_train
+    );
+    Ok(())
 }
 
 /// The decode node's three listeners.
@@ -210,10 +267,16 @@ pub async fn run(
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let budget_tokens = match config.kv_budget_bytes {
+        0 => u64::MAX,
+        b => b / engine.info().kv_bytes_per_token.max(1),
+    };
     let store = Arc::new(Store::new(StoreLimits {
         ttl: Duration::from_secs(config.pending_ttl_s),
         max_bytes: config.max_pending_bytes,
-        max_tokens: engine.info().n_ctx,
+        // The receiver refuses states past the context or the KV budget.
+        max_tokens: u32::try_from(budget_tokens.min(u64::from(engine.info().n_ctx)))
+            .unwrap_or(u32::MAX),
     }));
     let Listeners {
         grpc,
@@ -274,6 +337,7 @@ pub async fn run(
         store,
         handoff_addr,
         v1_url,
+        kv_budget_bytes: config.kv_budget_bytes,
         wait: Duration::from_secs(config.handoff_wait_s),
     };
     let result = tonic::transport::Server::builder()

@@ -2,8 +2,11 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    edgesplit_proto::service::init_tracing("info,llama_cpp_2=warn");
+    edgesplit_proto::service::init_tracing("info,llama-cpp-2=warn,llama_cpp_2=warn");
     let config = edgesplit_decode::Config::parse();
+    if config.plan {
+        return edgesplit_decode::print_plan(&config).await;
+    }
     let engine = edgesplit_engine::Engine::start(config.engine()).await?;
     let listeners = edgesplit_decode::Listeners {
         grpc: tokio::net::TcpListener::bind(&config.listen).await?,

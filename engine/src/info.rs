@@ -28,6 +28,8 @@ pub struct ModelInfo {
     pub flash_attn: bool,
     pub has_chat_template: bool,
     pub n_layer: u32,
+    /// The context length the model was trained for.
+    pub n_ctx_train: u32,
 }
 
 impl ModelInfo {
@@ -77,6 +79,7 @@ impl ModelInfo {
             flash_attn,
             has_chat_template: model.chat_template(None).is_ok(),
             n_layer,
+            n_ctx_train: model.n_ctx_train(),
         }
     }
 }
@@ -108,6 +111,44 @@ pub(crate) fn fingerprint(path: &Path) -> std::io::Result<[u8; 32]> {
     Ok(h.finalize().into())
 }
 
+/// How much context fits in memory: what `edgesplit-decode --plan` prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// `MemAvailable` now (not total RAM: a phone reports 7.6 GB total with 1.8 GB usable).
+    pub mem_available: u64,
+    /// The GGUF's size: its weights are mapped and count against memory.
+    pub model_bytes: u64,
+    /// Kept free for compute buffers, the OS and other apps: max(10%, 256 MiB).
+    pub margin: u64,
+    pub kv_bytes_per_token: u64,
+    /// Tokens of KV that fit in what is left.
+    pub tokens: u64,
+}
+
+impl MemoryPlan {
+    /// The plan for these figures.
+    #[must_use]
+    pub fn new(mem_available: u64, model_bytes: u64, kv_bytes_per_token: u64) -> Self {
+        let margin = (mem_available / 10).max(256 << 20);
+        let left = mem_available
+            .saturating_sub(model_bytes)
+            .saturating_sub(margin);
+        Self {
+            mem_available,
+            model_bytes,
+            margin,
+            kv_bytes_per_token,
+            tokens: left / kv_bytes_per_token.max(1),
+        }
+    }
+
+    /// The KV budget to pass as `--kv-budget-bytes`.
+    #[must_use]
+    pub fn kv_budget_bytes(&self) -> u64 {
+        self.tokens * self.kv_bytes_per_token
+    }
+}
+
 /// `MemAvailable` from /proc/meminfo (what can be allocated without swapping), not total RAM.
 #[must_use]
 pub fn mem_available_bytes() -> Option<u64> {
@@ -130,6 +171,22 @@ mod tests {
         let t = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   1800000 kB\n";
         assert_eq!(parse_mem_available(t), Some(1_800_000 * 1024));
         assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn memory_plan_by_hand() {
+        // SmolLM2-135M Q4_1: 98,362,432 bytes of GGUF, 30 layers x 3 KV heads x (64 + 64)
+        // x 2 bytes = 23,040 bytes of KV per token. With 1.8 GB available (the phone that
+        // was OOM-killed): 10% is 180,000,000, less than 256 MiB = 268,435,456, so the
+        // margin is 268,435,456; left = 1,800,000,000 - 98,362,432 - 268,435,456 =
+        // 1,433,202,112; tokens = floor(1,433,202,112 / 23,040) = 62,204 (62,204.97).
+        let p = MemoryPlan::new(1_800_000_000, 98_362_432, 23_040);
+        assert_eq!(p.margin, 268_435_456);
+        assert_eq!(p.tokens, 62_204);
+        assert_eq!(p.kv_budget_bytes(), 62_204 * 23_040);
+        // With 24 GB the 10% margin wins; with less memory than the model, nothing fits.
+        assert_eq!(MemoryPlan::new(24_000_000_000, 0, 1).margin, 2_400_000_000);
+        assert_eq!(MemoryPlan::new(50_000_000, 98_362_432, 23_040).tokens, 0);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::{mpsc, oneshot};
 
-pub use info::{mem_available_bytes, ModelInfo, BUILD_ID};
+pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 
 /// ggml type id of an f16 tensor (the KV cache type we run with).

@@ -149,12 +149,35 @@ impl PrefillService {
             .tokenize(input_of(req)?)
             .await
             .map_err(|e| status(&e))?;
-        let n_ctx = self.engine.info().n_ctx;
-        let max = if req.max_tokens == 0 {
-            n_ctx.saturating_sub(tokens.len() as u32).max(1)
+        let info = self.engine.info();
+        let mut max = if req.max_tokens == 0 {
+            info.n_ctx.saturating_sub(tokens.len() as u32).max(1)
         } else {
             req.max_tokens
         };
+        if req.kv_budget_bytes > 0 {
+            let per = info.kv_bytes_per_token.max(1);
+            let fit = req.kv_budget_bytes / per;
+            if req.max_tokens == 0 {
+                // "As long as it fits": cap the answer at what the budget allows.
+                max = max.min(
+                    u32::try_from(fit.saturating_sub(tokens.len() as u64)).unwrap_or(u32::MAX),
+                );
+            }
+            let need = (tokens.len() as u64 + u64::from(max)) * per;
+            if need > req.kv_budget_bytes || max == 0 {
+                return Err(status_with_code(
+                    tonic::Code::InvalidArgument,
+                    "kv_budget_exceeded",
+                    format!(
+                        "the decode node's KV memory budget is {} bytes ({fit} tokens at {per} bytes/token); \
+                         this request needs {need} bytes ({} prompt + {max} completion tokens)",
+                        req.kv_budget_bytes,
+                        tokens.len()
+                    ),
+                ));
+            }
+        }
         Ok((tokens, max))
     }
 }

@@ -2,7 +2,7 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    edgesplit_proto::service::init_tracing("info,llama_cpp_2=warn");
+    edgesplit_proto::service::init_tracing("info,llama-cpp-2=warn,llama_cpp_2=warn");
     let config = edgesplit_prefill::Config::parse();
     let engine = edgesplit_engine::Engine::start(config.engine()).await?;
     let listeners = edgesplit_prefill::Listeners {

@@ -187,6 +187,7 @@ impl Backend {
         req: &ValidRequest,
         request_id: &str,
         handoff: Option<pb::Handoff>,
+        kv_budget_bytes: u64,
     ) -> pb::PrefillRequest {
         pb::PrefillRequest {
             request_id: request_id.to_string(),
@@ -194,6 +195,7 @@ impl Backend {
             sampling: Some((&req.sampling).into()),
             max_tokens: req.max_tokens,
             handoff,
+            kv_budget_bytes,
         }
     }
 
@@ -231,7 +233,7 @@ impl Backend {
     async fn start_local(&self, req: &ValidRequest, request_id: &str) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
         let mut client = self.prefill.clone();
-        let preq = Self::prefill_request(req, request_id, None);
+        let preq = Self::prefill_request(req, request_id, None, 0);
         let mut stream = self
             .first_within(async { client.generate(preq).await }, param)
             .await?
@@ -305,6 +307,7 @@ impl Backend {
                 decode_addr: addr,
                 transport: wire as i32,
             }),
+            decode_info.kv_budget_bytes,
         );
         let mut client = self.prefill.clone();
         let mut pstream = self

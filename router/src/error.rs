@@ -103,7 +103,11 @@ impl ApiError {
             .to_string();
         let msg = st.message().to_string();
         match name.as_str() {
-            "context_length_exceeded" | "empty_prompt" | "no_chat_template" | "template_error" => {
+            "context_length_exceeded"
+            | "kv_budget_exceeded"
+            | "empty_prompt"
+            | "no_chat_template"
+            | "template_error" => {
                 Self::invalid(Some(input_param.to_string()), msg).with_code(&name)
             }
             "handoff_unreachable" | "capacity" => Self::unavailable("decode_unavailable", msg),

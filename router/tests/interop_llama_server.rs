@@ -62,6 +62,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                 decode_addr: s.v1_url.clone(),
                 transport: pb::HandoffTransport::V1 as i32,
             }),
+            kv_budget_bytes: 0,
         })
         .await
         .unwrap()

@@ -37,6 +37,8 @@ pub struct StackOptions {
     pub handoff_proxy: Option<fn(String) -> String>,
     /// Point the router at this decode URL instead of the real decode node.
     pub decode_url_override: Option<String>,
+    /// The decode node's `--kv-budget-bytes`.
+    pub kv_budget_bytes: u64,
 }
 
 impl StackOptions {
@@ -46,6 +48,7 @@ impl StackOptions {
             n_ctx: 2048,
             handoff_proxy: None,
             decode_url_override: None,
+            kv_budget_bytes: 0,
         }
     }
 }
@@ -124,6 +127,8 @@ async fn serve(opts: StackOptions) -> Stack {
         threads: None,
         flash_attn: edgesplit_engine::FlashAttn::Auto,
         handoff_wait_s: 5,
+        kv_budget_bytes: opts.kv_budget_bytes,
+        plan: false,
         pending_ttl_s: 120,
         max_pending_bytes: 1 << 30,
         handoff_frame_timeout_s: 30,
