@@ -5,6 +5,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh --gemma
+if ! command -v shellcheck >/dev/null; then
+    SUDO=""
+    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq shellcheck >/dev/null
+fi
+echo "[test] shellcheck" >&2
+shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all --check
 # --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Laptop side (Linux or WSL2): builds and runs the prefill node and the router.
+# Builds the prefill node with CUDA when `nvcc` is on PATH, for the CPU otherwise.
+#   deploy/laptop.sh [CONFIG]      CONFIG defaults to deploy/edgesplit.env (see .example)
+# Not run by the test suite (needs a phone on the network); checked with shellcheck.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CONFIG="${1:-$ROOT/deploy/edgesplit.env}"
+[[ -f "$CONFIG" ]] || { echo "no $CONFIG: copy deploy/edgesplit.env.example and edit it" >&2; exit 1; }
+# shellcheck source=deploy/edgesplit.env.example
+source "$CONFIG"
+: "${MODEL:?set MODEL in $CONFIG}" "${PHONE_IP:?set PHONE_IP in $CONFIG}"
+
+bash "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+if command -v nvcc >/dev/null; then
+    echo "[laptop] nvcc found: building the prefill node with CUDA" >&2
+    cargo build --release -p edgesplit-prefill --features cuda
+else
+    echo "[laptop] no nvcc: building the prefill node for the CPU" >&2
+    cargo build --release -p edgesplit-prefill
+fi
+cargo build --release -p edgesplit-router
+
+BIN="$ROOT/target/release"
+"$BIN/edgesplit-prefill" --model "$MODEL" --n-ctx "${N_CTX:-4096}" \
+    --listen "${PREFILL_LISTEN:-127.0.0.1:50051}" --metrics-listen "${PREFILL_METRICS:-127.0.0.1:50063}" &
+PREFILL=$!
+trap 'kill "$PREFILL" 2>/dev/null || true' EXIT
+"$BIN/edgesplit-router" --listen "${ROUTER_LISTEN:-0.0.0.0:8080}" \
+    --prefill-url "http://${PREFILL_LISTEN:-127.0.0.1:50051}" \
+    --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}" --transport "${TRANSPORT:-v2}"
