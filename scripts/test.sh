@@ -18,4 +18,6 @@ cargo fmt --all --check
 echo "[test] cargo clippy" >&2
 cargo clippy --release --workspace --all-targets -- -D warnings
 echo "[test] cargo test" >&2
+# The process-level test runs the real binaries from target/release.
+cargo build --release --bins
 cargo test --release --workspace

@@ -1,11 +1,14 @@
 //! What every EdgeSplit binary does the same way: logging set-up and the shutdown signal.
 
-/// Installs the tracing subscriber: `RUST_LOG` if set, else `default_filter`; one JSON
-/// object per line when `EDGESPLIT_LOG_FORMAT=json` (for log shippers), text otherwise.
+/// Installs the tracing subscriber on stderr (stdout stays for output such as `--plan`):
+/// `RUST_LOG` if set, else `default_filter`; one JSON object per line when
+/// `EDGESPLIT_LOG_FORMAT=json` (for log shippers), text otherwise.
 pub fn init_tracing(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| default_filter.into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if std::env::var("EDGESPLIT_LOG_FORMAT").is_ok_and(|v| v == "json") {
         builder.json().init();
     } else {
