@@ -42,6 +42,7 @@ pids+=($!)
 pids+=($!)
 "$BIN/edgesplit-router" --listen "127.0.0.1:$ROUTER_PORT" \
     --prefill-url "http://127.0.0.1:$PREFILL_PORT" --decode-url "http://127.0.0.1:$DECODE_PORT" \
+    --bench-db "$ROOT/bench/results/bench.sqlite" \
     >"$LOGS/router.log" 2>&1 &
 pids+=($!)
 
@@ -70,6 +71,7 @@ cat >&2 <<MSG
 
 [demo] serving an OpenAI-compatible API on $URL (logs in $LOGS). Try:
   curl -N $URL/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}],"stream":true}'
+or open the dashboard: $URL/dashboard
 Ctrl-C stops all three services.
 MSG
 wait

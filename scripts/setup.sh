@@ -24,6 +24,8 @@ compgen -G "/usr/lib/llvm-*/lib/libclang*.so*" >/dev/null || missing+=(libclang-
 command -v python3 >/dev/null || missing+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 command -v curl >/dev/null || missing+=(curl)
+# The bench's plots render their text with DejaVu Sans.
+[[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]] || missing+=(fonts-dejavu-core)
 if ((${#missing[@]})); then
     log "installing: ${missing[*]}"
     SUDO=""

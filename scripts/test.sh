@@ -5,10 +5,18 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh --gemma
-if ! command -v shellcheck >/dev/null; then
+# Test-only packages: shellcheck, and Debian's Chromium + ChromeDriver for the dashboard's
+# browser test (router/tests/dashboard.rs).
+missing=()
+command -v shellcheck >/dev/null || missing+=(shellcheck)
+[[ -x /usr/bin/chromium ]] || missing+=(chromium)
+[[ -x /usr/bin/chromedriver ]] || missing+=(chromium-driver)
+if ((${#missing[@]})); then
+    echo "[test] installing: ${missing[*]}" >&2
     SUDO=""
     [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq shellcheck >/dev/null
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run

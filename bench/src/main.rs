@@ -1,302 +1,518 @@
 //! `edgesplit-bench`:
-//! - `api`: measures TTFT and decode speed per transport through the router's public
-//!   streaming API, the way a client sees them;
+//! - `run`: the harness. Starts the whole stack itself (or uses `--url`), behind an
+//!   emulated link profile, and drives the router's public streaming API exactly as a
+//!   client does, beside a stock llama.cpp `llama-server` baseline in the same run.
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
 //!
-//! Method (the seed project's): one warm-up pair excluded, then `--pairs` retained pairs;
-//! within a pair the transports run in alternating order so machine drift hits both;
-//! temperature 0; ratios are computed pair by pair. A pair whose answers differ between
-//! transports is reported as a fidelity failure: its speed does not count.
-//! (The full harness - sweeps, links, baselines, SQLite - is a later issue.)
+//! Method (the seed project's), per configuration: one warm-up pair excluded, then
+//! `--pairs` retained pairs; within a pair the transports run in alternating order so
+//! machine drift hits all of them; temperature 0, fixed seed; ratios pair by pair. A pair
+//! whose EdgeSplit answers differ is a fidelity failure: its speed does not count. A failed
+//! request is recorded as failed, never dropped. See docs/BENCHMARKS.md.
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use serde_json::{json, Value};
+use indicatif::{ProgressBar, ProgressStyle};
 
+mod client;
 mod engine_bench;
+mod link;
+mod power;
+mod record;
+mod report;
+mod stack;
+mod stock;
+
+use client::{Ask, Target};
+use link::Profile;
+use record::{Record, Slot};
+use report::Attempt;
 
 #[derive(Parser, Debug)]
 #[command(name = "edgesplit-bench", about)]
 enum Cli {
-    /// TTFT and decode speed per transport, through the router's API.
-    Api(Args),
+    /// The benchmark harness (sweeps, link profiles, stock baseline, SQLite record).
+    Run(RunArgs),
     /// Our engine's prefill (pp) and decode (tg) speed, llama-bench style.
     Engine(engine_bench::EngineArgs),
 }
 
-#[derive(clap::Args, Debug)]
-struct Args {
-    /// Router base URL.
-    #[arg(long, default_value = "http://127.0.0.1:8080")]
-    url: String,
-    /// Approximate prompt length in tokens.
-    #[arg(long, default_value_t = 500)]
-    prompt_tokens: usize,
-    /// Tokens to generate per request.
-    #[arg(long, default_value_t = 64)]
-    max_tokens: u32,
-    /// Retained pairs (after one warm-up pair).
+#[derive(clap::Args, Debug, Clone)]
+struct RunArgs {
+    /// Models: `smollm2`, `gemma3` (a base model: measured on /v1/completions) or a GGUF path.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2")]
+    models: Vec<String>,
+    /// Link profiles between the laptop side (router, prefill) and the phone side (decode):
+    /// loopback, wifi, tailscale-wifi, slow-wifi.
+    #[arg(long, value_delimiter = ',', default_value = "loopback,wifi", value_parser = Profile::parse)]
+    profiles: Vec<Profile>,
+    /// Approximate prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "16,128,512,2000")]
+    prompt_tokens: Vec<usize>,
+    /// Output lengths (max_tokens).
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    max_tokens: Vec<u32>,
+    /// EdgeSplit transports; `local` is the colocated reference the others are compared to.
+    #[arg(long, value_delimiter = ',', default_value = "local,v1,v2")]
+    transports: Vec<String>,
+    /// Retained pairs per configuration (after one warm-up pair).
     #[arg(long, default_value_t = 5)]
     pairs: usize,
-    /// Transports to compare; the first is the one whose ratio is reported.
-    #[arg(long, value_delimiter = ',', default_value = "v2,local")]
-    transports: Vec<String>,
+    /// Also serve every request from a stock llama.cpp llama-server (built once by
+    /// scripts/stock-llama.sh) in the same pairs.
+    #[arg(long)]
+    stock: bool,
+    /// Concurrency mode: this many clients at once per transport (0 = off), on the first
+    /// prompt length and output length.
+    #[arg(long, default_value_t = 0)]
+    concurrency: usize,
+    /// Requests per transport in concurrency mode.
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    /// Context size of every server (EdgeSplit's nodes and the stock server).
+    #[arg(long, default_value_t = 4096)]
+    n_ctx: u32,
+    /// Threads per server (default: physical cores).
+    #[arg(long)]
+    threads: Option<i32>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Use a running router instead of starting the stack (profiles then only label rows).
+    #[arg(long)]
+    url: Option<String>,
+    /// The SQLite record (appended to; keep it).
+    #[arg(long, default_value = "bench/results/bench.sqlite")]
+    db: PathBuf,
+    /// Output folder (default: bench/results/run-<run id>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The smoke-test preset: prompts 16 and 128, 16 output tokens, 2 pairs, links
+    /// loopback and wifi, 2 clients x 4 requests (under a minute here).
+    #[arg(long)]
+    quick: bool,
+    /// No progress bar (logs each attempt on a line instead).
+    #[arg(long)]
+    no_progress: bool,
 }
 
-/// One measured request.
-#[derive(Debug, Clone)]
-struct Sample {
-    ttft_ms: f64,
-    e2e_ms: f64,
-    completion_tokens: u64,
-    prompt_tokens: u64,
-    /// Server-reported decode speed (decode steps only).
-    decode_tps: f64,
-    handoff_bytes: u64,
-    handoff_ms: f64,
-    text: String,
-}
-
-fn prompt(target_tokens: usize) -> String {
-    // About 21 tokens per line with SmolLM2's tokenizer.
-    let lines = (target_tokens / 21).max(1);
-    let log = (0..lines)
-        .map(|i| {
-            format!(
-                "Day {i}: harbour {} recorded {} degrees, wind {} km/h.",
-                i % 7,
-                10 + (i * 7) % 23,
-                (i * 13) % 41
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ");
-    format!("{log}\nSummarise the weather log.")
-}
-
-async fn one(client: &reqwest::Client, args: &Args, transport: &str) -> anyhow::Result<Sample> {
-    let body = json!({
-        "messages": [{"role": "user", "content": prompt(args.prompt_tokens)}],
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "seed": 42,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-        "edgesplit": {"transport": transport},
-    });
-    let t0 = Instant::now();
-    let mut resp = client
-        .post(format!("{}/v1/chat/completions", args.url))
-        .json(&body)
-        .send()
-        .await?;
-    anyhow::ensure!(resp.status().is_success(), "HTTP {}", resp.status());
-    let mut ttft = None;
-    let mut text = String::new();
-    let mut usage = Value::Null;
-    let mut timing = Value::Null;
-    let mut buf = String::new();
-    while let Some(chunk) = resp.chunk().await? {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                continue;
-            }
-            let v: Value = serde_json::from_str(data)?;
-            anyhow::ensure!(v.get("error").is_none(), "in-band error: {v}");
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                if !c.is_empty() {
-                    ttft.get_or_insert(t0.elapsed());
-                    text.push_str(c);
-                }
-            }
-            if !v["usage"].is_null() {
-                usage = v["usage"].clone();
-                timing = v["edgesplit"].clone();
-            }
+impl RunArgs {
+    fn apply_quick(&mut self) {
+        if self.quick {
+            self.prompt_tokens = vec![16, 128];
+            self.max_tokens = vec![16];
+            self.pairs = 2;
+            self.profiles = ["loopback", "wifi"]
+                .iter()
+                .filter_map(|p| Profile::named(p))
+                .collect();
+            self.concurrency = 2;
+            self.requests = 4;
         }
     }
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    Ok(Sample {
-        ttft_ms: ms(ttft.unwrap_or_default()),
-        e2e_ms: ms(t0.elapsed()),
-        completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
-        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        decode_tps: timing["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
-        handoff_bytes: timing["handoff_bytes"].as_u64().unwrap_or(0),
-        handoff_ms: timing["handoff_ms"].as_f64().unwrap_or(0.0),
-        text,
-    })
 }
 
-struct Stats {
-    mean: f64,
-    median: f64,
-    stddev: f64,
-    min: f64,
-    max: f64,
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn stats(xs: &[f64]) -> Stats {
-    let n = xs.len().max(1) as f64;
-    let mean = xs.iter().sum::<f64>() / n;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    let mut s = xs.to_vec();
-    s.sort_by(f64::total_cmp);
-    let median = if s.is_empty() {
-        0.0
-    } else if s.len() % 2 == 1 {
-        s[s.len() / 2]
-    } else {
-        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
-    };
-    Stats {
-        mean,
-        median,
-        stddev: var.sqrt(),
-        min: s.first().copied().unwrap_or(0.0),
-        max: s.last().copied().unwrap_or(0.0),
+fn model_path(name: &str) -> PathBuf {
+    let dir = std::env::var("EDGESPLIT_MODELS_DIR")
+        .map_or_else(|_| repo_root().join("models"), PathBuf::from);
+    match name {
+        "smollm2" => dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        "gemma3" => dir.join("gemma-3-270m-q4_k_m.gguf"),
+        path => PathBuf::from(path),
     }
 }
 
-fn row(name: &str, xs: &[f64]) -> String {
-    let s = stats(xs);
-    format!(
-        "| {name} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
-        s.mean, s.median, s.stddev, s.min, s.max
-    )
+fn describe(p: &Profile) -> String {
+    match p.mbit_s {
+        None if p.one_way_ms == 0.0 => "no shaping".to_string(),
+        m => format!(
+            "{} ms ± {} one way, {}",
+            p.one_way_ms,
+            p.jitter_ms,
+            m.map_or("unlimited".to_string(), |m| format!("{m} Mbit/s"))
+        ),
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse() {
-        Cli::Api(args) => api(args).await,
+        Cli::Run(mut args) => {
+            args.apply_quick();
+            run(args).await
+        }
         Cli::Engine(args) => engine_bench::run(&args).await,
     }
 }
 
-async fn api(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(args.transports.len() >= 2, "need two transports to compare");
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .build()?;
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); args.transports.len()];
-    let mut mismatches = 0;
+/// Runs one request with power sampling and records it.
+async fn attempt(
+    rec: &Record,
+    http: &reqwest::Client,
+    slot: &Slot<'_>,
+    target: &Target,
+    ask: &Ask,
+) -> anyhow::Result<Attempt> {
+    let id = rec.begin(slot)?;
+    let sampler = power::start();
+    let result = client::run(http, target, ask)
+        .await
+        .map_err(|e| format!("{e:#}"));
+    let energy = match sampler {
+        Some(s) => s.stop().await,
+        None => Err(power::NOT_AVAILABLE.to_string()),
+    };
+    rec.finish(id, &result, &energy)?;
+    Ok(Attempt {
+        id,
+        transport: target.name().to_string(),
+        result,
+    })
+}
+
+struct Env {
+    rec: Record,
+    http: reqwest::Client,
+    bar: ProgressBar,
+    verbose: bool,
+}
+
+impl Env {
+    fn log(&self, a: &Attempt, what: &str) {
+        self.bar.inc(1);
+        if self.verbose {
+            let r = match &a.result {
+                Ok(m) => format!(
+                    "TTFT {:.1} ms, e2e {:.1} ms, {} tok",
+                    m.ttft_ms, m.e2e_ms, m.completion_tokens
+                ),
+                Err(e) => format!("FAILED: {e}"),
+            };
+            eprintln!("#{} {what} {}: {r}", a.id, a.transport);
+        }
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    for t in &args.transports {
+        anyhow::ensure!(
+            matches!(t.as_str(), "local" | "v1" | "v2"),
+            "unknown transport {t:?} (local, v1, v2)"
+        );
+    }
+    anyhow::ensure!(!args.prompt_tokens.is_empty() && !args.max_tokens.is_empty());
+    let threads = args
+        .threads
+        .unwrap_or_else(edgesplit_engine::default_threads);
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let rec = Record::open(&args.db, &command, threads, args.n_ctx)?;
+    let out = args.out.clone().unwrap_or_else(|| {
+        args.db
+            .parent()
+            .unwrap_or(Path::new("."))
+            .join(format!("run-{}", rec.run_id))
+    });
+    std::fs::create_dir_all(&out)?;
+    rec.set_out_dir(&out)?;
+    let stock_bin = if args.stock && args.url.is_none() {
+        Some(stock::build(&repo_root())?)
+    } else {
+        None
+    };
+
+    let per_profile = args.prompt_tokens.len()
+        * args.max_tokens.len()
+        * (args.pairs + 1)
+        * (args.transports.len() + usize::from(stock_bin.is_some()))
+        + args.concurrency.min(1) * args.requests * args.transports.len();
+    let total = args.models.len() * args.profiles.len() * per_profile;
+    let verbose = args.no_progress;
+    let bar = if verbose {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")?
+            .progress_chars("=> "),
+    );
+    let env = Env {
+        rec,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(900))
+            .build()?,
+        bar,
+        verbose,
+    };
+
+    let mut configs = Vec::new();
+    let mut conc = Vec::new();
+    for model in &args.models {
+        let path = model_path(model);
+        anyhow::ensure!(
+            path.is_file(),
+            "model {} missing (scripts/setup.sh fetches smollm2; --gemma adds gemma3)",
+            path.display()
+        );
+        let model_name = path
+            .file_stem()
+            .map_or(model.clone(), |s| s.to_string_lossy().into_owned());
+        let (router, flash_attn, chat, _stack) = match &args.url {
+            Some(url) => (url.clone(), true, true, None),
+            None => {
+                let cfg = stack::StackConfig {
+                    model: path.clone(),
+                    n_ctx: args.n_ctx,
+                    threads,
+                    dir: out.join(format!("services-{model_name}")),
+                };
+                let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
+                (s.router.clone(), s.flash_attn, s.chat, Some(s))
+            }
+        };
+        let stock = match &stock_bin {
+            Some(bin) => {
+                Some(stock::StockServer::start(bin, &path, args.n_ctx, threads, flash_attn).await?)
+            }
+            None => None,
+        };
+        let mut targets: Vec<Target> = args
+            .transports
+            .iter()
+            .map(|t| Target::EdgeSplit {
+                url: router.clone(),
+                transport: t.clone(),
+            })
+            .collect();
+        if let Some(s) = &stock {
+            targets.push(Target::Stock { url: s.url.clone() });
+        }
+        for profile in &args.profiles {
+            if let Some(s) = &_stack {
+                s.set_profile(profile);
+            }
+            for &pt in &args.prompt_tokens {
+                for &mt in &args.max_tokens {
+                    env.bar
+                        .set_message(format!("{model_name} {} {pt} tok", profile.name));
+                    let ask = Ask {
+                        prompt: client::prompt(pt),
+                        max_tokens: mt,
+                        chat,
+                        seed: args.seed,
+                    };
+                    let c = pairs(&env, &args, &model_name, profile, &targets, &ask, pt).await?;
+                    let lines = c.summarise();
+                    for l in &lines {
+                        env.rec.summary(
+                            &l.model,
+                            &l.profile,
+                            l.target_prompt_tokens,
+                            l.max_tokens,
+                            &l.subject,
+                            &l.metric,
+                            &l.stats,
+                            &l.attempt_ids,
+                        )?;
+                    }
+                    configs.push((c, lines));
+                }
+            }
+            if args.concurrency > 0 {
+                for t in targets.iter().filter(|t| t.name() != "stock") {
+                    env.bar.set_message(format!(
+                        "{model_name} {} x{} {}",
+                        profile.name,
+                        args.concurrency,
+                        t.name()
+                    ));
+                    let ask = Ask {
+                        prompt: client::prompt(args.prompt_tokens[0]),
+                        max_tokens: args.max_tokens[0],
+                        chat,
+                        seed: args.seed,
+                    };
+                    let c = concurrent(&env, &args, &model_name, profile, t, &ask).await?;
+                    let lines = c.summarise();
+                    for l in &lines {
+                        env.rec.summary(
+                            &l.model,
+                            &l.profile,
+                            l.target_prompt_tokens,
+                            l.max_tokens,
+                            &l.subject,
+                            &l.metric,
+                            &l.stats,
+                            &l.attempt_ids,
+                        )?;
+                    }
+                    conc.push((c, lines));
+                }
+            }
+        }
+    }
+    env.bar.finish_and_clear();
+    env.rec.close_run()?;
+
+    let profiles: BTreeMap<String, String> = args
+        .profiles
+        .iter()
+        .map(|p| (p.name.clone(), describe(p)))
+        .collect();
+    let header = format!(
+        "## EdgeSplit benchmark, run {}\n\n`{command}`\n\n{threads} threads per server, n_ctx {}, temperature 0, seed {}, {} retained pairs per configuration after one warm-up pair, transports in alternating order. Stock baseline: {}. GPU power: {}.",
+        env.rec.run_id,
+        args.n_ctx,
+        args.seed,
+        args.pairs,
+        if stock_bin.is_some() {
+            "llama-server from llama-cpp-python 0.3.36's llama.cpp, same model, context, threads and flash attention"
+        } else {
+            "not run (--stock)"
+        },
+        if power::start().is_some() {
+            "sampled with nvidia-smi every 100 ms"
+        } else {
+            power::NOT_AVAILABLE
+        },
+    );
+    let md = report::markdown(&header, &configs, &conc, &profiles);
+    std::fs::write(out.join("summary.md"), &md)?;
+    report::write_tables(&env.rec, &out)?;
+    let plots = report::plots(&configs, &out)?;
+    println!("{md}");
+    println!(
+        "record: {} (run {}); outputs: {} (summary.md, samples.json, samples.csv, summary.json, summary.csv, {})",
+        args.db.display(),
+        env.rec.run_id,
+        out.display(),
+        plots.join(", ")
+    );
+    let bad: usize = configs.iter().map(|(c, _)| c.mismatched_pairs()).sum();
+    anyhow::ensure!(
+        bad == 0,
+        "{bad} pairs gave different answers between transports"
+    );
+    Ok(())
+}
+
+async fn pairs(
+    env: &Env,
+    args: &RunArgs,
+    model: &str,
+    profile: &Profile,
+    targets: &[Target],
+    ask: &Ask,
+    pt: usize,
+) -> anyhow::Result<report::Config> {
+    let mut c = report::Config {
+        model: model.to_string(),
+        profile: profile.name.clone(),
+        target_prompt_tokens: pt,
+        max_tokens: ask.max_tokens,
+        transports: targets.iter().map(|t| t.name().to_string()).collect(),
+        pairs: Vec::new(),
+    };
     for pair in 0..=args.pairs {
-        let mut order: Vec<usize> = (0..args.transports.len()).collect();
+        // Alternate: forward in even pairs, reversed in odd ones.
+        let mut order: Vec<usize> = (0..targets.len()).collect();
         if pair % 2 == 1 {
             order.reverse();
         }
-        let mut got: Vec<Option<Sample>> = vec![None; args.transports.len()];
-        for &i in &order {
-            got[i] = Some(one(&client, &args, &args.transports[i]).await?);
-        }
-        let got: Vec<Sample> = got.into_iter().flatten().collect();
-        let same = got.iter().all(|s| s.text == got[0].text);
-        eprintln!(
-            "pair {pair}{}: {}{}",
-            if pair == 0 {
-                " (warm-up, excluded)"
-            } else {
-                ""
-            },
-            got.iter()
-                .zip(&args.transports)
-                .map(|(s, t)| format!("{t} TTFT {:.1} ms, {:.1} tok/s", s.ttft_ms, s.decode_tps))
-                .collect::<Vec<_>>()
-                .join("; "),
-            if same { "" } else { "  ANSWERS DIFFER" }
-        );
-        if pair == 0 {
-            continue;
-        }
-        if !same {
-            mismatches += 1;
-            continue;
-        }
-        for (i, s) in got.into_iter().enumerate() {
-            samples[i].push(s);
-        }
-    }
-    let first = &samples[0];
-    let p = first.first().map_or(0, |s| s.prompt_tokens);
-    let c = first.first().map_or(0, |s| s.completion_tokens);
-    println!(
-        "prompt {p} tokens, {c} completion tokens, {} retained pairs, {mismatches} pairs with differing answers\n",
-        first.len()
-    );
-    println!("| metric | mean | median | stddev | min | max |\n|---|---|---|---|---|---|");
-    for (i, t) in args.transports.iter().enumerate() {
-        let s = &samples[i];
-        println!(
-            "{}",
-            row(
-                &format!("{t} TTFT ms"),
-                &s.iter().map(|x| x.ttft_ms).collect::<Vec<_>>()
-            )
-        );
-        println!(
-            "{}",
-            row(
-                &format!("{t} decode tok/s (server)"),
-                &s.iter().map(|x| x.decode_tps).collect::<Vec<_>>()
-            )
-        );
-        println!(
-            "{}",
-            row(
-                &format!("{t} end-to-end ms"),
-                &s.iter().map(|x| x.e2e_ms).collect::<Vec<_>>()
-            )
-        );
-        if s.iter().any(|x| x.handoff_bytes > 0) {
-            println!(
-                "{}",
-                row(
-                    &format!("{t} handoff ms"),
-                    &s.iter().map(|x| x.handoff_ms).collect::<Vec<_>>()
-                )
+        let mut got: Vec<Option<Attempt>> = vec![None; targets.len()];
+        for (position, &i) in order.iter().enumerate() {
+            let slot = Slot {
+                mode: "pair",
+                model,
+                profile: &profile.name,
+                transport: targets[i].name(),
+                target_prompt_tokens: pt,
+                max_tokens: ask.max_tokens,
+                pair,
+                position,
+                excluded: pair == 0,
+            };
+            let a = attempt(&env.rec, &env.http, &slot, &targets[i], ask).await?;
+            env.log(
+                &a,
+                &format!("{model} {} {pt} tok pair {pair}", profile.name),
             );
-            println!(
-                "{}",
-                row(
-                    &format!("{t} handoff MB"),
-                    &s.iter()
-                        .map(|x| x.handoff_bytes as f64 / 1e6)
-                        .collect::<Vec<_>>()
-                )
-            );
+            got[i] = Some(a);
         }
+        let got: Vec<Attempt> = got.into_iter().flatten().collect();
+        for (a, same) in got.iter().zip(report::fidelity(&got)) {
+            if let Some(same) = same {
+                env.rec.mark_same(a.id, same)?;
+            }
+        }
+        c.pairs.push(got);
     }
-    for (i, t) in args.transports.iter().enumerate().skip(1) {
-        let base = &args.transports[0];
-        let ttft: Vec<f64> = samples[0]
-            .iter()
-            .zip(&samples[i])
-            .map(|(a, b)| a.ttft_ms / b.ttft_ms)
-            .collect();
-        let tps: Vec<f64> = samples[0]
-            .iter()
-            .zip(&samples[i])
-            .map(|(a, b)| a.decode_tps / b.decode_tps)
-            .collect();
-        let st = stats(&ttft);
-        let sd = stats(&tps);
-        println!(
-            "| ratio {base}/{t} TTFT (pairwise) | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
-            st.mean, st.median, st.stddev, st.min, st.max
-        );
-        println!(
-            "| ratio {base}/{t} decode tok/s (pairwise) | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
-            sd.mean, sd.median, sd.stddev, sd.min, sd.max
-        );
+    Ok(c)
+}
+
+async fn concurrent(
+    env: &Env,
+    args: &RunArgs,
+    model: &str,
+    profile: &Profile,
+    target: &Target,
+    ask: &Ask,
+) -> anyhow::Result<report::Concurrency> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let t0 = Instant::now();
+    let mut clients = Vec::new();
+    for client in 0..args.concurrency {
+        let next = next.clone();
+        clients.push(async move {
+            let mut mine = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= args.requests {
+                    break;
+                }
+                let slot = Slot {
+                    mode: "concurrency",
+                    model,
+                    profile: &profile.name,
+                    transport: target.name(),
+                    target_prompt_tokens: args.prompt_tokens[0],
+                    max_tokens: ask.max_tokens,
+                    pair: i,
+                    position: client,
+                    excluded: false,
+                };
+                let a = attempt(&env.rec, &env.http, &slot, target, ask).await?;
+                env.log(
+                    &a,
+                    &format!("{model} {} x{} #{i}", profile.name, args.concurrency),
+                );
+                mine.push(a);
+            }
+            anyhow::Ok(mine)
+        });
     }
-    anyhow::ensure!(mismatches == 0, "{mismatches} pairs gave different answers");
-    Ok(())
+    let mut attempts = Vec::new();
+    for r in futures::future::join_all(clients).await {
+        attempts.extend(r?);
+    }
+    attempts.sort_by_key(|a| a.id);
+    Ok(report::Concurrency {
+        model: model.to_string(),
+        profile: profile.name.clone(),
+        transport: target.name().to_string(),
+        clients: args.concurrency,
+        target_prompt_tokens: args.prompt_tokens[0],
+        max_tokens: ask.max_tokens,
+        wall_s: t0.elapsed().as_secs_f64(),
+        attempts,
+    })
 }

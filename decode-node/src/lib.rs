@@ -189,6 +189,7 @@ impl pb::decode_server::Decode for DecodeService {
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
         let mut info = self.engine.info().node_info("decode");
+        info.requests_in_flight = self.engine.in_flight();
         info.handoff_addr.clone_from(&self.handoff_addr);
         info.v1_url.clone_from(&self.v1_url);
         info.kv_budget_bytes = self.kv_budget_bytes;

@@ -243,6 +243,7 @@ enum Command {
         max_tokens: u32,
         export: Export,
         reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
+        in_flight: InFlight,
     },
     Generate {
         start: Start,
@@ -250,7 +251,25 @@ enum Command {
         /// Tokens to emit at most.
         max_tokens: u32,
         events: mpsc::Sender<GenEvent>,
+        in_flight: InFlight,
     },
+}
+
+/// Counts a prefill or generation from the moment it is queued until the owner thread is
+/// done with it (or drops it unrun).
+struct InFlight(Arc<AtomicU64>);
+
+impl InFlight {
+    fn new(count: &Arc<AtomicU64>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Handle to an engine's owner thread. Cheap to clone.
@@ -259,6 +278,7 @@ pub struct Engine {
     tx: mpsc::Sender<Command>,
     info: Arc<ModelInfo>,
     kv_tokens: Arc<AtomicU64>,
+    in_flight: Arc<AtomicU64>,
 }
 
 fn backend() -> &'static LlamaBackend {
@@ -291,7 +311,14 @@ impl Engine {
             tx,
             info: Arc::new(info),
             kv_tokens,
+            in_flight: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Prefills and generations queued or running now.
+    #[must_use]
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
     }
 
     /// Tokens whose KV the context holds now (0 when idle).
@@ -338,12 +365,14 @@ impl Engine {
         max_tokens: u32,
         export: Export,
     ) -> Result<PrefillOutput, EngineError> {
+        let in_flight = InFlight::new(&self.in_flight);
         self.call(|reply| Command::Prefill {
             tokens,
             params,
             max_tokens,
             export,
             reply,
+            in_flight,
         })
         .await
     }
@@ -366,6 +395,7 @@ impl Engine {
                 params,
                 max_tokens,
                 events,
+                in_flight: InFlight::new(&self.in_flight),
             })
             .await
             .map_err(|_| EngineError::Closed)?;
@@ -462,14 +492,18 @@ fn owner_thread(
                 max_tokens,
                 export,
                 reply,
+                in_flight,
             } => {
-                let _ = reply.send(worker.prefill_cmd(&tokens, &params, max_tokens, &export));
+                let out = worker.prefill_cmd(&tokens, &params, max_tokens, &export);
+                drop(in_flight);
+                let _ = reply.send(out);
             }
             Command::Generate {
                 start,
                 params,
                 max_tokens,
                 events,
+                in_flight: _in_flight,
             } => worker.generate(start, &params, max_tokens, &events),
         }
     }

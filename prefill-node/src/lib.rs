@@ -349,7 +349,9 @@ impl pb::prefill_server::Prefill for PrefillService {
     }
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
-        Ok(Response::new(self.engine.info().node_info("prefill")))
+        let mut info = self.engine.info().node_info("prefill");
+        info.requests_in_flight = self.engine.in_flight();
+        Ok(Response::new(info))
     }
 }
 

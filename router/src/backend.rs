@@ -136,6 +136,18 @@ impl Backend {
         })
     }
 
+    /// The prefill node's gRPC URL.
+    #[must_use]
+    pub fn prefill_url(&self) -> String {
+        self.config.prefill_url.clone()
+    }
+
+    /// The decode node's gRPC URL.
+    #[must_use]
+    pub fn decode_url(&self) -> String {
+        self.config.decode_url.clone()
+    }
+
     /// The prefill node's info, within the info timeout.
     ///
     /// # Errors

@@ -3,10 +3,12 @@
 //!
 //! Modules: [`api`] parses and validates requests, [`backend`] drives the nodes over gRPC,
 //! [`text`] turns token bytes into text (UTF-8, stop strings), [`respond`] builds the
-//! OpenAI JSON and SSE chunks, [`server`] holds the routes, [`error`] the error table.
+//! OpenAI JSON and SSE chunks, [`server`] holds the routes, [`error`] the error table,
+//! [`dashboard`] the web page at `/dashboard`.
 
 pub mod api;
 pub mod backend;
+pub mod dashboard;
 pub mod error;
 pub mod metrics;
 pub mod respond;
@@ -63,6 +65,9 @@ pub struct Config {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// The bench's SQLite record, whose newest run the dashboard shows.
+    #[arg(long, env = "EDGESPLIT_BENCH_DB")]
+    pub bench_db: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -78,6 +83,7 @@ impl Config {
             info_timeout_ms: 3000,
             first_token_timeout_s: 300,
             max_body_bytes: 8 * 1024 * 1024,
+            bench_db: None,
         }
     }
 }
@@ -103,6 +109,8 @@ pub async fn run(
         metrics: Arc::new(metrics::Metrics::new()),
         default_transport: config.transport,
         max_body_bytes: config.max_body_bytes,
+        started: std::time::Instant::now(),
+        bench_db: config.bench_db.clone(),
     });
     axum::serve(listener, server::app(state))
         .with_graceful_shutdown(shutdown)

@@ -61,6 +61,8 @@ pub struct Metrics {
     pub handoff_bytes: Family<Labels, Counter>,
     pub handoff_seconds: Family<Labels, Histogram>,
     pub fallbacks: Family<Labels, Counter>,
+    /// The last answers, for the dashboard.
+    pub recent: crate::dashboard::Recent,
 }
 
 impl Default for Metrics {
@@ -89,6 +91,7 @@ impl Metrics {
             handoff_bytes: Family::default(),
             handoff_seconds: Family::new_with_constructor(latency),
             fallbacks: Family::default(),
+            recent: crate::dashboard::Recent::default(),
         };
         {
             let mut r = m

@@ -148,6 +148,31 @@ impl Answer {
             Step::Failed(e) => m.failed(e.code.as_deref().unwrap_or(e.kind)),
             Step::Nothing | Step::Text(_) => {}
         }
+        match &step {
+            Step::Done(_) => {
+                let mut v = self.timing_json();
+                v["at"] = json!(self.meta.created);
+                v["status"] = json!("ok");
+                v["finish_reason"] = json!(self.finish_str());
+                v["prompt_tokens"] = json!(self.prompt_tokens);
+                v["completion_tokens"] = json!(self.completion_tokens);
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("token_ids");
+                }
+                m.recent.push(v);
+            }
+            Step::Failed(e) => m.recent.push(json!({
+                "at": self.meta.created,
+                "status": "error",
+                "request_id": self.meta.request_id,
+                "transport": self.meta.transport.as_str(),
+                "code": e.code.as_deref().unwrap_or(e.kind),
+                "message": e.message,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+            })),
+            Step::Nothing | Step::Text(_) => {}
+        }
         step
     }
 

@@ -28,6 +28,9 @@ pub struct AppState {
     pub default_transport: Transport,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    pub started: Instant,
+    /// The bench record the dashboard reads (`--bench-db`).
+    pub bench_db: Option<std::path::PathBuf>,
 }
 
 /// The router's HTTP API.
@@ -39,6 +42,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .merge(crate::dashboard::routes())
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -65,6 +69,12 @@ async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: B
     serve(s, Endpoint::Completion, &headers, body).await
 }
 
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 fn random_seed() -> u32 {
     // A v4 UUID is 122 random bits; 32 of them make the seed.
     let b = uuid::Uuid::new_v4().into_bytes();
@@ -86,6 +96,12 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
         Err(e) => {
             // Failures before the first token; later ones are counted by the answer.
             metrics.failed(e.code.as_deref().unwrap_or(e.kind));
+            metrics.recent.push(json!({
+                "at": unix_now(),
+                "status": "error",
+                "code": e.code.as_deref().unwrap_or(e.kind),
+                "message": e.message,
+            }));
             e.into_response()
         }
     }

@@ -39,6 +39,8 @@ pub struct StackOptions {
     pub decode_url_override: Option<String>,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
+    /// The router's `--bench-db` (the dashboard's benchmark section).
+    pub bench_db: Option<PathBuf>,
 }
 
 impl StackOptions {
@@ -49,6 +51,7 @@ impl StackOptions {
             handoff_proxy: None,
             decode_url_override: None,
             kv_budget_bytes: 0,
+            bench_db: None,
         }
     }
 }
@@ -172,8 +175,9 @@ async fn serve(opts: StackOptions) -> Stack {
             .await
             .unwrap();
     });
-    let rcfg =
+    let mut rcfg =
         edgesplit_router::Config::new(prefill_url, opts.decode_url_override.unwrap_or(decode_url));
+    rcfg.bench_db = opts.bench_db;
     tokio::spawn(async move {
         edgesplit_router::run(router, &rcfg, std::future::pending())
             .await

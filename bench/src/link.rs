@@ -1,0 +1,276 @@
+//! A user-space link emulator: a TCP proxy that adds one-way latency with jitter and caps
+//! bandwidth, in both directions, to stand in for the Wi-Fi between a laptop and a phone
+//! (this machine's kernel has no netem).
+//!
+//! Why our own and not a crate: the one Rust port of Toxiproxy (`noxious` 1.0.4) has had no
+//! release since April 2021, and Toxiproxy itself (Go) is neither in Debian nor fetchable
+//! here. What we need is two of its toxics with the semantics of a real link, which is
+//! about a hundred lines:
+//! - **bandwidth** as serialisation: a chunk leaves the sender's side of the link when the
+//!   link has finished sending everything before it, at `mbit_s`;
+//! - **latency** as propagation: each chunk then arrives `one_way_ms` (± up to `jitter_ms`)
+//!   later, pipelined - chunks in flight do not wait for each other's delay - and never
+//!   overtakes the chunk before it (TCP delivers in order).
+//!
+//! A sender faster than the link fills a queue of at most [`QUEUE_BYTES`] waiting for the
+//! link (a router's buffer), then is pushed back by TCP flow control, as on a real link.
+//! Bytes already on the link (bandwidth x delay) are not limited: a real TCP window grows to
+//! cover them, and capping them would cap the throughput below the profile's bandwidth.
+//! The profile is read per chunk, so one proxy can be switched between profiles while
+//! connections (the router's HTTP/2 channel to the decode node) stay open.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Bytes waiting for the link, per direction, before the sender is pushed back.
+pub const QUEUE_BYTES: usize = 256 * 1024;
+/// Chunks in flight per direction, a memory bound for unlimited bandwidth.
+const MAX_CHUNKS: usize = 1024;
+/// Largest chunk read at once.
+const CHUNK: usize = 16 * 1024;
+
+/// A link's character.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Profile {
+    pub name: String,
+    /// Propagation delay each way.
+    pub one_way_ms: f64,
+    /// Each chunk's delay varies uniformly within ± this.
+    pub jitter_ms: f64,
+    /// Bandwidth each way; `None` = unlimited.
+    pub mbit_s: Option<f64>,
+}
+
+impl Profile {
+    /// The named profiles.
+    pub fn named(name: &str) -> Option<Profile> {
+        let (one_way_ms, jitter_ms, mbit_s) = match name {
+            "loopback" => (0.0, 0.0, None),
+            "wifi" => (25.0, 5.0, Some(100.0)),
+            "tailscale-wifi" => (50.0, 10.0, Some(40.0)),
+            "slow-wifi" => (50.0, 10.0, Some(10.0)),
+            _ => return None,
+        };
+        Some(Profile {
+            name: name.to_string(),
+            one_way_ms,
+            jitter_ms,
+            mbit_s,
+        })
+    }
+
+    pub fn parse(name: &str) -> Result<Profile, String> {
+        Self::named(name).ok_or_else(|| {
+            format!("unknown link profile {name:?} (loopback, wifi, tailscale-wifi, slow-wifi)")
+        })
+    }
+
+    /// Time to put `bytes` on the link.
+    fn serialise(&self, bytes: usize) -> Duration {
+        match self.mbit_s {
+            Some(m) if m > 0.0 => Duration::from_secs_f64(bytes as f64 * 8.0 / (m * 1e6)),
+            _ => Duration::ZERO,
+        }
+    }
+
+    fn delay(&self, rng: &mut impl Rng) -> Duration {
+        let j = if self.jitter_ms > 0.0 {
+            rng.random_range(-self.jitter_ms..=self.jitter_ms)
+        } else {
+            0.0
+        };
+        Duration::from_secs_f64((self.one_way_ms + j).max(0.0) / 1000.0)
+    }
+}
+
+/// A running proxy; change its profile with [`Link::set`].
+#[derive(Clone)]
+pub struct Link {
+    profile: Arc<Mutex<Profile>>,
+    /// Where clients connect.
+    pub addr: std::net::SocketAddr,
+}
+
+impl Link {
+    /// Listens on a loopback port and forwards every connection to `target`.
+    pub async fn start(target: String, profile: Profile) -> std::io::Result<Link> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let profile = Arc::new(Mutex::new(profile));
+        let p = profile.clone();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let target = target.clone();
+                let p = p.clone();
+                tokio::spawn(async move {
+                    let Ok(outbound) = TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let _ = inbound.set_nodelay(true);
+                    let _ = outbound.set_nodelay(true);
+                    let (ri, wi) = inbound.into_split();
+                    let (ro, wo) = outbound.into_split();
+                    tokio::join!(pipe(ri, wo, p.clone()), pipe(ro, wi, p));
+                });
+            }
+        });
+        Ok(Link { profile, addr })
+    }
+
+    pub fn set(&self, profile: Profile) {
+        *self.profile.lock().expect("profile lock") = profile;
+    }
+}
+
+/// One direction: read chunks, schedule each, write each at its time.
+async fn pipe(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    profile: Arc<Mutex<Profile>>,
+) {
+    let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(MAX_CHUNKS);
+    let reader = async move {
+        let mut rng = rand::rngs::StdRng::from_rng(&mut rand::rng());
+        let mut link_free = Instant::now();
+        let mut last_arrival = Instant::now();
+        loop {
+            let mut buf = vec![0u8; CHUNK];
+            let n = match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            buf.truncate(n);
+            let p = profile.lock().expect("profile lock").clone();
+            let now = Instant::now();
+            link_free = link_free.max(now) + p.serialise(n);
+            let arrival = (link_free + p.delay(&mut rng)).max(last_arrival);
+            last_arrival = arrival;
+            if tx.send((arrival, buf)).await.is_err() {
+                break;
+            }
+            // The queue before the link is full: stop reading until it drains.
+            let backlog = link_free.saturating_duration_since(Instant::now());
+            let limit = p.serialise(QUEUE_BYTES);
+            if backlog > limit {
+                tokio::time::sleep(backlog - limit).await;
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((at, buf)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if w.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+        let _ = w.shutdown().await;
+    };
+    tokio::join!(reader, writer);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server behind the link: the round trip of a small message takes two one-way
+    /// delays; a large transfer takes its size over the bandwidth.
+    #[tokio::test]
+    async fn latency_and_bandwidth_are_applied() {
+        let echo = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let echo_addr = echo.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = echo.accept().await {
+                tokio::spawn(async move {
+                    let (mut r, mut w) = s.into_split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        let profile = Profile {
+            name: "test".into(),
+            one_way_ms: 40.0,
+            jitter_ms: 0.0,
+            mbit_s: Some(80.0),
+        };
+        let link = Link::start(echo_addr, profile).await.unwrap();
+        let mut s = TcpStream::connect(link.addr).await.unwrap();
+        let t0 = std::time::Instant::now();
+        s.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        s.read_exact(&mut got).await.unwrap();
+        let rtt = t0.elapsed();
+        assert_eq!(&got, b"ping");
+        assert!(rtt >= Duration::from_millis(80), "{rtt:?}");
+        assert!(rtt < Duration::from_millis(400), "{rtt:?}");
+
+        // 2 MB at 80 Mbit/s = 200 ms each way (the echo's way back is capped too, but
+        // pipelined), plus 80 ms of propagation.
+        let data: Vec<u8> = (0..2_000_000u32).map(|i| (i % 251) as u8).collect();
+        let (mut r, mut w) = s.into_split();
+        let t0 = std::time::Instant::now();
+        let send = tokio::spawn({
+            let data = data.clone();
+            async move { w.write_all(&data).await.unwrap() }
+        });
+        let mut back = vec![0u8; data.len()];
+        r.read_exact(&mut back).await.unwrap();
+        send.await.unwrap();
+        let took = t0.elapsed();
+        assert_eq!(back, data, "bytes arrive intact and in order");
+        assert!(took >= Duration::from_millis(270), "{took:?}");
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+
+        // One way, 4 MB at 80 Mbit/s is 400 ms on the link plus 40 ms of propagation: the
+        // throughput is the profile's, not capped by the data in flight.
+        let sink = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sink_addr = sink.local_addr().unwrap().to_string();
+        let drained = tokio::spawn(async move {
+            let (mut s, _) = sink.accept().await.unwrap();
+            let mut buf = Vec::new();
+            s.read_to_end(&mut buf).await.unwrap();
+            (buf.len(), std::time::Instant::now())
+        });
+        let profile = link.profile.lock().unwrap().clone();
+        let one_way = Link::start(sink_addr, profile).await.unwrap();
+        let mut s = TcpStream::connect(one_way.addr).await.unwrap();
+        let t0 = std::time::Instant::now();
+        s.write_all(&vec![7u8; 4_000_000]).await.unwrap();
+        s.shutdown().await.unwrap();
+        let (n, done) = drained.await.unwrap();
+        let took = done - t0;
+        assert_eq!(n, 4_000_000);
+        assert!(took >= Duration::from_millis(430), "{took:?}");
+        assert!(
+            took < Duration::from_millis(600),
+            "{took:?}: below the profile's bandwidth"
+        );
+
+        // Switching the profile takes effect at once.
+        link.set(Profile::named("loopback").unwrap());
+        drop(r);
+        let mut s = TcpStream::connect(link.addr).await.unwrap();
+        let t0 = std::time::Instant::now();
+        s.write_all(b"pong").await.unwrap();
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"pong");
+        assert!(t0.elapsed() < Duration::from_millis(80));
+    }
+
+    #[test]
+    fn named_profiles() {
+        assert_eq!(Profile::parse("wifi").unwrap().mbit_s, Some(100.0));
+        assert_eq!(Profile::parse("slow-wifi").unwrap().one_way_ms, 50.0);
+        assert!(Profile::parse("5g")
+            .unwrap_err()
+            .contains("unknown link profile"));
+        let p = Profile::parse("wifi").unwrap();
+        // 12.5 MB at 100 Mbit/s is one second.
+        assert_eq!(p.serialise(12_500_000), Duration::from_secs(1));
+    }
+}

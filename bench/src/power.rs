@@ -1,0 +1,86 @@
+//! GPU board power, sampled every 100 ms across a request with `nvidia-smi`, integrated to
+//! joules. Where `nvidia-smi` is missing the record says so instead of a number.
+
+use std::process::Stdio;
+use std::time::Instant;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+/// What a request's energy field says when there is no figure.
+pub const NOT_AVAILABLE: &str = "not available: no nvidia-smi on this machine";
+
+pub struct Sampler {
+    child: Child,
+    task: JoinHandle<Vec<(Instant, f64)>>,
+}
+
+/// Starts sampling, or `None` where there is no `nvidia-smi`.
+pub fn start() -> Option<Sampler> {
+    let mut child = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=power.draw",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            "100",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .ok()?;
+    let out = child.stdout.take()?;
+    let task = tokio::spawn(async move {
+        let mut lines = BufReader::new(out).lines();
+        let mut samples = Vec::new();
+        while let Ok(Some(line)) = lines.next_line().await {
+            // One line per GPU per sample; the first GPU is the one we run on.
+            if let Ok(w) = line.split(',').next().unwrap_or("").trim().parse::<f64>() {
+                samples.push((Instant::now(), w));
+            }
+        }
+        samples
+    });
+    Some(Sampler { child, task })
+}
+
+impl Sampler {
+    /// Stops and returns joules (trapezoid rule over the samples), or why there are none.
+    pub async fn stop(mut self) -> Result<f64, String> {
+        let _ = self.child.kill().await;
+        let samples = self.task.await.map_err(|e| e.to_string())?;
+        integrate(&samples).ok_or_else(|| "not available: fewer than two power samples".into())
+    }
+}
+
+fn integrate(samples: &[(Instant, f64)]) -> Option<f64> {
+    if samples.len() < 2 {
+        return None;
+    }
+    Some(
+        samples
+            .windows(2)
+            .map(|w| (w[1].0 - w[0].0).as_secs_f64() * (w[0].1 + w[1].1) / 2.0)
+            .sum(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn trapezoid() {
+        let t = Instant::now();
+        let s = [
+            (t, 100.0),
+            (t + Duration::from_millis(100), 200.0),
+            (t + Duration::from_millis(200), 200.0),
+        ];
+        let j = integrate(&s).unwrap();
+        assert!((j - 35.0).abs() < 1e-9, "{j}");
+        assert_eq!(integrate(&s[..1]), None);
+    }
+}

@@ -1,0 +1,392 @@
+//! The durable record: a SQLite file the user keeps. Every attempt is a row written
+//! *before* its request starts (`status = 'started'`) and completed after (`ok` or
+//! `failed`), so a crash mid-run stays visible as started-never-finished. Warm-ups are
+//! marked `excluded`, never deleted. Each summary row names the attempt ids it came from.
+
+use std::path::Path;
+
+use rusqlite::{params, Connection};
+use serde_json::{Map, Value};
+
+use crate::client::Measure;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY,
+    started_at REAL NOT NULL,      -- unix seconds
+    finished_at REAL,
+    command TEXT NOT NULL,
+    git_rev TEXT,
+    threads INTEGER,
+    n_ctx INTEGER,
+    out_dir TEXT                   -- where the run wrote summary.md, JSON, CSV and plots
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    mode TEXT NOT NULL,            -- 'pair' or 'concurrency'
+    model TEXT NOT NULL,
+    profile TEXT NOT NULL,
+    transport TEXT NOT NULL,       -- local, v1, v2 or stock
+    target_prompt_tokens INTEGER NOT NULL,
+    max_tokens INTEGER NOT NULL,
+    pair INTEGER NOT NULL,         -- pair index (0 = warm-up); concurrency: request index
+    position INTEGER NOT NULL,     -- order within the pair; concurrency: client index
+    excluded INTEGER NOT NULL,     -- 1 = warm-up
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    status TEXT NOT NULL,          -- started, ok, failed
+    error TEXT,
+    ttft_ms REAL, tpot_ms REAL, itl_mean_ms REAL, itl_p90_ms REAL, itl_max_ms REAL,
+    itl_ms TEXT,                   -- JSON array, every gap
+    e2e_ms REAL,
+    prompt_tokens INTEGER, completion_tokens INTEGER,
+    prefill_ms REAL, handoff_bytes INTEGER, handoff_ms REAL, decode_tps REAL,
+    energy_j REAL,
+    energy_note TEXT,              -- why energy_j is NULL
+    text_sha256 TEXT,
+    same_as_reference INTEGER      -- answer equals the pair's first EdgeSplit transport's
+);
+CREATE TABLE IF NOT EXISTS summaries (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    model TEXT NOT NULL, profile TEXT NOT NULL,
+    target_prompt_tokens INTEGER NOT NULL, max_tokens INTEGER NOT NULL,
+    subject TEXT NOT NULL,         -- a transport, 'ratio A/B (pairwise)', or 'concurrency N'
+    metric TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    mean REAL, median REAL, stddev REAL, min REAL, max REAL, p90 REAL,
+    attempt_ids TEXT NOT NULL      -- JSON array of attempts.id
+);
+";
+
+pub fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+pub struct Record {
+    db: Connection,
+    pub run_id: i64,
+}
+
+/// Where an attempt belongs.
+#[derive(Clone, Debug)]
+pub struct Slot<'a> {
+    pub mode: &'a str,
+    pub model: &'a str,
+    pub profile: &'a str,
+    pub transport: &'a str,
+    pub target_prompt_tokens: usize,
+    pub max_tokens: u32,
+    pub pair: usize,
+    pub position: usize,
+    pub excluded: bool,
+}
+
+/// Statistics of one metric.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Stats {
+    pub n: usize,
+    pub mean: f64,
+    pub median: f64,
+    pub stddev: f64,
+    pub min: f64,
+    pub max: f64,
+    pub p90: f64,
+}
+
+impl Stats {
+    pub fn of(xs: &[f64]) -> Option<Stats> {
+        if xs.is_empty() {
+            return None;
+        }
+        let n = xs.len();
+        let mean = xs.iter().sum::<f64>() / n as f64;
+        let var = if n > 1 {
+            xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+        } else {
+            0.0
+        };
+        let mut s = xs.to_vec();
+        s.sort_by(f64::total_cmp);
+        let median = if n % 2 == 1 {
+            s[n / 2]
+        } else {
+            (s[n / 2 - 1] + s[n / 2]) / 2.0
+        };
+        Some(Stats {
+            n,
+            mean,
+            median,
+            stddev: var.sqrt(),
+            min: s[0],
+            max: s[n - 1],
+            p90: percentile(&s, 0.90),
+        })
+    }
+}
+
+/// Nearest-rank percentile of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+impl Record {
+    pub fn open(path: &Path, command: &str, threads: i32, n_ctx: u32) -> anyhow::Result<Record> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let db = Connection::open(path)?;
+        db.execute_batch(SCHEMA)?;
+        // Records made before `out_dir` existed.
+        let has_out_dir = db.prepare("SELECT out_dir FROM runs LIMIT 0").is_ok();
+        if !has_out_dir {
+            db.execute_batch("ALTER TABLE runs ADD COLUMN out_dir TEXT")?;
+        }
+        let rev = std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        db.execute(
+            "INSERT INTO runs (started_at, command, git_rev, threads, n_ctx) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![now(), command, rev, threads, n_ctx],
+        )?;
+        let run_id = db.last_insert_rowid();
+        Ok(Record { db, run_id })
+    }
+
+    /// Writes the row before the request starts; returns its id.
+    pub fn begin(&self, s: &Slot) -> anyhow::Result<i64> {
+        self.db.execute(
+            "INSERT INTO attempts (run_id, mode, model, profile, transport, target_prompt_tokens,
+                max_tokens, pair, position, excluded, started_at, status)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 'started')",
+            params![
+                self.run_id,
+                s.mode,
+                s.model,
+                s.profile,
+                s.transport,
+                s.target_prompt_tokens as i64,
+                s.max_tokens,
+                s.pair as i64,
+                s.position as i64,
+                s.excluded,
+                now()
+            ],
+        )?;
+        Ok(self.db.last_insert_rowid())
+    }
+
+    pub fn finish(
+        &self,
+        id: i64,
+        result: &Result<Measure, String>,
+        energy: &Result<f64, String>,
+    ) -> anyhow::Result<()> {
+        let (energy_j, energy_note) = match energy {
+            Ok(j) => (Some(*j), None),
+            Err(why) => (None, Some(why.as_str())),
+        };
+        match result {
+            Err(e) => {
+                self.db.execute(
+                    "UPDATE attempts SET finished_at = ?2, status = 'failed', error = ?3,
+                        energy_j = ?4, energy_note = ?5 WHERE id = ?1",
+                    params![id, now(), e, energy_j, energy_note],
+                )?;
+            }
+            Ok(m) => {
+                let mut itl = m.itl_ms.clone();
+                itl.sort_by(f64::total_cmp);
+                let itl_mean =
+                    (!itl.is_empty()).then(|| itl.iter().sum::<f64>() / itl.len() as f64);
+                let itl_p90 = (!itl.is_empty()).then(|| percentile(&itl, 0.9));
+                self.db.execute(
+                    "UPDATE attempts SET finished_at = ?2, status = 'ok', ttft_ms = ?3, tpot_ms = ?4,
+                        itl_mean_ms = ?5, itl_p90_ms = ?6, itl_max_ms = ?7, itl_ms = ?8, e2e_ms = ?9,
+                        prompt_tokens = ?10, completion_tokens = ?11, prefill_ms = ?12,
+                        handoff_bytes = ?13, handoff_ms = ?14, decode_tps = ?15, energy_j = ?16,
+                        energy_note = ?17, text_sha256 = ?18 WHERE id = ?1",
+                    params![
+                        id,
+                        now(),
+                        m.ttft_ms,
+                        m.tpot_ms,
+                        itl_mean,
+                        itl_p90,
+                        itl.last().copied(),
+                        serde_json::to_string(&m.itl_ms)?,
+                        m.e2e_ms,
+                        m.prompt_tokens as i64,
+                        m.completion_tokens as i64,
+                        m.prefill_ms,
+                        m.handoff_bytes.map(|b| b as i64),
+                        m.handoff_ms,
+                        m.decode_tps,
+                        energy_j,
+                        energy_note,
+                        hex_sha256(&m.text),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn mark_same(&self, id: i64, same: bool) -> anyhow::Result<()> {
+        self.db.execute(
+            "UPDATE attempts SET same_as_reference = ?2 WHERE id = ?1",
+            params![id, same],
+        )?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn summary(
+        &self,
+        model: &str,
+        profile: &str,
+        target_prompt_tokens: usize,
+        max_tokens: u32,
+        subject: &str,
+        metric: &str,
+        st: &Stats,
+        ids: &[i64],
+    ) -> anyhow::Result<()> {
+        self.db.execute(
+            "INSERT INTO summaries (run_id, model, profile, target_prompt_tokens, max_tokens,
+                subject, metric, n, mean, median, stddev, min, max, p90, attempt_ids)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            params![
+                self.run_id,
+                model,
+                profile,
+                target_prompt_tokens as i64,
+                max_tokens,
+                subject,
+                metric,
+                st.n as i64,
+                st.mean,
+                st.median,
+                st.stddev,
+                st.min,
+                st.max,
+                st.p90,
+                serde_json::to_string(ids)?,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Where this run writes its outputs (absolute, so the router's dashboard finds them).
+    pub fn set_out_dir(&self, dir: &Path) -> anyhow::Result<()> {
+        let dir = std::fs::canonicalize(dir)?;
+        self.db.execute(
+            "UPDATE runs SET out_dir = ?2 WHERE id = ?1",
+            params![self.run_id, dir.display().to_string()],
+        )?;
+        Ok(())
+    }
+
+    pub fn close_run(&self) -> anyhow::Result<()> {
+        self.db.execute(
+            "UPDATE runs SET finished_at = ?2 WHERE id = ?1",
+            params![self.run_id, now()],
+        )?;
+        Ok(())
+    }
+
+    /// Every row of `table` for this run, as JSON objects in id order.
+    pub fn rows(&self, table: &str) -> anyhow::Result<Vec<Map<String, Value>>> {
+        anyhow::ensure!(matches!(table, "attempts" | "summaries"), "unknown table");
+        let mut stmt = self.db.prepare(&format!(
+            "SELECT * FROM {table} WHERE run_id = ?1 ORDER BY id"
+        ))?;
+        let names: Vec<String> = stmt.column_names().iter().map(|s| s.to_string()).collect();
+        let rows = stmt.query_map([self.run_id], |row| {
+            let mut m = Map::new();
+            for (i, name) in names.iter().enumerate() {
+                let v = match row.get_ref(i)? {
+                    rusqlite::types::ValueRef::Null => Value::Null,
+                    rusqlite::types::ValueRef::Integer(x) => Value::from(x),
+                    rusqlite::types::ValueRef::Real(x) => Value::from(x),
+                    rusqlite::types::ValueRef::Text(t) => {
+                        Value::from(String::from_utf8_lossy(t).into_owned())
+                    }
+                    rusqlite::types::ValueRef::Blob(b) => Value::from(b.len()),
+                };
+                m.insert(name.clone(), v);
+            }
+            Ok(m)
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+}
+
+fn hex_sha256(s: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(s.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_and_percentiles() {
+        let s = Stats::of(&[4.0, 1.0, 3.0, 2.0]).unwrap();
+        assert_eq!(
+            (s.n, s.mean, s.median, s.min, s.max),
+            (4, 2.5, 2.5, 1.0, 4.0)
+        );
+        assert!((s.stddev - 1.290_994).abs() < 1e-6);
+        assert_eq!(s.p90, 4.0);
+        let xs: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(percentile(&xs, 0.9), 9.0);
+        assert_eq!(percentile(&xs, 0.5), 5.0);
+        assert!(Stats::of(&[]).is_none());
+    }
+
+    #[test]
+    fn a_started_row_stays_visible_until_finished() {
+        let dir = std::env::temp_dir().join(format!("edgesplit-record-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = Record::open(&dir.join("b.sqlite"), "test", 2, 2048).unwrap();
+        let slot = Slot {
+            mode: "pair",
+            model: "m",
+            profile: "loopback",
+            transport: "v2",
+            target_prompt_tokens: 16,
+            max_tokens: 8,
+            pair: 0,
+            position: 0,
+            excluded: true,
+        };
+        let a = rec.begin(&slot).unwrap();
+        let b = rec.begin(&slot).unwrap();
+        rec.finish(a, &Err("boom".into()), &Err(power_na()))
+            .unwrap();
+        let rows = rec.rows("attempts").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0]["status"], "failed");
+        assert_eq!(rows[0]["error"], "boom");
+        assert_eq!(rows[0]["excluded"], 1);
+        assert_eq!(rows[1]["id"], b);
+        assert_eq!(rows[1]["status"], "started");
+        assert!(rows[1]["finished_at"].is_null());
+    }
+
+    fn power_na() -> String {
+        crate::power::NOT_AVAILABLE.to_string()
+    }
+}

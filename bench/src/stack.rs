@@ -1,0 +1,203 @@
+//! Starts the whole EdgeSplit stack - the real `edgesplit-decode`, `edgesplit-prefill` and
+//! `edgesplit-router` binaries (next to this one in `target/release`), as separate
+//! processes on loopback ports - with an emulated link ([`crate::link`]) on every path that
+//! crosses the network in a real deployment (laptop: router + prefill; phone: decode):
+//! - the V2 handoff (prefill -> decode),
+//! - the V1 upload (prefill -> decode),
+//! - the router's gRPC channel to the decode node (the answer's tokens, decode -> router).
+//!
+//! Each path has its own proxy with the same profile; on a real Wi-Fi they would share the
+//! air time, which matters only if a handoff and a token stream overlap.
+//!
+//! Separate processes, not the services' library functions in this process: two engines in
+//! one process decoded at about a third of their speed here (40 vs 135 tok/s on SmolLM2,
+//! 2 threads each; their OpenMP teams and the process's async threads oversubscribe the
+//! 2 cores), which is not how the product runs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use edgesplit_proto::pb::prefill_client::PrefillClient;
+use edgesplit_proto::pb::InfoRequest;
+
+use crate::link::{Link, Profile};
+
+pub struct StackConfig {
+    pub model: PathBuf,
+    pub n_ctx: u32,
+    pub threads: i32,
+    /// Logs and state files go here.
+    pub dir: PathBuf,
+}
+
+/// A running stack; its processes are killed on drop.
+pub struct Stack {
+    pub router: String,
+    /// Whether flash attention is on (both nodes agree; the handshake checks it).
+    pub flash_attn: bool,
+    /// Whether the model has a chat template (else the bench uses `/v1/completions`).
+    pub chat: bool,
+    links: Vec<Link>,
+    children: Vec<Child>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<String> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .to_string())
+}
+
+fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe
+        .parent()
+        .map(|d| d.join(name))
+        .filter(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "{name} is not next to {}: run `cargo build --release --bins` first",
+                exe.display()
+            )
+        })?;
+    Ok(p)
+}
+
+fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<Child> {
+    let log = std::fs::File::create(log)?;
+    Command::new(binary(name)?)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {name}"))
+}
+
+impl Stack {
+    pub async fn start(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
+        std::fs::create_dir_all(&cfg.dir)?;
+        let (decode_grpc, handoff, v1) = (free_port()?, free_port()?, free_port()?);
+        let (prefill_grpc, prefill_metrics, router) = (free_port()?, free_port()?, free_port()?);
+        let handoff_link = Link::start(handoff.clone(), profile.clone()).await?;
+        let v1_link = Link::start(v1.clone(), profile.clone()).await?;
+        let grpc_link = Link::start(decode_grpc.clone(), profile).await?;
+        let model = cfg.model.display().to_string();
+        let common = |listen: &str| -> Vec<String> {
+            vec![
+                "--model".into(),
+                model.clone(),
+                "--n-ctx".into(),
+                cfg.n_ctx.to_string(),
+                "--threads".into(),
+                cfg.threads.to_string(),
+                "--listen".into(),
+                listen.to_string(),
+            ]
+        };
+        let mut stack = Stack {
+            router: format!("http://{router}"),
+            flash_attn: false,
+            chat: false,
+            links: vec![handoff_link.clone(), v1_link.clone(), grpc_link.clone()],
+            children: Vec::new(),
+        };
+        let mut dargs = common(&decode_grpc);
+        dargs.extend([
+            "--handoff-listen".into(),
+            handoff,
+            "--handoff-advertise".into(),
+            handoff_link.addr.to_string(),
+            "--v1-listen".into(),
+            v1,
+            "--v1-advertise".into(),
+            format!("http://{}/v1/handoff", v1_link.addr),
+            "--state-dir".into(),
+            cfg.dir.join("decode-state").display().to_string(),
+            "--handoff-wait-s".into(),
+            "60".into(),
+        ]);
+        stack.children.push(spawn(
+            "edgesplit-decode",
+            &dargs,
+            &cfg.dir.join("decode.log"),
+        )?);
+        let mut pargs = common(&prefill_grpc);
+        pargs.extend([
+            "--metrics-listen".into(),
+            prefill_metrics,
+            "--state-dir".into(),
+            cfg.dir.join("prefill-state").display().to_string(),
+        ]);
+        stack.children.push(spawn(
+            "edgesplit-prefill",
+            &pargs,
+            &cfg.dir.join("prefill.log"),
+        )?);
+        let rargs: Vec<String> = vec![
+            "--listen".into(),
+            router,
+            "--prefill-url".into(),
+            format!("http://{prefill_grpc}"),
+            "--decode-url".into(),
+            format!("http://{}", grpc_link.addr),
+        ];
+        stack.children.push(spawn(
+            "edgesplit-router",
+            &rargs,
+            &cfg.dir.join("router.log"),
+        )?);
+
+        // Ready when the router says healthy (it checks both nodes).
+        let http = reqwest::Client::new();
+        let t0 = Instant::now();
+        loop {
+            for c in &mut stack.children {
+                if let Some(status) = c.try_wait()? {
+                    anyhow::bail!(
+                        "a service exited ({status}) while starting; see the logs in {}",
+                        cfg.dir.display()
+                    );
+                }
+            }
+            let ok = http
+                .get(format!("{}/health", stack.router))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                break;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(120),
+                "the stack was not healthy after 120 s; see the logs in {}",
+                cfg.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let info = PrefillClient::connect(format!("http://{prefill_grpc}"))
+            .await?
+            .info(InfoRequest {})
+            .await?
+            .into_inner();
+        stack.flash_attn = info.flash_attn;
+        stack.chat = info.has_chat_template;
+        Ok(stack)
+    }
+
+    /// Switches every emulated link to `profile`.
+    pub fn set_profile(&self, profile: &Profile) {
+        for l in &self.links {
+            l.set(profile.clone());
+        }
+    }
+}

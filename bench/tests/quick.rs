@@ -1,0 +1,138 @@
+//! The harness's smoke test: `edgesplit-bench run --quick --stock` against the real
+//! services (started by the bench from `target/release`, so `cargo build --release --bins`
+//! comes first, as scripts/test.sh does) and a stock llama-server, then checks that every
+//! output exists and is well-formed and that the SQLite record is complete.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn png_size(path: &Path) -> (u32, u32) {
+    let b = std::fs::read(path).unwrap();
+    assert!(b.len() > 10_000, "{} is nearly empty", path.display());
+    assert_eq!(
+        &b[..8],
+        b"\x89PNG\r\n\x1a\n",
+        "{} is not a PNG",
+        path.display()
+    );
+    assert_eq!(&b[12..16], b"IHDR");
+    let be = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+#[test]
+fn quick_run_writes_every_output() {
+    let dir = std::env::temp_dir().join(format!("edgesplit-bench-quick-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let db = dir.join("bench.sqlite");
+    let out = dir.join("out");
+    let status = Command::new(env!("CARGO_BIN_EXE_edgesplit-bench"))
+        .args(["run", "--quick", "--stock", "--no-progress"])
+        .arg("--db")
+        .arg(&db)
+        .arg("--out")
+        .arg(&out)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .status()
+        .unwrap();
+    assert!(status.success(), "edgesplit-bench run --quick failed");
+
+    // Every attempt: recorded, finished, successful; warm-ups kept and marked.
+    let samples: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("samples.json")).unwrap()).unwrap();
+    // quick: 2 profiles x 2 prompts x 3 pairs x 4 targets, + 2 profiles x 3 transports x 4.
+    assert_eq!(samples.len(), 2 * 2 * 3 * 4 + 2 * 3 * 4);
+    for s in &samples {
+        assert_eq!(s["status"], "ok", "{s}");
+        assert!(s["finished_at"].as_f64().unwrap() >= s["started_at"].as_f64().unwrap());
+        assert!(s["ttft_ms"].as_f64().unwrap() > 0.0);
+        assert!(s["e2e_ms"].as_f64().unwrap() >= s["ttft_ms"].as_f64().unwrap());
+        assert!(s["completion_tokens"].as_i64().unwrap() > 0);
+        assert!(s["energy_note"].as_str().is_some() || s["energy_j"].as_f64().is_some());
+        if s["mode"] == "pair" {
+            // Temperature 0: every EdgeSplit transport gives the same text. The stock
+            // server's agreement is recorded (it agreed on this machine) but is not our
+            // invariant: it is another llama.cpp version.
+            if s["transport"] == "stock" {
+                assert!(s["same_as_reference"].is_i64(), "{s}");
+            } else {
+                assert_eq!(s["same_as_reference"], 1, "{s}");
+            }
+            assert_eq!(s["excluded"], i64::from(s["pair"] == 0));
+        }
+        if s["transport"] == "v1" || s["transport"] == "v2" {
+            assert!(s["handoff_bytes"].as_i64().unwrap() > 0, "{s}");
+        }
+    }
+    let profiles: HashSet<&str> = samples
+        .iter()
+        .map(|s| s["profile"].as_str().unwrap())
+        .collect();
+    assert_eq!(profiles, HashSet::from(["loopback", "wifi"]));
+
+    // The CSV has the same rows and columns.
+    let mut csv = csv::Reader::from_path(out.join("samples.csv")).unwrap();
+    let header: Vec<String> = csv.headers().unwrap().iter().map(String::from).collect();
+    let keys: Vec<String> = samples[0].as_object().unwrap().keys().cloned().collect();
+    assert_eq!(header, keys);
+    assert_eq!(csv.records().count(), samples.len());
+
+    // Every summary names attempts that exist; warm-ups never count.
+    let ids: HashSet<i64> = samples
+        .iter()
+        .filter(|s| s["excluded"] == 0)
+        .map(|s| s["id"].as_i64().unwrap())
+        .collect();
+    let summary: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert!(!summary.is_empty());
+    for l in &summary {
+        let from: Vec<i64> = serde_json::from_str(l["attempt_ids"].as_str().unwrap()).unwrap();
+        assert!(!from.is_empty());
+        assert!(from.iter().all(|i| ids.contains(i)), "{l}");
+    }
+    let subjects: HashSet<&str> = summary
+        .iter()
+        .map(|l| l["subject"].as_str().unwrap())
+        .collect();
+    for s in [
+        "ratio v2/local",
+        "ratio v1/local",
+        "ratio v2/stock",
+        "v2 x2",
+    ] {
+        assert!(subjects.contains(s), "no {s} summary");
+    }
+
+    // The Markdown summary and the plots.
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    for s in [
+        "| prompt tok | out tok | transport |",
+        "link `wifi` (25 ms ± 5 one way, 100 Mbit/s)",
+        "| 128 | v2 / stock |",
+        "### Concurrency",
+    ] {
+        assert!(md.contains(s), "summary.md lacks {s:?}:\n{md}");
+    }
+    for p in ["ttft_vs_prompt.png", "decode_tps.png", "handoff_bytes.png"] {
+        assert_eq!(png_size(&out.join(p)), (900, 560));
+    }
+
+    // The record itself: the run closed, no attempt left started.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let open: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM attempts WHERE status = 'started' OR finished_at IS NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(open, 0);
+    let finished: Option<f64> = conn
+        .query_row("SELECT finished_at FROM runs", [], |r| r.get(0))
+        .unwrap();
+    assert!(finished.is_some());
+}

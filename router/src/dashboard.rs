@@ -1,0 +1,308 @@
+//! The web dashboard at `/dashboard`: one page, its script and style embedded in the
+//! binary (no build step, nothing fetched at run time), and the JSON it reads:
+//! - `GET /dashboard/api/status`: the router, each node (`Info`) and the decode node's
+//!   handoff listeners (a TCP connect to each advertised address);
+//! - `GET /dashboard/api/recent`: the last [`RECENT`] answers, in memory;
+//! - `GET /dashboard/api/bench`: the newest run in the bench's SQLite record
+//!   (`--bench-db`), its summary rows and plot names; `GET /dashboard/bench/{plot}` serves
+//!   those plots from the run's output folder.
+//!
+//! The page runs requests through the public `/v1/chat/completions` API, as any client.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::server::AppState;
+
+/// Answers kept for the recent-requests table.
+pub const RECENT: usize = 50;
+
+const INDEX: &str = include_str!("dashboard/index.html");
+const SCRIPT: &str = include_str!("dashboard/app.js");
+const STYLE: &str = include_str!("dashboard/style.css");
+
+/// The plots the bench writes, the only files served from its output folder.
+const PLOTS: [&str; 3] = ["ttft_vs_prompt.png", "decode_tps.png", "handoff_bytes.png"];
+
+/// The last answers, newest first, and counts since start.
+#[derive(Default)]
+pub struct Recent {
+    entries: Mutex<VecDeque<Value>>,
+    pub answered: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl Recent {
+    pub fn push(&self, entry: Value) {
+        if entry["status"] == "ok" {
+            self.answered.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut e = self
+            .entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        e.push_front(entry);
+        e.truncate(RECENT);
+    }
+
+    pub fn list(&self) -> Vec<Value> {
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
+    }
+}
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/dashboard", get(|| async { asset("text/html", INDEX) }))
+        .route("/dashboard/", get(|| async { asset("text/html", INDEX) }))
+        .route(
+            "/dashboard/app.js",
+            get(|| async { asset("text/javascript", SCRIPT) }),
+        )
+        .route(
+            "/dashboard/style.css",
+            get(|| async { asset("text/css", STYLE) }),
+        )
+        .route("/dashboard/api/status", get(status))
+        .route("/dashboard/api/recent", get(recent))
+        .route("/dashboard/api/bench", get(bench))
+        .route("/dashboard/bench/{plot}", get(plot))
+}
+
+fn asset(kind: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, format!("{kind}; charset=utf-8")),
+            (header::CACHE_CONTROL, "no-cache".to_string()),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, url: &str) -> Value {
+    match r {
+        Ok(i) => json!({
+            "up": true,
+            "url": url,
+            "model_id": i.model_id,
+            "model_fingerprint": i.model_fingerprint,
+            "build_id": i.build_id,
+            "n_ctx": i.n_ctx,
+            "flash_attn": i.flash_attn,
+            "mem_available_bytes": i.mem_available_bytes,
+            "kv_bytes_per_token": i.kv_bytes_per_token,
+            "kv_budget_bytes": i.kv_budget_bytes,
+            "requests_in_flight": i.requests_in_flight,
+            "handoff_addr": i.handoff_addr,
+            "v1_url": i.v1_url,
+            "handoffs_received": i.handoffs_received,
+            "handoffs_refused": i.handoffs_refused,
+            "handoff_bytes_received": i.handoff_bytes_received,
+        }),
+        Err(e) => json!({"up": false, "url": url, "error": e.message}),
+    }
+}
+
+/// Connects to `addr` (host:port) within a second; the time it took, or why not.
+async fn probe(addr: &str) -> Value {
+    if addr.is_empty() {
+        return json!({"up": false, "addr": addr, "error": "not advertised"});
+    }
+    let t0 = Instant::now();
+    match tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => json!({
+            "up": true,
+            "addr": addr,
+            "connect_ms": t0.elapsed().as_secs_f64() * 1000.0,
+        }),
+        Ok(Err(e)) => json!({"up": false, "addr": addr, "error": e.to_string()}),
+        Err(_) => json!({"up": false, "addr": addr, "error": "no answer within 1 s"}),
+    }
+}
+
+/// `http://host:port/path` -> `host:port`.
+fn host_port(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    rest.split('/').next().unwrap_or("")
+}
+
+async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let (p, d) = tokio::join!(s.backend.prefill_info(), s.backend.decode_info());
+    let prefill = node_json(p, &s.backend.prefill_url());
+    let decode = node_json(d, &s.backend.decode_url());
+    let (v2, v1) = tokio::join!(
+        probe(decode["handoff_addr"].as_str().unwrap_or("")),
+        probe(host_port(decode["v1_url"].as_str().unwrap_or(""))),
+    );
+    let m = &s.metrics;
+    Json(json!({
+        "router": {
+            "up": true,
+            "version": env!("CARGO_PKG_VERSION"),
+            "default_transport": s.default_transport.as_str(),
+            "requests_in_flight": m.running.get() + m.waiting.get(),
+            "answered": m.recent.answered.load(Ordering::Relaxed),
+            "failed": m.recent.failed.load(Ordering::Relaxed),
+            "uptime_s": s.started.elapsed().as_secs(),
+            "bench_db": s.bench_db.as_ref().map(|p| p.display().to_string()),
+        },
+        "prefill": prefill,
+        "decode": decode,
+        "handoff": {"up": v2["up"] == true && v1["up"] == true, "v2": v2, "v1": v1},
+    }))
+}
+
+async fn recent(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"requests": s.metrics.recent.list(), "keep": RECENT}))
+}
+
+/// The newest run in the bench record: its row, summary rows and plots.
+fn read_bench(db: &std::path::Path) -> Result<Value, String> {
+    if !db.is_file() {
+        return Err(format!(
+            "{} does not exist yet: run `edgesplit-bench run`",
+            db.display()
+        ));
+    }
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map_err(|e| format!("{}: {e}", db.display()))?;
+    let e = |e: rusqlite::Error| format!("{}: {e}", db.display());
+    let run = conn
+        .query_row(
+            "SELECT id, started_at, finished_at, command, git_rev, out_dir FROM runs
+             WHERE finished_at IS NOT NULL ORDER BY id DESC LIMIT 1",
+            [],
+            |r| {
+                Ok(json!({
+                    "id": r.get::<_, i64>(0)?,
+                    "started_at": r.get::<_, f64>(1)?,
+                    "finished_at": r.get::<_, Option<f64>>(2)?,
+                    "command": r.get::<_, String>(3)?,
+                    "git_rev": r.get::<_, Option<String>>(4)?,
+                    "out_dir": r.get::<_, Option<String>>(5)?,
+                }))
+            },
+        )
+        .map_err(e)?;
+    let mut stmt = conn
+        .prepare(
+            "SELECT model, profile, target_prompt_tokens, max_tokens, subject, metric, n, mean,
+                    median, p90, min, max FROM summaries WHERE run_id = ?1 ORDER BY id",
+        )
+        .map_err(e)?;
+    let rows = stmt
+        .query_map([run["id"].as_i64()], |r| {
+            Ok(json!({
+                "model": r.get::<_, String>(0)?,
+                "profile": r.get::<_, String>(1)?,
+                "target_prompt_tokens": r.get::<_, i64>(2)?,
+                "max_tokens": r.get::<_, i64>(3)?,
+                "subject": r.get::<_, String>(4)?,
+                "metric": r.get::<_, String>(5)?,
+                "n": r.get::<_, i64>(6)?,
+                "mean": r.get::<_, Option<f64>>(7)?,
+                "median": r.get::<_, Option<f64>>(8)?,
+                "p90": r.get::<_, Option<f64>>(9)?,
+                "min": r.get::<_, Option<f64>>(10)?,
+                "max": r.get::<_, Option<f64>>(11)?,
+            }))
+        })
+        .map_err(e)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(e)?;
+    let plots: Vec<&str> = run["out_dir"]
+        .as_str()
+        .map(|d| {
+            PLOTS
+                .iter()
+                .copied()
+                .filter(|p| std::path::Path::new(d).join(p).is_file())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(json!({"available": true, "run": run, "summaries": rows, "plots": plots}))
+}
+
+async fn bench(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let Some(db) = s.bench_db.clone() else {
+        return Json(json!({
+            "available": false,
+            "reason": "no benchmark record configured (start the router with --bench-db bench/results/bench.sqlite)",
+        }));
+    };
+    let r = tokio::task::spawn_blocking(move || read_bench(&db))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+    Json(r.unwrap_or_else(|reason| json!({"available": false, "reason": reason})))
+}
+
+async fn plot(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+    let not_found = || (StatusCode::NOT_FOUND, "no such plot").into_response();
+    if !PLOTS.contains(&name.as_str()) {
+        return not_found();
+    }
+    let Some(db) = s.bench_db.clone() else {
+        return not_found();
+    };
+    let dir: Option<PathBuf> = tokio::task::spawn_blocking(move || {
+        read_bench(&db)
+            .ok()
+            .and_then(|v| v["run"]["out_dir"].as_str().map(PathBuf::from))
+    })
+    .await
+    .ok()
+    .flatten();
+    let Some(dir) = dir else {
+        return not_found();
+    };
+    match tokio::fs::read(dir.join(&name)).await {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "image/png")], bytes).into_response(),
+        Err(_) => not_found(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_keeps_the_newest_and_counts_all() {
+        let r = Recent::default();
+        for i in 0..(RECENT + 5) {
+            r.push(json!({"status": if i % 5 == 0 { "error" } else { "ok" }, "i": i}));
+        }
+        let l = r.list();
+        assert_eq!(l.len(), RECENT);
+        assert_eq!(l[0]["i"], RECENT + 4);
+        assert_eq!(r.failed.load(Ordering::Relaxed), 11);
+        assert_eq!(r.answered.load(Ordering::Relaxed), (RECENT + 5 - 11) as u64);
+    }
+
+    #[test]
+    fn host_port_of_urls() {
+        assert_eq!(
+            host_port("http://127.0.0.1:50062/v1/handoff"),
+            "127.0.0.1:50062"
+        );
+        assert_eq!(host_port("10.0.0.2:9"), "10.0.0.2:9");
+        assert_eq!(host_port(""), "");
+    }
+}

@@ -1,0 +1,273 @@
+// EdgeSplit dashboard: plain JavaScript, no framework, nothing fetched from the internet.
+'use strict';
+
+const $ = (id) => document.getElementById(id);
+
+const EXAMPLES = [
+  ['Sky', 'Explain in two sentences why the sky is blue.'],
+  ['Haiku', 'Write a haiku about a phone and a laptop sharing one thought.'],
+  ['Recipe', 'Give me a short recipe for pancakes, as a numbered list.'],
+  ['Code', 'Write a Python function that reverses a string, with a docstring.'],
+];
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === 'class') e.className = v; else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return e;
+}
+
+function fmtBytes(b) {
+  if (b === null || b === undefined) return '-';
+  if (b >= 1e9) return (b / 1e9).toFixed(2) + ' GB';
+  if (b >= 1e6) return (b / 1e6).toFixed(2) + ' MB';
+  if (b >= 1e3) return (b / 1e3).toFixed(1) + ' kB';
+  return b + ' B';
+}
+
+function fmt(x, digits) {
+  return (x === null || x === undefined || Number.isNaN(x)) ? '-' : Number(x).toFixed(digits);
+}
+
+function setCard(id, up, stateText, rows) {
+  const card = $(id);
+  card.className = 'card ' + (up ? 'up' : 'down');
+  card.querySelector('.state').textContent = stateText;
+  const old = card.querySelector('dl');
+  if (old) old.remove();
+  const dl = el('dl');
+  for (const [k, v] of rows) dl.append(el('dt', {}, k), el('dd', {}, v));
+  card.append(dl);
+}
+
+function nodeRows(n) {
+  if (!n.up) return [['address', n.url], ['error', n.error || 'unreachable']];
+  return [
+    ['model', n.model_id],
+    ['fingerprint', (n.model_fingerprint || '').slice(0, 16) + '…'],
+    ['build', n.build_id],
+    ['context', n.n_ctx + ' tokens, flash attention ' + (n.flash_attn ? 'on' : 'off')],
+    ['memory available', fmtBytes(n.mem_available_bytes)],
+    ['requests in flight', n.requests_in_flight],
+    ['address', n.url],
+  ];
+}
+
+async function refreshStatus() {
+  let s;
+  try {
+    const r = await fetch('/dashboard/api/status', { cache: 'no-store' });
+    s = await r.json();
+  } catch (e) {
+    for (const id of ['card-router', 'card-prefill', 'card-decode', 'card-handoff']) {
+      setCard(id, false, 'down', [['error', 'router unreachable: ' + e]]);
+    }
+    return;
+  }
+  const r = s.router;
+  setCard('card-router', r.up, 'up', [
+    ['version', r.version],
+    ['default transport', r.default_transport],
+    ['requests in flight', r.requests_in_flight],
+    ['answered / failed', r.answered + ' / ' + r.failed],
+    ['uptime', r.uptime_s + ' s'],
+  ]);
+  setCard('card-prefill', s.prefill.up, s.prefill.up ? 'up' : 'down', nodeRows(s.prefill));
+  const d = s.decode;
+  const drows = nodeRows(d);
+  if (d.up) {
+    drows.push(['handoffs received / refused', d.handoffs_received + ' / ' + d.handoffs_refused]);
+    drows.push(['KV bytes received', fmtBytes(d.handoff_bytes_received)]);
+    if (d.kv_budget_bytes) drows.push(['KV budget', fmtBytes(d.kv_budget_bytes)]);
+  }
+  setCard('card-decode', d.up, d.up ? 'up' : 'down', drows);
+  const h = s.handoff;
+  const hrow = (name, x) => [name, x.up ? x.addr + ' (connect ' + fmt(x.connect_ms, 1) + ' ms)' : (x.addr || '-') + ': ' + x.error];
+  setCard('card-handoff', h.up, h.up ? 'up' : 'down', [hrow('V2 (TCP)', h.v2), hrow('V1 (HTTP)', h.v1)]);
+  $('updated').textContent = 'updated ' + new Date().toLocaleTimeString();
+}
+
+async function refreshRecent() {
+  let list;
+  try {
+    list = (await (await fetch('/dashboard/api/recent', { cache: 'no-store' })).json()).requests;
+  } catch (e) { return; }
+  const tbody = $('recent').querySelector('tbody');
+  tbody.replaceChildren();
+  for (const q of list) {
+    const ok = q.status === 'ok';
+    tbody.append(el('tr', {},
+      el('td', {}, new Date(q.at * 1000).toLocaleTimeString()),
+      el('td', {}, q.transport || '-'),
+      el('td', { class: ok ? 'status-ok' : 'status-error' }, ok ? (q.finish_reason || 'ok') : (q.code || 'error')),
+      el('td', { class: 'num' }, q.prompt_tokens ?? '-'),
+      el('td', { class: 'num' }, q.completion_tokens ?? '-'),
+      el('td', { class: 'num' }, fmt(q.ttft_ms, 1)),
+      el('td', { class: 'num' }, fmt(q.decode_tokens_per_s, 1)),
+      el('td', { class: 'num' }, q.handoff_bytes ? fmtBytes(q.handoff_bytes) + ' / ' + fmt(q.handoff_ms, 1) + ' ms' : '-'),
+      el('td', {}, q.request_id || '-'),
+    ));
+  }
+}
+
+const FIGURES = [
+  ['client_ttft_ms', 'TTFT (this page)', (v) => fmt(v, 1) + ' ms'],
+  ['ttft_ms', 'TTFT (router)', (v) => fmt(v, 1) + ' ms'],
+  ['decode_tokens_per_s', 'decode speed', (v) => fmt(v, 1) + ' tok/s'],
+  ['completion_tokens', 'output tokens', (v) => v],
+  ['prompt_tokens', 'prompt tokens', (v) => v],
+  ['prefill_ms', 'prefill', (v) => fmt(v, 1) + ' ms'],
+  ['handoff_bytes', 'handoff size', (v) => v ? fmtBytes(v) : '-'],
+  ['handoff_ms', 'handoff time', (v) => v ? fmt(v, 1) + ' ms' : '-'],
+  ['import_ms', 'state import', (v) => v ? fmt(v, 1) + ' ms' : '-'],
+  ['transport', 'transport', (v) => v],
+  ['first_token_from', 'first token from', (v) => v],
+  ['fallback', 'fallback', (v) => v || 'none'],
+  ['finish_reason', 'finish', (v) => v],
+  ['request_id', 'request id', (v) => v],
+];
+
+function showFigures(f) {
+  const dl = $('figures');
+  dl.replaceChildren();
+  for (const [key, label, show] of FIGURES) {
+    if (!(key in f)) continue;
+    dl.append(el('div', {}, el('dt', {}, label), el('dd', { 'data-key': key }, show(f[key]))));
+  }
+}
+
+async function run(ev) {
+  ev.preventDefault();
+  const button = $('run');
+  const state = $('run-state');
+  const answer = $('answer');
+  button.disabled = true;
+  answer.textContent = '';
+  answer.classList.remove('error');
+  $('figures').replaceChildren();
+  $('raw').textContent = '';
+  state.textContent = 'running…';
+  const body = {
+    messages: [{ role: 'user', content: $('prompt').value }],
+    max_tokens: Number($('max_tokens').value),
+    temperature: Number($('temperature').value),
+    seed: Number($('seed').value),
+    stream: true,
+    stream_options: { include_usage: true },
+    edgesplit: { transport: $('transport').value },
+  };
+  const t0 = performance.now();
+  let clientTtft = null;
+  let pieces = 0;
+  answer.dataset.pieces = '0';
+  let finish = null;
+  let last = null;
+  try {
+    const res = await fetch('/v1/chat/completions', {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
+    });
+    if (!res.ok) {
+      const err = await res.json().catch(() => ({ error: { message: res.statusText } }));
+      throw new Error('HTTP ' + res.status + ': ' + err.error.message);
+    }
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = '';
+    let done = false;
+    while (!done) {
+      const chunk = await reader.read();
+      if (chunk.done) break;
+      buf += decoder.decode(chunk.value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf('\n\n')) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        const line = event.split('\n').find((l) => l.startsWith('data:'));
+        if (!line) continue;
+        const data = line.slice(5).trim();
+        if (data === '[DONE]') { done = true; break; }
+        const v = JSON.parse(data);
+        $('raw').textContent = JSON.stringify(v, null, 2);
+        if (v.error) throw new Error(v.error.message);
+        const c = v.choices && v.choices[0];
+        if (c && c.delta && c.delta.content) {
+          if (clientTtft === null) clientTtft = performance.now() - t0;
+          answer.textContent += c.delta.content;
+          answer.dataset.pieces = String(++pieces); // how many chunks the text arrived in
+        }
+        if (c && c.finish_reason) finish = c.finish_reason;
+        if (v.usage) last = v;
+      }
+    }
+    if (!done) throw new Error('the stream ended without [DONE]');
+    const f = Object.assign({}, last ? last.edgesplit : {}, last ? last.usage : {});
+    f.client_ttft_ms = clientTtft;
+    f.finish_reason = finish;
+    showFigures(f);
+    state.textContent = 'done in ' + fmt(performance.now() - t0, 0) + ' ms';
+  } catch (e) {
+    answer.classList.add('error');
+    answer.textContent += (answer.textContent ? '\n' : '') + String(e.message || e);
+    state.textContent = 'failed';
+  } finally {
+    button.disabled = false;
+    refreshRecent();
+    refreshStatus();
+  }
+}
+
+async function loadBench() {
+  const box = $('bench-body');
+  let b;
+  try {
+    b = await (await fetch('/dashboard/api/bench', { cache: 'no-store' })).json();
+  } catch (e) { box.textContent = 'could not load: ' + e; return; }
+  if (!b.available) { box.textContent = b.reason; return; }
+  box.className = '';
+  box.replaceChildren();
+  const run = b.run;
+  box.append(el('p', { class: 'muted' }, 'Run ' + run.id + ' of ' + new Date(run.started_at * 1000).toLocaleString() +
+    (run.git_rev ? ' (commit ' + run.git_rev + ')' : '') + ': ', el('code', {}, run.command)));
+  // One row per (model, link, prompt length, transport): median TTFT, decode speed, e2e, handoff.
+  const rows = new Map();
+  for (const s of b.summaries) {
+    if (s.subject.startsWith('ratio') || s.subject.includes(' x')) continue;
+    const key = [s.model, s.profile, s.target_prompt_tokens, s.max_tokens, s.subject].join('|');
+    if (!rows.has(key)) rows.set(key, { s, m: {} });
+    rows.get(key).m[s.metric] = s.median;
+  }
+  const t = el('table', {}, el('thead', {}, el('tr', {},
+    el('th', {}, 'model'), el('th', {}, 'link'), el('th', { class: 'num' }, 'prompt tok'), el('th', {}, 'transport'),
+    el('th', { class: 'num' }, 'TTFT ms'), el('th', { class: 'num' }, 'decode tok/s'), el('th', { class: 'num' }, 'e2e ms'),
+    el('th', { class: 'num' }, 'handoff MB'), el('th', { class: 'num' }, 'handoff ms'))));
+  const tb = el('tbody');
+  for (const { s, m } of rows.values()) {
+    tb.append(el('tr', {}, el('td', {}, s.model), el('td', {}, s.profile), el('td', { class: 'num' }, fmt(m.prompt_tokens, 0)),
+      el('td', {}, s.subject), el('td', { class: 'num' }, fmt(m.ttft_ms, 1)), el('td', { class: 'num' }, fmt(m.decode_tps, 1)),
+      el('td', { class: 'num' }, fmt(m.e2e_ms, 1)), el('td', { class: 'num' }, fmt(m.handoff_mb, 2)),
+      el('td', { class: 'num' }, fmt(m.handoff_ms, 1))));
+  }
+  t.append(tb);
+  box.append(el('div', { class: 'scroll' }, t));
+  const plots = el('div', { class: 'plots' });
+  for (const p of b.plots) plots.append(el('img', { src: '/dashboard/bench/' + p, alt: p, loading: 'lazy' }));
+  box.append(plots);
+}
+
+function init() {
+  for (const [name, text] of EXAMPLES) {
+    const b = el('button', { type: 'button' }, name);
+    b.addEventListener('click', () => { $('prompt').value = text; });
+    $('examples').append(b);
+  }
+  $('run-form').addEventListener('submit', run);
+  refreshStatus();
+  refreshRecent();
+  loadBench();
+  setInterval(refreshStatus, 2000);
+  setInterval(refreshRecent, 5000);
+}
+
+init();
