@@ -7,8 +7,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="${1:-$ROOT/deploy/edgesplit.env}"
 [[ -f "$CONFIG" ]] || { echo "no $CONFIG: copy deploy/edgesplit.env.example and edit it" >&2; exit 1; }
+# Exported: the services read EDGESPLIT_SECRET_FILE / EDGESPLIT_API_KEY themselves.
+set -a
 # shellcheck source=deploy/edgesplit.env.example
 source "$CONFIG"
+set +a
 : "${MODEL:?set MODEL in $CONFIG}" "${PHONE_IP:?set PHONE_IP in $CONFIG}"
 
 bash "$ROOT/scripts/setup.sh"

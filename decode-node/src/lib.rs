@@ -33,6 +33,11 @@ pub struct Config {
     /// GGUF model file (the same file as the prefill node's: fingerprints are compared).
     #[arg(long, env = "EDGESPLIT_MODEL")]
     pub model: PathBuf,
+    /// File holding the secret shared by the router and both nodes (V2 handshake, V1
+    /// uploads and gRPC calls are then authenticated). Also `EDGESPLIT_SECRET_FILE`, or the
+    /// secret itself in `EDGESPLIT_SECRET`; never a flag with the secret in it.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
     /// gRPC listen address.
     #[arg(
         long,
@@ -296,7 +301,13 @@ pub async fn run(
         std::env::temp_dir().join(format!("edgesplit-decode-{}", std::process::id()))
     });
     std::fs::create_dir_all(&state_dir)?;
+    let secret = edgesplit_proto::auth::Secret::load(config.secret_file.as_deref())?.map(Arc::new);
+    if secret.is_none() {
+        tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
+    }
     let upload_cfg = Arc::new(upload::UploadConfig {
+        secret: secret.clone(),
+        seen: Arc::default(),
         store: store.clone(),
         dir: state_dir,
         max_bytes: config.max_pending_bytes,
@@ -316,6 +327,7 @@ pub async fn run(
         engine.info().identity(),
         limits,
         store.clone(),
+        secret.clone(),
         async move {
             let _ = stop_handoff.wait_for(|s| *s).await;
         },
@@ -342,7 +354,13 @@ pub async fn run(
         wait: Duration::from_secs(config.handoff_wait_s),
     };
     let result = tonic::transport::Server::builder()
-        .add_service(pb::decode_server::DecodeServer::new(svc))
+        .add_service(pb::decode_server::DecodeServer::with_interceptor(
+            svc,
+            edgesplit_proto::auth::GrpcGuard {
+                secret,
+                seen: Arc::default(),
+            },
+        ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
         .await;
     let _ = stop_tx.send(true);

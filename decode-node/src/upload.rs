@@ -27,6 +27,10 @@ use crate::store::Store;
 
 /// What the upload handler needs.
 pub struct UploadConfig {
+    /// When set, an upload must carry a credential made with it (checked before the body
+    /// is read).
+    pub secret: Option<Arc<edgesplit_proto::auth::Secret>>,
+    pub seen: Arc<edgesplit_proto::auth::ReplayGuard>,
     pub store: Arc<Store>,
     pub dir: PathBuf,
     pub max_bytes: u64,
@@ -113,6 +117,25 @@ async fn receive(
             "invalid_handoff_id",
             "handoff id must be 1-128 of [A-Za-z0-9._-], not starting with '.'".into(),
         ));
+    }
+    // Authentication first: an unauthenticated peer learns nothing, not even our model.
+    if let Some(secret) = &cfg.secret {
+        use edgesplit_proto::auth;
+        let sha = header(headers, v1::HEADER_SHA256).unwrap_or("");
+        let checked = header(headers, auth::HEADER)
+            .ok_or_else(|| "no credential: this node requires the shared secret".to_string())
+            .and_then(|t| {
+                auth::Token::check(
+                    secret,
+                    auth::V1_UPLOAD,
+                    &[id.as_bytes(), sha.as_bytes()],
+                    t,
+                    &cfg.seen,
+                )
+            });
+        if let Err(why) = checked {
+            return Err(Refusal(StatusCode::UNAUTHORIZED, "auth_failed", why));
+        }
     }
     match header(headers, v1::HEADER_MODEL) {
         Some(f) if f == cfg.fingerprint_hex => {}

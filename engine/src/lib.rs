@@ -229,6 +229,11 @@ pub enum Start {
         tokens: Vec<i32>,
         first: i32,
     },
+    /// Take over an answer another node was writing (it failed): rebuild the KV of
+    /// `prompt` + `answer` the way the uninterrupted run built it - the prompt in batches,
+    /// then each answer token one at a time - and continue after the last answer token
+    /// with the next step's sampler, so the text goes on exactly as it would have.
+    Resume { prompt: Vec<i32>, answer: Vec<i32> },
 }
 
 /// Commands the owner thread executes one at a time.
@@ -618,6 +623,20 @@ impl Worker<'_> {
         Ok(self.token_out(id))
     }
 
+    /// Appends `token` to the sequence at the next position: one single-token decode, as
+    /// every generated token is decoded.
+    fn decode_one(&mut self, token: i32, history: &mut Vec<i32>) -> Result<(), EngineError> {
+        let pos = history.len() as i32;
+        history.push(token);
+        self.batch.clear();
+        self.batch
+            .add(LlamaToken(token), pos, &[0], true)
+            .map_err(|e| EngineError::Decode(e.to_string()))?;
+        self.ctx
+            .decode(&mut self.batch)
+            .map_err(|e| EngineError::Decode(e.to_string()))
+    }
+
     fn clear(&mut self) {
         // Seq id 0 always fits in an i32; this cannot fail.
         let _ = self.ctx.clear_kv_cache_seq(Some(0), None, None);
@@ -778,6 +797,9 @@ impl Worker<'_> {
     ) -> Result<(), EngineError> {
         let emit = |t: TokenOut| events.blocking_send(GenEvent::Token(t)).is_ok();
         // `history` = every token whose KV is (or is about to be) in the cache.
+        // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
+        // continues at the step after its last token.
+        let mut step = 1u32;
         let (mut history, first, budget) = match start {
             Start::Prompt(tokens) => {
                 self.check_fits(tokens.len(), max_tokens)?;
@@ -818,6 +840,26 @@ impl Worker<'_> {
                 let first = self.token_out(LlamaToken(first));
                 (tokens, first, max_tokens)
             }
+            Start::Resume { prompt, answer } => {
+                let Some((&last, before)) = answer.split_last() else {
+                    return Err(EngineError::Decode(
+                        "resume needs at least the first token of the answer".into(),
+                    ));
+                };
+                self.check_fits(prompt.len() + answer.len(), max_tokens)?;
+                summary.prompt_tokens = prompt.len() as u32;
+                let t0 = Instant::now();
+                // The same batches as the original prefill (its sampled token is not used).
+                self.prefill(&prompt, params)?;
+                let mut history = prompt;
+                for &t in before {
+                    self.decode_one(t, &mut history)?;
+                }
+                self.set_kv_tokens(history.len());
+                summary.prefill_ms = ms(t0);
+                step = u32::try_from(answer.len()).unwrap_or(u32::MAX);
+                (history, self.token_out(LlamaToken(last)), max_tokens)
+            }
         };
         if first.eog {
             summary.finish = Finish::Stop;
@@ -826,18 +868,8 @@ impl Worker<'_> {
         let t0 = Instant::now();
         let mut last = first.id;
         let mut emitted = 0u32;
-        // Step 0 sampled the first token (on whichever node prefilled).
-        let mut step = 1u32;
         while emitted < budget {
-            let pos = history.len() as i32;
-            history.push(last);
-            self.batch.clear();
-            self.batch
-                .add(LlamaToken(last), pos, &[0], true)
-                .map_err(|e| EngineError::Decode(e.to_string()))?;
-            self.ctx
-                .decode(&mut self.batch)
-                .map_err(|e| EngineError::Decode(e.to_string()))?;
+            self.decode_one(last, &mut history)?;
             self.set_kv_tokens(history.len());
             let id = sampling::sample(&self.ctx, 0, self.n_vocab, params, &history, step);
             step += 1;

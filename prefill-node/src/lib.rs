@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, Export, Exported, Input, SamplingParams, Start};
-use edgesplit_proto::frame::StateFrame;
+use edgesplit_proto::auth::{GrpcGuard, Secret};
+use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
 use edgesplit_proto::{layout, pb};
 use tokio::net::TcpListener;
@@ -31,6 +32,11 @@ pub struct Config {
     /// GGUF model file.
     #[arg(long, env = "EDGESPLIT_MODEL")]
     pub model: PathBuf,
+    /// File holding the secret shared by the router and both nodes (V2 handshake, V1
+    /// uploads and gRPC calls are then authenticated). Also `EDGESPLIT_SECRET_FILE`, or the
+    /// secret itself in `EDGESPLIT_SECRET`; never a flag with the secret in it.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
     /// gRPC listen address.
     #[arg(
         long,
@@ -105,6 +111,7 @@ pub struct PrefillService {
     state_dir: PathBuf,
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
+    secret: Option<Arc<Secret>>,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -140,7 +147,15 @@ impl PrefillService {
             state_dir,
             http,
             metrics: Arc::default(),
+            secret: None,
         })
+    }
+
+    /// Authenticates the V2 and V1 handoffs with the shared secret.
+    #[must_use]
+    pub fn with_secret(mut self, secret: Option<Arc<Secret>>) -> Self {
+        self.secret = secret;
+        self
     }
 
     async fn tokenize(&self, req: &pb::PrefillRequest) -> Result<(Vec<i32>, u32), Status> {
@@ -261,17 +276,27 @@ impl pb::prefill_server::Prefill for PrefillService {
             let export_ms = out.export_ms;
             let request_id = req.request_id.clone();
             let metrics = self.metrics.clone();
+            let secret = self.secret.clone();
             tokio::spawn(async move {
                 let t0 = Instant::now();
-                let result = upload::upload(
-                    &http,
-                    &h.decode_addr,
-                    &h.handoff_id,
-                    &request_id,
-                    &path,
-                    &info,
-                )
-                .await;
+                let send = || {
+                    upload::upload(
+                        &http,
+                        &h.decode_addr,
+                        &h.handoff_id,
+                        &request_id,
+                        &path,
+                        &info,
+                        secret.as_deref(),
+                    )
+                };
+                let mut result = send().await;
+                if let Err(e) = &result {
+                    if e.retryable() {
+                        tracing::warn!(%request_id, error = %e, "V1 upload failed; retrying once");
+                        result = send().await;
+                    }
+                }
                 let _ = tokio::fs::remove_file(&path).await;
                 let secs = t0.elapsed().as_secs_f64();
                 metrics.handoff("v1", result.is_ok(), *result.as_ref().unwrap_or(&0), secs);
@@ -295,6 +320,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         } else if let (Some(Exported::Raw(state)), Some(h), false) = (out.state, handoff, last) {
             let ours = self.engine.info().identity();
             let limits = self.limits;
+            let secret = self.secret.clone();
             let export_ms = out.export_ms;
             let request_id = req.request_id.clone();
             let metrics = self.metrics.clone();
@@ -308,7 +334,17 @@ impl pb::prefill_server::Prefill for PrefillService {
                     payload: Bytes::from(state),
                 };
                 let t0 = Instant::now();
-                let result = handoff::send_state(&h.decode_addr, &ours, frame, &limits).await;
+                let send = |frame: StateFrame| {
+                    handoff::send_state(&h.decode_addr, &ours, frame, &limits, secret.as_deref())
+                };
+                let mut result = send(frame.clone()).await;
+                if let Err(e) = &result {
+                    if retryable(e) {
+                        tracing::warn!(%request_id, error = %e, "handoff failed; retrying once");
+                        metrics.handoff("v2", false, 0, t0.elapsed().as_secs_f64());
+                        result = send(frame).await;
+                    }
+                }
                 let bytes = result.as_ref().map_or(0, |r| r.payload_bytes);
                 metrics.handoff("v2", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
                 let ev = match result {
@@ -339,6 +375,29 @@ impl pb::prefill_server::Prefill for PrefillService {
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = request.into_inner();
+        if !req.resume_tokens.is_empty() {
+            // Taking over an answer: max_tokens is what is left to generate.
+            let tokens = self
+                .engine
+                .tokenize(input_of(&req)?)
+                .await
+                .map_err(|e| status(&e))?;
+            tracing::info!(
+                request_id = %req.request_id,
+                answered = req.resume_tokens.len(),
+                "resuming an answer another node was writing"
+            );
+            let start = Start::Resume {
+                prompt: tokens,
+                answer: req.resume_tokens.clone(),
+            };
+            let rx = self
+                .engine
+                .generate(start, sampling_of(&req), req.max_tokens)
+                .await
+                .map_err(|e| status(&e))?;
+            return Ok(Response::new(Box::pin(token_events(rx))));
+        }
         let (tokens, max_tokens) = self.tokenize(&req).await?;
         let rx = self
             .engine
@@ -362,6 +421,26 @@ fn handoff_done(bytes: u64, export_ms: f64, transfer_ms: f64) -> pb::PrefillEven
             export_ms,
             transfer_ms,
         })),
+    }
+}
+
+/// Failures a second attempt may not meet: the bytes or the link, not the peer's refusal
+/// of who we are (model, build, context, secret) or of the request (too long, no room).
+fn retryable(e: &HandoffError) -> bool {
+    match e {
+        HandoffError::Refused(n) => matches!(
+            n.code,
+            NackCode::ChecksumMismatch
+                | NackCode::Malformed
+                | NackCode::Timeout
+                | NackCode::Internal
+                | NackCode::BadMagic
+        ),
+        HandoffError::Mismatch(_) | HandoffError::Auth(_) => false,
+        HandoffError::Connect { .. }
+        | HandoffError::Timeout(_)
+        | HandoffError::Protocol(_)
+        | HandoffError::Codec(_) => true,
     }
 }
 
@@ -401,8 +480,13 @@ pub async fn run(
         .state_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("edgesplit-prefill"));
+    let secret = Secret::load(config.secret_file.as_deref())?.map(Arc::new);
+    if secret.is_none() {
+        tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
+    }
     let svc = PrefillService::new(engine, config.limits(), state_dir)
-        .map_err(|e| anyhow::anyhow!("state folder: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("state folder: {e}"))?
+        .with_secret(secret.clone());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let app = metrics::router(svc.metrics.clone());
     let http = tokio::spawn(async move {
@@ -413,7 +497,13 @@ pub async fn run(
             .await
     });
     let result = tonic::transport::Server::builder()
-        .add_service(pb::prefill_server::PrefillServer::new(svc))
+        .add_service(pb::prefill_server::PrefillServer::with_interceptor(
+            svc,
+            GrpcGuard {
+                secret,
+                seen: Arc::default(),
+            },
+        ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), shutdown)
         .await;
     let _ = stop_tx.send(true);

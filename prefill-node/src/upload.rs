@@ -1,6 +1,7 @@
 //! V1 handoff, sender side: stream a sequence-state file to the decode node by HTTP PUT.
 //! The file is read twice (hash, then upload) and never held in memory whole.
 
+use edgesplit_proto::auth::{self, Secret};
 use std::path::Path;
 
 use edgesplit_engine::ModelInfo;
@@ -25,6 +26,19 @@ pub enum UploadError {
 }
 
 impl UploadError {
+    /// Failures a second attempt may not meet: the link or the bytes, not a refusal of
+    /// who we are or of the request.
+    #[must_use]
+    pub fn retryable(&self) -> bool {
+        match self {
+            UploadError::Io(_) => false,
+            UploadError::Send { .. } => true,
+            UploadError::Refused { status, code, .. } => {
+                *status >= 500 || code == "checksum_mismatch" || code == "truncated"
+            }
+        }
+    }
+
     /// Stable name for metrics and the router.
     #[must_use]
     pub fn code(&self) -> &str {
@@ -64,6 +78,7 @@ pub async fn upload(
     request_id: &str,
     path: &Path,
     info: &ModelInfo,
+    secret: Option<&Secret>,
 ) -> Result<u64, UploadError> {
     let sha = sha256_file(path).await?;
     let file = tokio::fs::File::open(path).await?;
@@ -77,6 +92,7 @@ pub async fn upload(
         .header(v1::HEADER_MODEL, info.fingerprint_hex())
         .header(v1::HEADER_BUILD, &info.build_id)
         .header(v1::HEADER_REQUEST, request_id)
+        .headers(credentials(secret, handoff_id, &sha))
         .body(reqwest::Body::wrap_stream(ReaderStream::new(file)))
         .send()
         .await
@@ -100,4 +116,17 @@ pub async fn upload(
             .unwrap_or("no reason given")
             .to_string(),
     })
+}
+
+/// The V1 credential header: a token bound to the handoff id and the file's SHA-256, so it
+/// authorises this one file and cannot be replayed for another.
+fn credentials(secret: Option<&Secret>, handoff_id: &str, sha: &str) -> reqwest::header::HeaderMap {
+    let mut h = reqwest::header::HeaderMap::new();
+    if let Some(s) = secret {
+        let token = auth::Token::make(s, auth::V1_UPLOAD, &[handoff_id.as_bytes(), sha.as_bytes()]);
+        if let Ok(v) = token.parse() {
+            h.insert(auth::HEADER, v);
+        }
+    }
+    h
 }

@@ -9,13 +9,24 @@ use crate::frame::{self, EncodeError, Frame, FrameError};
 #[derive(Debug, Clone, Copy)]
 pub struct V2Codec {
     max_frame: usize,
+    /// The session key once an authenticated handshake derived one: STATE checksums are
+    /// then HMAC-SHA256 under it.
+    key: Option<[u8; 32]>,
 }
 
 impl V2Codec {
     /// A codec that refuses frames whose body exceeds `max_frame` bytes.
     #[must_use]
     pub fn new(max_frame: usize) -> Self {
-        Self { max_frame }
+        Self {
+            max_frame,
+            key: None,
+        }
+    }
+
+    /// Switches STATE checksums to HMAC-SHA256 under `key` (both directions).
+    pub fn set_key(&mut self, key: [u8; 32]) {
+        self.key = Some(key);
     }
 }
 
@@ -46,7 +57,7 @@ impl Decoder for V2Codec {
         if src.is_empty() {
             return Ok(None);
         }
-        Ok(frame::decode(src, self.max_frame)?)
+        Ok(frame::decode_keyed(src, self.max_frame, self.key.as_ref())?)
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, CodecError> {
@@ -62,7 +73,12 @@ impl Encoder<Frame> for V2Codec {
     type Error = CodecError;
 
     fn encode(&mut self, item: Frame, dst: &mut BytesMut) -> Result<(), CodecError> {
-        Ok(frame::encode(&item, dst, self.max_frame)?)
+        Ok(frame::encode_keyed(
+            &item,
+            dst,
+            self.max_frame,
+            self.key.as_ref(),
+        )?)
     }
 }
 

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"ESKV";
 /// The protocol version this build speaks. A peer with another version is refused.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Fixed header: magic, version, type, two reserved bytes, body length.
 pub const HEADER_LEN: usize = 12;
 /// Default cap on one frame's body (a state frame carries the whole KV state).
@@ -33,6 +33,8 @@ mod kind {
     pub const STATE: u8 = 3;
     pub const ACK: u8 = 4;
     pub const NACK: u8 = 5;
+    pub const CHALLENGE: u8 = 6;
+    pub const AUTH: u8 = 7;
 }
 
 /// What a node must agree on before any KV byte moves.
@@ -158,6 +160,8 @@ pub enum NackCode {
     Capacity,
     Timeout,
     Internal,
+    /// The peer did not prove it holds the shared secret (or asked us to and we cannot).
+    AuthFailed,
     /// A code this build does not know (from a newer peer).
     Other(u16),
 }
@@ -184,6 +188,7 @@ impl NackCode {
             NackCode::Capacity => 15,
             NackCode::Timeout => 16,
             NackCode::Internal => 17,
+            NackCode::AuthFailed => 18,
             NackCode::Other(v) => v,
         }
     }
@@ -209,6 +214,7 @@ impl NackCode {
             15 => NackCode::Capacity,
             16 => NackCode::Timeout,
             17 => NackCode::Internal,
+            18 => NackCode::AuthFailed,
             other => NackCode::Other(other),
         }
     }
@@ -234,6 +240,7 @@ impl NackCode {
             NackCode::Capacity => "capacity",
             NackCode::Timeout => "timeout",
             NackCode::Internal => "internal",
+            NackCode::AuthFailed => "auth_failed",
             NackCode::Other(_) => "other",
         }
     }
@@ -267,6 +274,10 @@ pub enum Frame {
     Ack { handoff_id: String, bytes: u64 },
     /// Either way: refused, with a reason.
     Nack(Nack),
+    /// Receiver -> sender, when it holds a shared secret: prove you hold it too.
+    Challenge { nonce: [u8; 32] },
+    /// Sender -> receiver: my nonce and my proof; receiver -> sender: its proof back.
+    Auth { nonce: [u8; 32], mac: [u8; 32] },
 }
 
 /// Why bytes could not be decoded into a frame.
@@ -284,7 +295,7 @@ pub enum FrameError {
     TooLarge { len: u64, max: u64 },
     #[error("malformed frame: {0}")]
     Malformed(String),
-    #[error("state frame checksum mismatch: SHA-256 over metadata, descriptors and payload does not match")]
+    #[error("state frame checksum mismatch: the SHA-256 (HMAC-SHA256 on an authenticated link) over metadata, descriptors and payload does not match")]
     Checksum,
 }
 
@@ -315,6 +326,19 @@ fn malformed(what: &str) -> FrameError {
 /// # Errors
 /// Any [`FrameError`]; the connection should NACK and close, since framing is lost.
 pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, FrameError> {
+    decode_keyed(buf, max_frame, None)
+}
+
+/// [`decode`] on an authenticated link: a STATE frame's checksum is HMAC-SHA256 under
+/// `key` (the session key of the handshake) instead of SHA-256.
+///
+/// # Errors
+/// As [`decode`].
+pub fn decode_keyed(
+    buf: &mut BytesMut,
+    max_frame: usize,
+    key: Option<&[u8; 32]>,
+) -> Result<Option<Frame>, FrameError> {
     // Fail fast on a wrong magic even before the whole header is here.
     let seen = buf.len().min(4);
     if buf[..seen] != MAGIC[..seen] {
@@ -340,7 +364,13 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, Fra
     }
     if !matches!(
         ty,
-        kind::HELLO | kind::HELLO_OK | kind::STATE | kind::ACK | kind::NACK
+        kind::HELLO
+            | kind::HELLO_OK
+            | kind::STATE
+            | kind::ACK
+            | kind::NACK
+            | kind::CHALLENGE
+            | kind::AUTH
     ) {
         return Err(FrameError::UnknownType(ty));
     }
@@ -351,14 +381,42 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, Fra
     }
     let mut frame = buf.split_to(total).freeze();
     frame.advance(HEADER_LEN);
-    parse_body(ty, frame).map(Some)
+    parse_body(ty, frame, key).map(Some)
 }
 
-fn parse_body(ty: u8, mut body: Bytes) -> Result<Frame, FrameError> {
+fn get_32(b: &mut Bytes) -> Result<[u8; 32], FrameError> {
+    need(b, 32, "32-byte field")?;
+    let mut v = [0u8; 32];
+    b.copy_to_slice(&mut v);
+    Ok(v)
+}
+
+/// The STATE checksum: SHA-256, or HMAC-SHA256 under the session key.
+fn state_digest(covered: &[u8], key: Option<&[u8; 32]>) -> [u8; 32] {
+    match key {
+        None => Sha256::digest(covered).into(),
+        Some(k) => {
+            use hmac::Mac;
+            let mut m =
+                hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length");
+            m.update(covered);
+            m.finalize().into_bytes().into()
+        }
+    }
+}
+
+fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, FrameError> {
     let frame = match ty {
         kind::HELLO => Frame::Hello(get_identity(&mut body)?),
         kind::HELLO_OK => Frame::HelloOk(get_identity(&mut body)?),
-        kind::STATE => Frame::State(get_state(body.clone())?),
+        kind::STATE => Frame::State(get_state(body.clone(), key)?),
+        kind::CHALLENGE => Frame::Challenge {
+            nonce: get_32(&mut body)?,
+        },
+        kind::AUTH => Frame::Auth {
+            nonce: get_32(&mut body)?,
+            mac: get_32(&mut body)?,
+        },
         kind::ACK => {
             let handoff_id = get_str(&mut body, MAX_ID_LEN)?;
             let bytes = get_u64(&mut body)?;
@@ -468,14 +526,19 @@ pub fn valid_id(id: &str) -> bool {
         && !id.starts_with('.')
 }
 
-fn get_state(body: Bytes) -> Result<StateFrame, FrameError> {
+fn get_state(body: Bytes, key: Option<&[u8; 32]>) -> Result<StateFrame, FrameError> {
     // Verify first: nothing of the body is interpreted before its checksum passed.
     if body.len() < 32 {
         return Err(malformed("state frame shorter than its checksum"));
     }
     let (covered, sum) = body.split_at(body.len() - 32);
-    let digest = Sha256::digest(covered);
-    if digest.as_slice() != sum {
+    let digest = state_digest(covered, key);
+    // Constant time: on an authenticated link this is a MAC check.
+    let diff = digest
+        .iter()
+        .zip(sum)
+        .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    if diff != 0 {
         return Err(FrameError::Checksum);
     }
     let mut b = body.slice(..body.len() - 32);
@@ -570,6 +633,19 @@ fn check_len(s: &str, max: usize, what: &'static str) -> Result<(), EncodeError>
 /// # Errors
 /// A field over its limit, an invalid handoff id, or a body over `max_frame`.
 pub fn encode(frame: &Frame, out: &mut BytesMut, max_frame: usize) -> Result<(), EncodeError> {
+    encode_keyed(frame, out, max_frame, None)
+}
+
+/// [`encode`] on an authenticated link (see [`decode_keyed`]).
+///
+/// # Errors
+/// As [`encode`].
+pub fn encode_keyed(
+    frame: &Frame,
+    out: &mut BytesMut,
+    max_frame: usize,
+    key: Option<&[u8; 32]>,
+) -> Result<(), EncodeError> {
     let start = out.len();
     out.put_slice(&MAGIC);
     out.put_u8(VERSION);
@@ -579,12 +655,14 @@ pub fn encode(frame: &Frame, out: &mut BytesMut, max_frame: usize) -> Result<(),
         Frame::State(_) => kind::STATE,
         Frame::Ack { .. } => kind::ACK,
         Frame::Nack(_) => kind::NACK,
+        Frame::Challenge { .. } => kind::CHALLENGE,
+        Frame::Auth { .. } => kind::AUTH,
     };
     out.put_u8(ty);
     out.put_u16_le(0);
     out.put_u32_le(0); // length, patched below
     let body_start = out.len();
-    let res = encode_body(frame, out);
+    let res = encode_body(frame, out, key);
     if let Err(e) = res {
         out.truncate(start);
         return Err(e);
@@ -601,8 +679,17 @@ pub fn encode(frame: &Frame, out: &mut BytesMut, max_frame: usize) -> Result<(),
     Ok(())
 }
 
-fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+fn encode_body(
+    frame: &Frame,
+    out: &mut BytesMut,
+    key: Option<&[u8; 32]>,
+) -> Result<(), EncodeError> {
     match frame {
+        Frame::Challenge { nonce } => out.put_slice(nonce),
+        Frame::Auth { nonce, mac } => {
+            out.put_slice(nonce);
+            out.put_slice(mac);
+        }
         Frame::Hello(id) | Frame::HelloOk(id) => {
             check_len(&id.build_id, MAX_TEXT_LEN, "build id")?;
             put_identity(out, id);
@@ -640,7 +727,7 @@ fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
             }
             out.put_u64_le(s.payload.len() as u64);
             out.put_slice(&s.payload);
-            let digest = Sha256::digest(&out[body_start..]);
+            let digest = state_digest(&out[body_start..], key);
             out.put_slice(&digest);
         }
         Frame::Ack { handoff_id, bytes } => {
@@ -737,12 +824,15 @@ mod tests {
     #[test]
     fn unknown_version_and_type_and_reserved_are_refused() {
         let good = enc(&Frame::Hello(identity()));
-        let mut v = good.clone();
-        v[4] = 3;
-        assert_eq!(
-            decode(&mut v, DEFAULT_MAX_FRAME),
-            Err(FrameError::UnsupportedVersion(3))
-        );
+        // Version 2 (before authentication) and a future version 4.
+        for version in [2, 4] {
+            let mut v = good.clone();
+            v[4] = version;
+            assert_eq!(
+                decode(&mut v, DEFAULT_MAX_FRAME),
+                Err(FrameError::UnsupportedVersion(version))
+            );
+        }
         let mut t = good.clone();
         t[5] = 99;
         assert_eq!(
@@ -858,6 +948,80 @@ mod tests {
             Err(EncodeError::BadId(_))
         ));
         assert!(b.is_empty());
+    }
+
+    #[test]
+    fn keyed_state_checksums_need_the_same_session_key() {
+        let f = Frame::State(StateFrame {
+            handoff_id: "k".into(),
+            request_id: "r".into(),
+            tokens: vec![1, 2],
+            descriptors: vec![],
+            payload: Bytes::from_static(b"payload"),
+        });
+        let (k1, k2) = ([1u8; 32], [2u8; 32]);
+        let mut buf = BytesMut::new();
+        encode_keyed(&f, &mut buf, DEFAULT_MAX_FRAME, Some(&k1)).unwrap();
+        let wire = buf.clone();
+        assert_eq!(
+            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, Some(&k1)).unwrap(),
+            Some(f.clone())
+        );
+        // Another session's key, or a plain SHA-256 check, refuses it: a forger who
+        // recomputes the SHA-256 over changed bytes cannot make the MAC.
+        let mut other = wire.clone();
+        assert_eq!(
+            decode_keyed(&mut other, DEFAULT_MAX_FRAME, Some(&k2)),
+            Err(FrameError::Checksum)
+        );
+        let mut plain = wire.clone();
+        assert_eq!(
+            decode(&mut plain, DEFAULT_MAX_FRAME),
+            Err(FrameError::Checksum)
+        );
+        let mut buf = BytesMut::new();
+        encode(&f, &mut buf, DEFAULT_MAX_FRAME).unwrap();
+        assert_eq!(
+            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, Some(&k1)),
+            Err(FrameError::Checksum)
+        );
+    }
+
+    #[test]
+    fn challenge_and_auth_round_trip() {
+        for f in [
+            Frame::Challenge { nonce: [9; 32] },
+            Frame::Auth {
+                nonce: [3; 32],
+                mac: [4; 32],
+            },
+        ] {
+            let mut buf = BytesMut::new();
+            encode(&f, &mut buf, DEFAULT_MAX_FRAME).unwrap();
+            assert_eq!(
+                buf.len(),
+                HEADER_LEN
+                    + if matches!(f, Frame::Challenge { .. }) {
+                        32
+                    } else {
+                        64
+                    }
+            );
+            assert_eq!(decode(&mut buf, DEFAULT_MAX_FRAME).unwrap(), Some(f));
+        }
+        // A short AUTH body is malformed, not a panic.
+        let mut buf = BytesMut::new();
+        encode(
+            &Frame::Challenge { nonce: [0; 32] },
+            &mut buf,
+            DEFAULT_MAX_FRAME,
+        )
+        .unwrap();
+        buf[5] = kind::AUTH;
+        assert!(matches!(
+            decode(&mut buf, DEFAULT_MAX_FRAME),
+            Err(FrameError::Malformed(_))
+        ));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::codec::Framed;
 
+use crate::auth::{self, Secret};
 use crate::codec::{CodecError, V2Codec};
 use crate::frame::{Frame, Identity, Nack, NackCode, StateFrame};
 use crate::layout;
@@ -56,6 +57,8 @@ pub enum HandoffError {
     Refused(Nack),
     #[error("receiver identity differs: {0}")]
     Mismatch(Nack),
+    #[error("authentication: {0}")]
+    Auth(String),
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error(transparent)]
@@ -95,6 +98,7 @@ pub async fn send_state(
     ours: &Identity,
     state: StateFrame,
     limits: &Limits,
+    secret: Option<&Secret>,
 ) -> Result<SendReport, HandoffError> {
     let start = Instant::now();
     let stream = tokio::time::timeout(limits.connect, TcpStream::connect(addr))
@@ -106,7 +110,7 @@ pub async fn send_state(
         })?;
     stream.set_nodelay(true).ok();
     let mut framed = Framed::new(stream, V2Codec::new(limits.max_frame));
-    let payload_bytes = send_on(&mut framed, ours, state, limits).await?;
+    let payload_bytes = send_on(&mut framed, ours, state, limits, secret).await?;
     Ok(SendReport {
         payload_bytes,
         elapsed: start.elapsed(),
@@ -123,6 +127,7 @@ pub async fn send_on<S>(
     ours: &Identity,
     state: StateFrame,
     limits: &Limits,
+    secret: Option<&Secret>,
 ) -> Result<u64, HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -130,7 +135,43 @@ where
     tokio::time::timeout(limits.frame, framed.send(Frame::Hello(ours.clone())))
         .await
         .map_err(|_| HandoffError::Timeout("hello"))??;
-    match next_frame(framed, limits.frame, "handshake").await? {
+    let mut reply = next_frame(framed, limits.frame, "handshake").await?;
+    if let Some(Frame::Challenge { nonce: theirs }) = reply {
+        let Some(secret) = secret else {
+            return Err(HandoffError::Auth(
+                "the receiver requires authentication; configure the shared secret \
+                 (--secret-file or EDGESPLIT_SECRET)"
+                    .into(),
+            ));
+        };
+        let mine = auth::nonce();
+        let mac = secret.mac(SENDER, &[&theirs, &mine]);
+        tokio::time::timeout(limits.frame, framed.send(Frame::Auth { nonce: mine, mac }))
+            .await
+            .map_err(|_| HandoffError::Timeout("authentication"))??;
+        match next_frame(framed, limits.frame, "authentication").await? {
+            Some(Frame::Auth { nonce, mac })
+                if nonce == theirs && secret.verify(RECEIVER, &[&mine, &theirs], &mac) => {}
+            Some(Frame::Nack(n)) => return Err(HandoffError::Refused(n)),
+            _ => {
+                return Err(HandoffError::Auth(
+                    "the receiver did not prove it holds the shared secret".into(),
+                ))
+            }
+        }
+        framed
+            .codec_mut()
+            .set_key(secret.mac(SESSION, &[&theirs, &mine]));
+        reply = next_frame(framed, limits.frame, "handshake").await?;
+    } else if secret.is_some() && matches!(reply, Some(Frame::HelloOk(_))) {
+        // A receiver without the secret could be anyone: the state would leak to it.
+        return Err(HandoffError::Auth(
+            "the receiver did not ask for authentication; refusing to send a state to an \
+             unauthenticated receiver (configure the same secret on the decode node)"
+                .into(),
+        ));
+    }
+    match reply {
         Some(Frame::HelloOk(theirs)) => {
             if let Some(n) = ours.mismatch(&theirs) {
                 return Err(HandoffError::Mismatch(n));
@@ -165,8 +206,15 @@ where
     }
 }
 
+/// MAC labels of the V2 handshake (see PROTOCOL.md).
+const SENDER: &str = "edgesplit v3 sender";
+const RECEIVER: &str = "edgesplit v3 receiver";
+const SESSION: &str = "edgesplit v3 session";
+
 fn frame_name(f: &Frame) -> &'static str {
     match f {
+        Frame::Challenge { .. } => "CHALLENGE",
+        Frame::Auth { .. } => "AUTH",
         Frame::Hello(_) => "HELLO",
         Frame::HelloOk(_) => "HELLO_OK",
         Frame::State(_) => "STATE",
@@ -234,6 +282,7 @@ pub async fn serve_connection<S>(
     ours: &Identity,
     limits: &Limits,
     sink: &dyn StateSink,
+    secret: Option<&Secret>,
 ) -> Result<(), HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -255,6 +304,40 @@ where
     match first {
         None => return Ok(()),
         Some(Frame::Hello(theirs)) => {
+            // Authentication comes first: an unauthenticated peer learns nothing, not
+            // even our identity.
+            if let Some(secret) = secret {
+                let mine = auth::nonce();
+                framed.send(Frame::Challenge { nonce: mine }).await?;
+                let reply = next_frame(&mut framed, limits.frame, "authentication").await;
+                let theirs_nonce = match reply {
+                    Ok(Some(Frame::Auth { nonce, mac }))
+                        if secret.verify(SENDER, &[&mine, &nonce], &mac) =>
+                    {
+                        nonce
+                    }
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        let n = refuse(error_nack(&e));
+                        let _ = framed.send(Frame::Nack(n)).await;
+                        return Err(e);
+                    }
+                    Ok(Some(_)) => {
+                        let n = refuse(nack(
+                            NackCode::AuthFailed,
+                            "",
+                            "authentication failed: the sender did not prove it holds the shared secret",
+                        ));
+                        let _ = framed.send(Frame::Nack(n.clone())).await;
+                        return Err(HandoffError::Refused(n));
+                    }
+                };
+                let mac = secret.mac(RECEIVER, &[&theirs_nonce, &mine]);
+                framed.send(Frame::Auth { nonce: mine, mac }).await?;
+                framed
+                    .codec_mut()
+                    .set_key(secret.mac(SESSION, &[&mine, &theirs_nonce]));
+            }
             if let Some(n) = ours.mismatch(&theirs) {
                 let n = refuse(n);
                 framed.send(Frame::Nack(n.clone())).await?;
@@ -327,6 +410,7 @@ pub async fn serve<F>(
     ours: Identity,
     limits: Limits,
     sink: Arc<dyn StateSink>,
+    secret: Option<Arc<Secret>>,
     shutdown: F,
 ) where
     F: Future<Output = ()> + Send,
@@ -352,12 +436,177 @@ pub async fn serve<F>(
             continue;
         };
         stream.set_nodelay(true).ok();
-        let (ours, sink) = (ours.clone(), sink.clone());
+        let (ours, sink, secret) = (ours.clone(), sink.clone(), secret.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = serve_connection(stream, &ours, &limits, sink.as_ref()).await {
+            if let Err(e) =
+                serve_connection(stream, &ours, &limits, sink.as_ref(), secret.as_deref()).await
+            {
                 tracing::warn!(%peer, error = %e, "handoff connection ended with an error");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    fn identity() -> Identity {
+        Identity {
+            model_fingerprint: [7; 32],
+            build_id: "test".into(),
+            type_k: 1,
+            type_v: 1,
+            flash_attn: true,
+            n_ctx: 64,
+        }
+    }
+
+    /// Keeps what it accepts; counts refusals.
+    #[derive(Default)]
+    struct Sink {
+        accepted: Mutex<Vec<String>>,
+        refused: Mutex<Vec<NackCode>>,
+    }
+
+    impl StateSink for Sink {
+        fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
+            self.accepted.lock().unwrap().push(state.handoff_id);
+            Ok(state.payload.len() as u64)
+        }
+        fn refused(&self, nack: &Nack) {
+            self.refused.lock().unwrap().push(nack.code);
+        }
+    }
+
+    fn state(id: &str) -> StateFrame {
+        let payload = bytes::Bytes::from_static(b"an opaque payload");
+        StateFrame {
+            handoff_id: id.into(),
+            request_id: "r".into(),
+            tokens: vec![],
+            descriptors: layout::describe(&payload).descriptors,
+            payload,
+        }
+    }
+
+    fn secret(s: &str) -> Secret {
+        Secret::new(s.as_bytes(), "test").unwrap()
+    }
+
+    /// Runs one sender against one receiver over an in-memory pipe.
+    async fn exchange(
+        sender: Option<&Secret>,
+        receiver: Option<&Secret>,
+    ) -> (Result<u64, HandoffError>, Arc<Sink>) {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let sink = Arc::new(Sink::default());
+        let limits = Limits {
+            frame: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        let recv = {
+            let (sink, receiver) = (sink.clone(), receiver.cloned());
+            tokio::spawn(async move {
+                let _ = serve_connection(b, &identity(), &limits, sink.as_ref(), receiver.as_ref())
+                    .await;
+            })
+        };
+        let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
+        let sent = send_on(&mut framed, &identity(), state("h1"), &limits, sender).await;
+        drop(framed);
+        let _ = recv.await;
+        (sent, sink)
+    }
+
+    #[tokio::test]
+    async fn same_secret_delivers_the_state() {
+        let k = secret("the shared secret");
+        let (sent, sink) = exchange(Some(&k), Some(&k)).await;
+        assert_eq!(sent.unwrap(), 17);
+        assert_eq!(*sink.accepted.lock().unwrap(), vec!["h1".to_string()]);
+    }
+
+    #[tokio::test]
+    async fn a_wrong_or_missing_secret_is_refused_before_any_state() {
+        let (sent, sink) = exchange(
+            Some(&secret("not the secret!!")),
+            Some(&secret("the shared secret")),
+        )
+        .await;
+        match sent {
+            Err(HandoffError::Refused(n)) => assert_eq!(n.code, NackCode::AuthFailed),
+            other => panic!("expected an auth_failed NACK, got {other:?}"),
+        }
+        assert!(sink.accepted.lock().unwrap().is_empty());
+        assert_eq!(*sink.refused.lock().unwrap(), vec![NackCode::AuthFailed]);
+
+        let (sent, sink) = exchange(None, Some(&secret("the shared secret"))).await;
+        let Err(HandoffError::Auth(why)) = sent else {
+            panic!("expected an authentication error, got {sent:?}")
+        };
+        assert!(why.contains("requires authentication"), "{why}");
+        assert!(sink.accepted.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_sender_with_a_secret_refuses_an_unauthenticated_receiver() {
+        let (sent, sink) = exchange(Some(&secret("the shared secret")), None).await;
+        let Err(HandoffError::Auth(why)) = sent else {
+            panic!("expected an authentication error, got {sent:?}")
+        };
+        assert!(why.contains("unauthenticated receiver"), "{why}");
+        assert!(
+            sink.accepted.lock().unwrap().is_empty(),
+            "no state was sent"
+        );
+    }
+
+    /// A recorded AUTH answers the challenge of its own session only.
+    #[tokio::test]
+    async fn a_replayed_auth_is_refused() {
+        let k = secret("the shared secret");
+        let limits = Limits {
+            frame: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        let mut recorded = None;
+        for round in 0..2 {
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let sink = Arc::new(Sink::default());
+            let recv = {
+                let (sink, k) = (sink.clone(), k.clone());
+                tokio::spawn(async move {
+                    serve_connection(b, &identity(), &limits, sink.as_ref(), Some(&k)).await
+                })
+            };
+            let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
+            framed.send(Frame::Hello(identity())).await.unwrap();
+            let Some(Ok(Frame::Challenge { nonce })) = framed.next().await else {
+                panic!("expected a challenge")
+            };
+            let auth = match recorded {
+                None => {
+                    let mine = crate::auth::nonce();
+                    let mac = k.mac(SENDER, &[&nonce, &mine]);
+                    recorded = Some((mine, mac));
+                    Frame::Auth { nonce: mine, mac }
+                }
+                Some((mine, mac)) => Frame::Auth { nonce: mine, mac },
+            };
+            framed.send(auth).await.unwrap();
+            let reply = framed.next().await;
+            if round == 0 {
+                assert!(matches!(reply, Some(Ok(Frame::Auth { .. }))), "{reply:?}");
+            } else {
+                let Some(Ok(Frame::Nack(n))) = reply else {
+                    panic!("expected a NACK, got {reply:?}")
+                };
+                assert_eq!(n.code, NackCode::AuthFailed);
+                assert!(recv.await.unwrap().is_err());
+            }
+        }
     }
 }

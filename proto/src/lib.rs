@@ -4,6 +4,7 @@
 //! - [`frame`], [`codec`], [`handoff`]: the V2 KV handoff over raw TCP (see `PROTOCOL.md`).
 //! - [`layout`]: llama.cpp's raw sequence-state layout, read into tensor descriptors.
 
+pub mod auth;
 pub mod codec;
 pub mod frame;
 pub mod handoff;

@@ -7,11 +7,16 @@
 
 use std::time::Duration;
 
+use edgesplit_proto::auth::{GrpcCredentials, Secret};
 use edgesplit_proto::pb;
 use edgesplit_proto::pb::decode_client::DecodeClient;
 use edgesplit_proto::pb::prefill_client::PrefillClient;
 use tokio::sync::mpsc;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+
+/// A node channel that adds the shared-secret credential to every call.
+type Authed = InterceptedService<Channel, GrpcCredentials>;
 
 use crate::api::{Input, Transport, ValidRequest};
 use crate::error::ApiError;
@@ -27,6 +32,13 @@ pub struct BackendConfig {
     pub info_timeout: Duration,
     /// Bound on the wait for the first token (prefill of a long prompt included).
     pub first_token_timeout: Duration,
+    /// When the handoff or the decode node fails, finish the answer on the prefill node
+    /// (else end it with the error).
+    pub fallback: bool,
+    /// Longest wait for the next token of a streaming answer.
+    pub token_idle_timeout: Duration,
+    /// The shared secret the nodes require (gRPC credentials on every call).
+    pub secret: Option<std::sync::Arc<Secret>>,
 }
 
 /// Why an answer ended.
@@ -75,6 +87,11 @@ pub enum Event {
         prompt_tokens: Option<u32>,
         prefill_ms: Option<f64>,
     },
+    /// The split failed and the prefill node finishes the answer (`cause`: the failure's
+    /// code); the tokens that follow continue the same answer.
+    Fallback {
+        cause: String,
+    },
     Error(ApiError),
 }
 
@@ -89,8 +106,8 @@ pub struct Started {
 /// gRPC clients of the two nodes.
 #[derive(Clone)]
 pub struct Backend {
-    prefill: PrefillClient<Channel>,
-    decode: DecodeClient<Channel>,
+    prefill: PrefillClient<Authed>,
+    decode: DecodeClient<Authed>,
     config: BackendConfig,
 }
 
@@ -130,8 +147,14 @@ impl Backend {
     /// A malformed URL.
     pub fn new(config: BackendConfig) -> anyhow::Result<Self> {
         Ok(Self {
-            prefill: PrefillClient::new(channel(&config.prefill_url, config.connect_timeout)?),
-            decode: DecodeClient::new(channel(&config.decode_url, config.connect_timeout)?),
+            prefill: PrefillClient::with_interceptor(
+                channel(&config.prefill_url, config.connect_timeout)?,
+                GrpcCredentials(config.secret.clone()),
+            ),
+            decode: DecodeClient::with_interceptor(
+                channel(&config.decode_url, config.connect_timeout)?,
+                GrpcCredentials(config.secret.clone()),
+            ),
             config,
         })
     }
@@ -184,6 +207,14 @@ impl Backend {
     ) -> Result<pb::NodeInfo, ApiError> {
         match tokio::time::timeout(self.config.info_timeout, call).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
+            // A misconfiguration, not an outage: retrying will not help.
+            Ok(Err(st)) if st.code() == tonic::Code::Unauthenticated => Err(ApiError::upstream(
+                "auth_failed",
+                format!(
+                    "{who} refused the router's credential ({}): give all three services the same secret",
+                    st.message()
+                ),
+            )),
             Ok(Err(st)) => Err(ApiError::unavailable(
                 code,
                 format!("{who} is not reachable: {}", st.message()),
@@ -208,6 +239,7 @@ impl Backend {
             max_tokens: req.max_tokens,
             handoff,
             kv_budget_bytes,
+            resume_tokens: Vec::new(),
         }
     }
 
@@ -352,7 +384,13 @@ impl Backend {
             max_new_tokens: first.max_tokens.saturating_sub(1),
             first_token: Some(first.token),
         };
-        tokio::spawn(drive_v2(first, pstream, decode, greq, tx));
+        let fallback = self.config.fallback.then(|| Fallback {
+            prefill: self.prefill.clone(),
+            request: Self::prefill_request(req, request_id, None, 0),
+            first_token_timeout: self.config.first_token_timeout,
+        });
+        let idle = self.config.token_idle_timeout;
+        tokio::spawn(drive_v2(first, pstream, decode, greq, tx, fallback, idle));
         Ok(started)
     }
 }
@@ -383,15 +421,145 @@ fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
     }
 }
 
-/// The V2 request after its first token: forward it, then run the decode stream while the
-/// handoff result comes in.
+/// What the router needs to finish an answer on the prefill node when the split fails.
+pub struct Fallback {
+    prefill: PrefillClient<Authed>,
+    /// The request as a colocated one (no handoff); `resume_tokens` and `max_tokens` are
+    /// filled in at the failure.
+    request: pb::PrefillRequest,
+    first_token_timeout: Duration,
+}
+
+/// How the split part of a request ended.
+enum Split {
+    /// Finished, or the client went away.
+    Over,
+    /// The handoff or the decode node failed; the client has not seen an error yet.
+    Failed(ApiError),
+}
+
+/// The split request after its first token: forward it, run the decode stream while the
+/// handoff result comes in, and when the handoff or the decode node fails, finish on the
+/// prefill node (`fallback`) or end with the error.
 async fn drive_v2(
     first: pb::FirstToken,
-    mut pstream: tonic::Streaming<pb::PrefillEvent>,
-    mut decode: DecodeClient<Channel>,
+    pstream: tonic::Streaming<pb::PrefillEvent>,
+    decode: DecodeClient<Authed>,
     greq: pb::GenerateRequest,
     tx: mpsc::Sender<Event>,
+    fallback: Option<Fallback>,
+    idle: Duration,
 ) {
+    // Every token the client has been sent, the first included.
+    let mut sent = vec![first.token];
+    let total = first.max_tokens;
+    let outcome = split_part(first, pstream, decode, greq, &tx, &mut sent, idle).await;
+    let Split::Failed(e) = outcome else {
+        return;
+    };
+    match fallback {
+        Some(fb) => resume_locally(fb, e, sent, total, &tx, idle).await,
+        None => {
+            let _ = tx.send(Event::Error(e)).await;
+        }
+    }
+}
+
+async fn resume_locally(
+    fb: Fallback,
+    cause: ApiError,
+    sent: Vec<i32>,
+    total: u32,
+    tx: &mpsc::Sender<Event>,
+    idle: Duration,
+) {
+    let why = cause.code.clone().unwrap_or_else(|| cause.kind.to_string());
+    tracing::warn!(
+        request_id = %fb.request.request_id,
+        cause = %why,
+        reason = %cause.message,
+        tokens_sent = sent.len(),
+        "the split failed; finishing the answer on the prefill node"
+    );
+    if tx.send(Event::Fallback { cause: why }).await.is_err() {
+        return;
+    }
+    let remaining = total.saturating_sub(sent.len() as u32);
+    if remaining == 0 {
+        // Every token was sent; only the end was lost.
+        let _ = tx.send(finished_here(FinishReason::Length)).await;
+        return;
+    }
+    let mut request = fb.request;
+    request.resume_tokens = sent;
+    request.max_tokens = remaining;
+    let mut prefill = fb.prefill;
+    let call = tokio::time::timeout(fb.first_token_timeout, prefill.generate(request)).await;
+    let mut stream = match call {
+        Ok(Ok(s)) => s.into_inner(),
+        Ok(Err(st)) => {
+            let _ = tx
+                .send(Event::Error(ApiError::from_status(&st, "messages")))
+                .await;
+            return;
+        }
+        Err(_) => {
+            let _ = tx
+                .send(Event::Error(ApiError::upstream(
+                    "timeout",
+                    "the prefill node did not take over the answer in time",
+                )))
+                .await;
+            return;
+        }
+    };
+    loop {
+        let ev =
+            match tokio::time::timeout(idle.max(fb.first_token_timeout), stream.message()).await {
+                Ok(Ok(Some(m))) => match token_event(m, false) {
+                    // The resumed answer's prefill is not this request's prefill.
+                    Event::Prefilled { .. } => continue,
+                    ev => ev,
+                },
+                Ok(Ok(None)) => Event::Error(ApiError::upstream(
+                    "stream_ended",
+                    "the prefill node ended the resumed answer without finishing",
+                )),
+                Ok(Err(st)) => Event::Error(ApiError::from_status(&st, "messages")),
+                Err(_) => Event::Error(ApiError::upstream(
+                    "timeout",
+                    format!("no token from the prefill node within {idle:?}"),
+                )),
+            };
+        let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+        if tx.send(ev).await.is_err() || end {
+            return;
+        }
+    }
+}
+
+/// The end of an answer no decode step produced (it ended with the tokens already sent).
+fn finished_here(reason: FinishReason) -> Event {
+    Event::Finished {
+        reason,
+        decode_tokens: 0,
+        decode_ms: 0.0,
+        import_ms: 0.0,
+        prompt_tokens: None,
+        prefill_ms: None,
+    }
+}
+
+/// Forwards the first token, the handoff report and the decode node's tokens.
+async fn split_part(
+    first: pb::FirstToken,
+    mut pstream: tonic::Streaming<pb::PrefillEvent>,
+    mut decode: DecodeClient<Authed>,
+    greq: pb::GenerateRequest,
+    tx: &mpsc::Sender<Event>,
+    sent: &mut Vec<i32>,
+    idle: Duration,
+) -> Split {
     if tx
         .send(Event::Token {
             id: first.token,
@@ -400,28 +568,20 @@ async fn drive_v2(
         .await
         .is_err()
     {
-        return;
+        return Split::Over;
     }
     if first.last {
-        let _ = tx
-            .send(Event::Finished {
-                reason: if first.eog {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                },
-                decode_tokens: 0,
-                decode_ms: 0.0,
-                import_ms: 0.0,
-                prompt_tokens: None,
-                prefill_ms: None,
-            })
-            .await;
-        return;
+        let reason = if first.eog {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        };
+        let _ = tx.send(finished_here(reason)).await;
+        return Split::Over;
     }
     let mut handoff = tokio::spawn(async move { pstream.message().await });
     let mut handoff_pending = true;
-    // Handles the handoff's outcome; false means the request must end.
+    // The handoff's outcome.
     let on_handoff = |r: Result<
         Result<Option<pb::PrefillEvent>, tonic::Status>,
         tokio::task::JoinError,
@@ -451,47 +611,52 @@ async fn drive_v2(
                     if handoff_pending {
                         // A handoff error explains a decode failure better than the decode does.
                         if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(1), &mut handoff).await.map(on_handoff) {
-                            let _ = tx.send(Event::Error(e)).await;
-                            return;
+                            return Split::Failed(e);
                         }
                     }
-                    let _ = tx.send(Event::Error(ApiError::from_status(&st, "messages"))).await;
-                    return;
+                    return Split::Failed(ApiError::from_status(&st, "messages"));
                 }
             },
             h = &mut handoff, if handoff_pending => {
                 handoff_pending = false;
                 match on_handoff(h) {
-                    Ok(ev) => { if tx.send(ev).await.is_err() { return; } }
-                    Err(e) => { let _ = tx.send(Event::Error(e)).await; return; }
+                    Ok(ev) => { if tx.send(ev).await.is_err() { return Split::Over; } }
+                    Err(e) => return Split::Failed(e),
                 }
             }
         }
     };
     loop {
         tokio::select! {
-            m = stream.message() => {
+            m = tokio::time::timeout(idle, stream.message()) => {
                 let ev = match m {
-                    Ok(Some(ev)) => token_event(ev, false),
-                    Ok(None) => Event::Error(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
-                    Err(st) => Event::Error(ApiError::from_status(&st, "messages")),
+                    Ok(Ok(Some(ev))) => token_event(ev, false),
+                    Ok(Ok(None)) => return Split::Failed(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
+                    Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, "messages")),
+                    Err(_) => return Split::Failed(ApiError::upstream("timeout", format!("no token from the decode node within {idle:?}"))),
                 };
-                let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+                if let Event::Error(e) = ev {
+                    return Split::Failed(e);
+                }
+                let end = matches!(ev, Event::Finished { .. });
                 if end && handoff_pending {
                     // Report the handoff figures before the end of the answer.
                     if let Ok(Ok(hev)) = tokio::time::timeout(Duration::from_secs(5), &mut handoff).await.map(on_handoff) {
                         let _ = tx.send(hev).await;
                     }
                 }
+                if let Event::Token { id, .. } = &ev {
+                    sent.push(*id);
+                }
                 if tx.send(ev).await.is_err() || end {
-                    return;
+                    return Split::Over;
                 }
             }
             h = &mut handoff, if handoff_pending => {
                 handoff_pending = false;
                 match on_handoff(h) {
-                    Ok(ev) => { if tx.send(ev).await.is_err() { return; } }
-                    Err(e) => { let _ = tx.send(Event::Error(e)).await; return; }
+                    Ok(ev) => { if tx.send(ev).await.is_err() { return Split::Over; } }
+                    Err(e) => return Split::Failed(e),
                 }
             }
         }

@@ -67,7 +67,8 @@ impl Recent {
     }
 }
 
-pub fn routes() -> Router<Arc<AppState>> {
+/// The page and its assets (open: the page asks for the API key when one is needed).
+pub fn page_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/dashboard", get(|| async { asset("text/html", INDEX) }))
         .route("/dashboard/", get(|| async { asset("text/html", INDEX) }))
@@ -79,10 +80,16 @@ pub fn routes() -> Router<Arc<AppState>> {
             "/dashboard/style.css",
             get(|| async { asset("text/css", STYLE) }),
         )
+        // Images cannot send the key; plots of a benchmark are not private.
+        .route("/dashboard/bench/{plot}", get(plot))
+}
+
+/// What the page reads (behind the API key when one is configured).
+pub fn data_routes() -> Router<Arc<AppState>> {
+    Router::new()
         .route("/dashboard/api/status", get(status))
         .route("/dashboard/api/recent", get(recent))
         .route("/dashboard/api/bench", get(bench))
-        .route("/dashboard/bench/{plot}", get(plot))
 }
 
 fn asset(kind: &'static str, body: &'static str) -> Response {

@@ -62,9 +62,27 @@ pub struct Config {
     /// Seconds allowed until the first token (long prompts prefill first).
     #[arg(long, default_value_t = 300)]
     pub first_token_timeout_s: u64,
+    /// When the handoff fails (after the prefill node's one retry) or the decode node dies
+    /// mid-answer: `fallback` finishes the answer on the prefill node, continuing after the
+    /// tokens already sent (the client sees one uninterrupted answer); `fail` ends it with
+    /// an error.
+    #[arg(long, default_value = "fallback", value_parser = ["fallback", "fail"])]
+    pub on_split_failure: String,
+    /// Longest wait, in milliseconds, for the next token of an answer before the node
+    /// writing it counts as failed.
+    #[arg(long, default_value_t = 15_000)]
+    pub token_idle_timeout_ms: u64,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// File holding the secret shared with both nodes (every gRPC call then carries a
+    /// credential). Also `EDGESPLIT_SECRET_FILE`, or the secret in `EDGESPLIT_SECRET`.
+    #[arg(long)]
+    pub secret_file: Option<std::path::PathBuf>,
+    /// File holding the API key clients must send as `Authorization: Bearer <key>` (also
+    /// the key itself in `EDGESPLIT_API_KEY`). Without one, the API is open.
+    #[arg(long)]
+    pub api_key_file: Option<std::path::PathBuf>,
     /// The bench's SQLite record, whose newest run the dashboard shows.
     #[arg(long, env = "EDGESPLIT_BENCH_DB")]
     pub bench_db: Option<std::path::PathBuf>,
@@ -83,7 +101,11 @@ impl Config {
             info_timeout_ms: 3000,
             first_token_timeout_s: 300,
             max_body_bytes: 8 * 1024 * 1024,
+            on_split_failure: "fallback".into(),
+            token_idle_timeout_ms: 15_000,
             bench_db: None,
+            secret_file: None,
+            api_key_file: None,
         }
     }
 }
@@ -97,12 +119,17 @@ pub async fn run(
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let secret = edgesplit_proto::auth::Secret::load(config.secret_file.as_deref())?.map(Arc::new);
+    let api_key = load_api_key(config.api_key_file.as_deref())?;
     let backend = Backend::new(BackendConfig {
         prefill_url: config.prefill_url.clone(),
         decode_url: config.decode_url.clone(),
         connect_timeout: Duration::from_millis(config.connect_timeout_ms),
         info_timeout: Duration::from_millis(config.info_timeout_ms),
         first_token_timeout: Duration::from_secs(config.first_token_timeout_s),
+        fallback: config.on_split_failure != "fail",
+        token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
+        secret,
     })?;
     let state = Arc::new(server::AppState {
         backend,
@@ -111,9 +138,28 @@ pub async fn run(
         max_body_bytes: config.max_body_bytes,
         started: std::time::Instant::now(),
         bench_db: config.bench_db.clone(),
+        api_key,
     });
     axum::serve(listener, server::app(state))
         .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
+}
+
+/// The API key: from `file`, else `EDGESPLIT_API_KEY`; `None` when neither is set.
+///
+/// # Errors
+/// An unreadable or empty key file.
+fn load_api_key(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let key = match file {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("cannot read the API key file {}: {e}", p.display()))?,
+        None => std::env::var("EDGESPLIT_API_KEY").unwrap_or_default(),
+    };
+    let key = key.trim().to_string();
+    if key.is_empty() {
+        anyhow::ensure!(file.is_none(), "the API key file is empty");
+        return Ok(None);
+    }
+    Ok(Some(key))
 }

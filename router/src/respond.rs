@@ -40,6 +40,8 @@ pub struct Timing {
     pub import_ms: Option<f64>,
     pub decode_ms: Option<f64>,
     pub decode_tokens: u32,
+    /// The split failed and the prefill node finished the answer: why.
+    pub fallback: Option<String>,
 }
 
 /// What one event means for the client.
@@ -133,6 +135,9 @@ impl Answer {
                     .get_or_create(&label("finished_reason", self.finish_str()))
                     .inc();
                 let transport = self.meta.transport.as_str();
+                if let Some(cause) = &t.fallback {
+                    m.fallbacks.get_or_create(&label("cause", cause)).inc();
+                }
                 if let (Some(b), Some(ms)) = (t.handoff_bytes, t.handoff_ms) {
                     m.handoff_bytes
                         .get_or_create(&label("transport", transport))
@@ -234,6 +239,10 @@ impl Answer {
                 }
                 Step::Done(self.text.finish())
             }
+            Event::Fallback { cause } => {
+                self.timing.fallback = Some(cause);
+                Step::Nothing
+            }
             Event::Error(e) => Step::Failed(e),
         }
     }
@@ -272,6 +281,7 @@ impl Answer {
             "decode_ms": t.decode_ms,
             "decode_tokens": t.decode_tokens,
             "decode_tokens_per_s": tps,
+            "fallback": t.fallback,
         });
         if self.meta.return_token_ids {
             v["token_ids"] = json!(self.token_ids);

@@ -31,21 +31,76 @@ pub struct AppState {
     pub started: Instant,
     /// The bench record the dashboard reads (`--bench-db`).
     pub bench_db: Option<std::path::PathBuf>,
+    /// Clients must send `Authorization: Bearer <key>` when set.
+    pub api_key: Option<String>,
 }
 
 /// The router's HTTP API.
 pub fn app(state: Arc<AppState>) -> Router {
     let limit = state.max_body_bytes;
-    Router::new()
+    // The API and the dashboard's data need the key; health, metrics and the dashboard
+    // page itself (which asks for the key) do not.
+    let keyed = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .merge(crate::dashboard::data_routes())
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(keyed)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .merge(crate::dashboard::routes())
+        .merge(crate::dashboard::page_routes())
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// `Authorization: Bearer <key>` when an API key is configured; else 401 with an OpenAI
+/// error object (`invalid_api_key`).
+async fn require_api_key(
+    State(s): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &s.api_key else {
+        return next.run(req).await;
+    };
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    // Constant time in the key's length.
+    let ok = given.is_some_and(|g| {
+        g.len() == key.len()
+            && g.bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    });
+    if ok {
+        return next.run(req).await;
+    }
+    let message = if given.is_some() {
+        "Incorrect API key provided."
+    } else {
+        "You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
+    };
+    s.metrics.failed("invalid_api_key");
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: message.into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key".into()),
+        retry_after: None,
+    }
+    .into_response()
 }
 
 async fn not_found() -> ApiError {

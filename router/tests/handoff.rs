@@ -22,19 +22,6 @@ async fn decode_info(stack: &common::Stack) -> pb::NodeInfo {
     c.info(pb::InfoRequest {}).await.unwrap().into_inner()
 }
 
-fn identity(info: &pb::NodeInfo) -> Identity {
-    let mut fp = [0u8; 32];
-    hex::decode_to_slice(&info.model_fingerprint, &mut fp).unwrap();
-    Identity {
-        model_fingerprint: fp,
-        build_id: info.build_id.clone(),
-        type_k: info.type_k,
-        type_v: info.type_v,
-        flash_attn: info.flash_attn,
-        n_ctx: info.n_ctx,
-    }
-}
-
 fn ask() -> Value {
     common::chat_body(
         json!([{"role":"user","content":"Name three rivers in Europe."}]),
@@ -62,7 +49,7 @@ async fn kv_state_really_crosses_the_v2_connection() {
 async fn wrong_model_fingerprint_is_refused_with_a_reason() {
     let s = common::smollm2();
     let info = decode_info(s).await;
-    let mut id = identity(&info);
+    let mut id = common::identity(&info);
     id.model_fingerprint[0] ^= 0xff;
     let state = StateFrame {
         handoff_id: "wrong-model".into(),
@@ -71,7 +58,7 @@ async fn wrong_model_fingerprint_is_refused_with_a_reason() {
         descriptors: vec![],
         payload: Bytes::new(),
     };
-    let err = handoff::send_state(&s.handoff_addr, &id, state, &Limits::default())
+    let err = handoff::send_state(&s.handoff_addr, &id, state, &Limits::default(), None)
         .await
         .unwrap_err();
     let HandoffError::Refused(n) = err else {
@@ -80,7 +67,7 @@ async fn wrong_model_fingerprint_is_refused_with_a_reason() {
     assert_eq!(n.code, NackCode::ModelMismatch);
     assert!(n.reason.contains(&info.model_fingerprint), "{}", n.reason);
     // A different context size is refused too, naming both sizes.
-    let mut id = identity(&info);
+    let mut id = common::identity(&info);
     id.n_ctx = 4096;
     let state = StateFrame {
         handoff_id: "wrong-ctx".into(),
@@ -90,7 +77,7 @@ async fn wrong_model_fingerprint_is_refused_with_a_reason() {
         payload: Bytes::new(),
     };
     let HandoffError::Refused(n) =
-        handoff::send_state(&s.handoff_addr, &id, state, &Limits::default())
+        handoff::send_state(&s.handoff_addr, &id, state, &Limits::default(), None)
             .await
             .unwrap_err()
     else {
@@ -146,7 +133,7 @@ async fn raw_session(
 async fn corrupted_payload_is_refused_and_nothing_is_imported() {
     let s = common::smollm2();
     let info = decode_info(s).await;
-    let id = identity(&info);
+    let id = common::identity(&info);
     let payload = synthetic_state();
     assert!(edgesplit_proto::layout::describe(&payload)
         .max_cells
@@ -200,7 +187,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
 #[tokio::test]
 async fn declared_descriptors_must_match_the_payload() {
     let s = common::smollm2();
-    let id = identity(&decode_info(s).await);
+    let id = common::identity(&decode_info(s).await);
     let payload = synthetic_state();
     let mut descriptors = edgesplit_proto::layout::describe(&payload).descriptors;
     descriptors[0].dtype = 0; // claims f32 where the payload says f16

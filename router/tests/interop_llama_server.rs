@@ -63,6 +63,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                 transport: pb::HandoffTransport::V1 as i32,
             }),
             kv_budget_bytes: 0,
+            resume_tokens: vec![],
         })
         .await
         .unwrap()

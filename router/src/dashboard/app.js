@@ -10,6 +10,25 @@ const EXAMPLES = [
   ['Code', 'Write a Python function that reverses a string, with a docstring.'],
 ];
 
+const KEY = 'edgesplit-api-key';
+
+// Headers with the API key, when the user gave one.
+function authed(extra) {
+  const h = Object.assign({}, extra || {});
+  const k = sessionStorage.getItem(KEY);
+  if (k) h.authorization = 'Bearer ' + k;
+  return h;
+}
+
+async function getJson(url) {
+  const r = await fetch(url, { cache: 'no-store', headers: authed() });
+  if (r.status === 401) {
+    $('key-box').hidden = false;
+    throw new Error('this router needs an API key');
+  }
+  return r.json();
+}
+
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -58,11 +77,10 @@ function nodeRows(n) {
 async function refreshStatus() {
   let s;
   try {
-    const r = await fetch('/dashboard/api/status', { cache: 'no-store' });
-    s = await r.json();
+    s = await getJson('/dashboard/api/status');
   } catch (e) {
     for (const id of ['card-router', 'card-prefill', 'card-decode', 'card-handoff']) {
-      setCard(id, false, 'down', [['error', 'router unreachable: ' + e]]);
+      setCard(id, false, 'unknown', [['error', String(e.message || e)]]);
     }
     return;
   }
@@ -92,7 +110,7 @@ async function refreshStatus() {
 async function refreshRecent() {
   let list;
   try {
-    list = (await (await fetch('/dashboard/api/recent', { cache: 'no-store' })).json()).requests;
+    list = (await getJson('/dashboard/api/recent')).requests;
   } catch (e) { return; }
   const tbody = $('recent').querySelector('tbody');
   tbody.replaceChildren();
@@ -166,8 +184,9 @@ async function run(ev) {
   let last = null;
   try {
     const res = await fetch('/v1/chat/completions', {
-      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
+      method: 'POST', headers: authed({ 'content-type': 'application/json' }), body: JSON.stringify(body),
     });
+    if (res.status === 401) $('key-box').hidden = false;
     if (!res.ok) {
       const err = await res.json().catch(() => ({ error: { message: res.statusText } }));
       throw new Error('HTTP ' + res.status + ': ' + err.error.message);
@@ -222,7 +241,7 @@ async function loadBench() {
   const box = $('bench-body');
   let b;
   try {
-    b = await (await fetch('/dashboard/api/bench', { cache: 'no-store' })).json();
+    b = await getJson('/dashboard/api/bench');
   } catch (e) { box.textContent = 'could not load: ' + e; return; }
   if (!b.available) { box.textContent = b.reason; return; }
   box.className = '';
@@ -263,6 +282,14 @@ function init() {
     $('examples').append(b);
   }
   $('run-form').addEventListener('submit', run);
+  $('key-box').addEventListener('submit', (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(KEY, $('api-key').value.trim());
+    $('key-box').hidden = true;
+    refreshStatus();
+    refreshRecent();
+    loadBench();
+  });
   refreshStatus();
   refreshRecent();
   loadBench();

@@ -37,10 +37,21 @@ pub struct StackOptions {
     pub handoff_proxy: Option<fn(String) -> String>,
     /// Point the router at this decode URL instead of the real decode node.
     pub decode_url_override: Option<String>,
+    /// Put something between the router and the decode node's gRPC listener (given its
+    /// address, returns the address the router uses).
+    pub decode_proxy: Option<fn(String) -> String>,
+    /// The router's `--on-split-failure fail` (default: fallback).
+    pub fail_on_split_failure: bool,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
     /// The router's `--bench-db` (the dashboard's benchmark section).
     pub bench_db: Option<PathBuf>,
+    /// The shared secret of all three services (written to a file each reads).
+    pub secret: Option<String>,
+    /// A different secret for the decode node only (a wrong-key peer).
+    pub decode_secret: Option<String>,
+    /// The router's API key.
+    pub api_key: Option<String>,
 }
 
 impl StackOptions {
@@ -50,8 +61,13 @@ impl StackOptions {
             n_ctx: 2048,
             handoff_proxy: None,
             decode_url_override: None,
+            decode_proxy: None,
+            fail_on_split_failure: false,
             kv_budget_bytes: 0,
             bench_db: None,
+            secret: None,
+            decode_secret: None,
+            api_key: None,
         }
     }
 }
@@ -118,7 +134,22 @@ async fn serve(opts: StackOptions) -> Stack {
         prefill_metrics: prefill_metrics_url,
     };
 
+    std::fs::create_dir_all(&base).unwrap();
+    let write = |name: &str, v: &Option<String>| {
+        v.as_ref().map(|v| {
+            let p = base.join(name);
+            std::fs::write(&p, v).unwrap();
+            p
+        })
+    };
+    let secret_file = write("secret", &opts.secret);
+    let decode_secret_file = write(
+        "decode-secret",
+        &opts.decode_secret.clone().or(opts.secret.clone()),
+    );
+    let api_key_file = write("api-key", &opts.api_key);
     let dcfg = edgesplit_decode::Config {
+        secret_file: decode_secret_file,
         model: opts.model.clone(),
         listen: String::new(),
         handoff_listen: String::new(),
@@ -138,6 +169,7 @@ async fn serve(opts: StackOptions) -> Stack {
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
     };
     let pcfg = edgesplit_prefill::Config {
+        secret_file: secret_file.clone(),
         model: opts.model.clone(),
         listen: String::new(),
         n_ctx: opts.n_ctx,
@@ -175,9 +207,21 @@ async fn serve(opts: StackOptions) -> Stack {
             .await
             .unwrap();
     });
-    let mut rcfg =
-        edgesplit_router::Config::new(prefill_url, opts.decode_url_override.unwrap_or(decode_url));
+    let router_decode = match (opts.decode_url_override, opts.decode_proxy) {
+        (Some(u), _) => u,
+        (None, Some(proxy)) => format!(
+            "http://{}",
+            proxy(decode_url["http://".len()..].to_string())
+        ),
+        (None, None) => decode_url,
+    };
+    let mut rcfg = edgesplit_router::Config::new(prefill_url, router_decode);
+    if opts.fail_on_split_failure {
+        rcfg.on_split_failure = "fail".into();
+    }
     rcfg.bench_db = opts.bench_db;
+    rcfg.secret_file = secret_file;
+    rcfg.api_key_file = api_key_file;
     tokio::spawn(async move {
         edgesplit_router::run(router, &rcfg, std::future::pending())
             .await
@@ -341,5 +385,19 @@ pub async fn run(
         finish_reason: finish.expect("finish chunk"),
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
+    }
+}
+
+/// The V2 identity a node reports in `Info`.
+pub fn identity(info: &edgesplit_proto::pb::NodeInfo) -> edgesplit_proto::frame::Identity {
+    let mut fp = [0u8; 32];
+    hex::decode_to_slice(&info.model_fingerprint, &mut fp).unwrap();
+    edgesplit_proto::frame::Identity {
+        model_fingerprint: fp,
+        build_id: info.build_id.clone(),
+        type_k: info.type_k,
+        type_v: info.type_v,
+        flash_attn: info.flash_attn,
+        n_ctx: info.n_ctx,
     }
 }

@@ -1,0 +1,298 @@
+//! Failures of the split on the real services, and what the client sees:
+//! - the decode node dies mid-answer (its connection to the router is cut): with the
+//!   default policy the prefill node finishes the answer, and the client's text is the
+//!   uninterrupted answer, token for token; with `--on-split-failure fail` the stream ends
+//!   with an in-band error and `[DONE]`, within the deadline;
+//! - bytes are corrupted between the nodes: every corrupted state is refused (checksum),
+//!   the prefill node retries once, and the answer is still the one-device answer, through
+//!   the retry or through the fallback.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Set: the proxy in front of the decode node drops every connection and refuses new ones.
+static DECODE_DEAD: AtomicBool = AtomicBool::new(false);
+
+/// Forwards to the decode node's gRPC listener until [`DECODE_DEAD`] is set.
+fn killable_proxy(target: String) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let l = TcpListener::from_std(l).unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = l.accept().await {
+            if DECODE_DEAD.load(Ordering::SeqCst) {
+                continue; // dropped: connection refused, in effect
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                let mut outbound = TcpStream::connect(target).await.unwrap();
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    () = async {
+                        while !DECODE_DEAD.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    } => {}
+                }
+                // Both sockets dropped here: the router sees the node vanish mid-stream.
+            });
+        }
+    });
+    addr
+}
+
+/// Corrupt the first this-many handoff connections.
+static CORRUPT_FIRST: AtomicUsize = AtomicUsize::new(0);
+static HANDOFFS: AtomicUsize = AtomicUsize::new(0);
+
+/// Between the nodes: flips one byte, far into the STATE frame, of the first
+/// [`CORRUPT_FIRST`] connections.
+fn corrupting_proxy(target: String) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let l = TcpListener::from_std(l).unwrap();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let n = HANDOFFS.fetch_add(1, Ordering::SeqCst);
+            let corrupt = n < CORRUPT_FIRST.load(Ordering::SeqCst);
+            let target = target.clone();
+            tokio::spawn(async move {
+                let outbound = TcpStream::connect(target).await.unwrap();
+                let (mut ri, mut wi) = inbound.into_split();
+                let (mut ro, mut wo) = outbound.into_split();
+                let up = async move {
+                    let mut seen = 0usize;
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let k = match ri.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => k,
+                        };
+                        // Past the handshake, inside the KV payload.
+                        const AT: usize = 200_000;
+                        if corrupt && seen <= AT && AT < seen + k {
+                            buf[AT - seen] ^= 0x5a;
+                        }
+                        seen += k;
+                        if wo.write_all(&buf[..k]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = wo.shutdown().await;
+                };
+                let down = async move {
+                    let _ = tokio::io::copy(&mut ro, &mut wi).await;
+                };
+                tokio::join!(up, down);
+            });
+        }
+    });
+    addr
+}
+
+fn ask(transport: &str, stream: bool) -> Value {
+    common::chat_body(
+        json!([{"role":"user","content":"Write a short story about a lighthouse keeper and a storm."}]),
+        json!({
+            "temperature": 0, "max_tokens": 96, "stream": stream,
+            "stream_options": {"include_usage": true},
+            "edgesplit": {"transport": transport, "return_token_ids": true},
+        }),
+    )
+}
+
+/// Streams `body`; after `kill_after` content chunks sets [`DECODE_DEAD`]. Returns the
+/// text, the final `edgesplit` object, any in-band error, and whether `[DONE]` came.
+async fn stream_and_kill(
+    url: &str,
+    body: &Value,
+    kill_after: usize,
+) -> (String, Value, Option<Value>, bool) {
+    let mut resp = common::client().post(url).json(body).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let (mut text, mut timing, mut error, mut done) = (String::new(), Value::Null, None, false);
+    let mut pieces = 0;
+    let mut buf = String::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            if v.get("error").is_some() {
+                error = Some(v);
+                continue;
+            }
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                if !c.is_empty() {
+                    text.push_str(c);
+                    pieces += 1;
+                    if pieces == kill_after {
+                        DECODE_DEAD.store(true, Ordering::SeqCst);
+                    }
+                }
+            }
+            if !v["edgesplit"].is_null() {
+                timing = v["edgesplit"].clone();
+            }
+        }
+    }
+    (text, timing, error, done)
+}
+
+async fn local_answer(router: &str) -> Value {
+    let (st, _, v) = common::post(
+        &format!("{router}/v1/chat/completions"),
+        &ask("local", false),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    v
+}
+
+/// Both decode-death scenarios share the proxy's switch, so they run in one test, in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_node_dies_mid_answer() {
+    // Fallback (the default): the answer goes on from the prefill node.
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(killable_proxy);
+    let s = common::start(o);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let expected = local_answer(&s.router).await;
+    let expected_text = expected["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap();
+    assert!(
+        expected["usage"]["completion_tokens"].as_u64().unwrap() > 20,
+        "{expected}"
+    );
+
+    DECODE_DEAD.store(false, Ordering::SeqCst);
+    let (text, timing, error, done) = stream_and_kill(&url, &ask("v2", true), 8).await;
+    assert!(
+        DECODE_DEAD.load(Ordering::SeqCst),
+        "the decode node was cut mid-answer"
+    );
+    assert!(error.is_none(), "{error:?}");
+    assert!(done);
+    assert_eq!(
+        text, expected_text,
+        "the client's text is the uninterrupted answer"
+    );
+    assert_eq!(timing["token_ids"], expected["edgesplit"]["token_ids"]);
+    assert!(timing["fallback"].is_string(), "{timing}");
+    let metrics = common::client()
+        .get(format!("{}/metrics", s.router))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("edgesplit:fallbacks_total{") && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+    // With the decode node gone, a new request still gets an answer (refused before
+    // prefill with a clear 503, or served, never a hang).
+    let t0 = Instant::now();
+    let (st, _, v) = common::post(&url, &ask("v2", false)).await;
+    assert!(st == 503 || st == 200, "{st} {v}");
+    assert!(t0.elapsed() < Duration::from_secs(30));
+
+    // Fail mode: an in-band error, then [DONE], within the deadline.
+    DECODE_DEAD.store(false, Ordering::SeqCst);
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(killable_proxy);
+    o.fail_on_split_failure = true;
+    let s = common::start(o);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let t0 = Instant::now();
+    let (text, _, error, done) = stream_and_kill(&url, &ask("v2", true), 8).await;
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert!(
+        expected_text.starts_with(&text),
+        "what was sent is the answer's start"
+    );
+    let error = error.expect("an in-band error event");
+    assert!(error["error"]["code"].is_string(), "{error}");
+    assert!(done, "[DONE] after the error");
+    DECODE_DEAD.store(false, Ordering::SeqCst);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.handoff_proxy = Some(corrupting_proxy);
+    let s = common::start(o);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let expected = local_answer(&s.router).await;
+    let decode_refused = || async {
+        let mut c =
+            edgesplit_proto::pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+                .await
+                .unwrap();
+        c.info(edgesplit_proto::pb::InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .handoffs_refused
+    };
+
+    // One corrupted connection: refused, retried once, delivered; no fallback.
+    HANDOFFS.store(0, Ordering::SeqCst);
+    CORRUPT_FIRST.store(1, Ordering::SeqCst);
+    let before = decode_refused().await;
+    let (st, _, v) = common::post(&url, &ask("v2", false)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["message"],
+        expected["choices"][0]["message"]
+    );
+    assert!(v["edgesplit"]["fallback"].is_null(), "{v}");
+    assert_eq!(HANDOFFS.load(Ordering::SeqCst), 2, "one retry");
+    assert_eq!(
+        decode_refused().await - before,
+        1,
+        "the corrupted state was refused"
+    );
+
+    // Every connection corrupted: both attempts refused, the prefill node finishes.
+    HANDOFFS.store(0, Ordering::SeqCst);
+    CORRUPT_FIRST.store(usize::MAX, Ordering::SeqCst);
+    let before = decode_refused().await;
+    let (st, _, v) = common::post(&url, &ask("v2", false)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["message"],
+        expected["choices"][0]["message"]
+    );
+    assert_eq!(
+        v["edgesplit"]["token_ids"],
+        expected["edgesplit"]["token_ids"]
+    );
+    assert_eq!(v["edgesplit"]["fallback"], "checksum_mismatch", "{v}");
+    assert_eq!(HANDOFFS.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        decode_refused().await - before,
+        2,
+        "100% of corrupted states detected"
+    );
+    CORRUPT_FIRST.store(0, Ordering::SeqCst);
+}
