@@ -83,6 +83,10 @@ pub struct Config {
     /// the key itself in `EDGESPLIT_API_KEY`). Without one, the API is open.
     #[arg(long)]
     pub api_key_file: Option<std::path::PathBuf>,
+    /// On SIGTERM/SIGINT: seconds to let answers in flight finish (new requests get 503 and
+    /// `/health` says `draining` meanwhile) before exiting anyway.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
     /// The bench's SQLite record, whose newest run the dashboard shows.
     #[arg(long, env = "EDGESPLIT_BENCH_DB")]
     pub bench_db: Option<std::path::PathBuf>,
@@ -104,6 +108,7 @@ impl Config {
             on_split_failure: "fallback".into(),
             token_idle_timeout_ms: 15_000,
             bench_db: None,
+            drain_timeout_s: 30,
             secret_file: None,
             api_key_file: None,
         }
@@ -139,11 +144,52 @@ pub async fn run(
         started: std::time::Instant::now(),
         bench_db: config.bench_db.clone(),
         api_key,
+        draining: std::sync::atomic::AtomicBool::new(false),
     });
-    axum::serve(listener, server::app(state))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let drain = Duration::from_secs(config.drain_timeout_s);
+    let drained = Arc::new(tokio::sync::Notify::new());
+    let stop = {
+        let (state, drained) = (state.clone(), drained.clone());
+        async move {
+            shutdown.await;
+            drain_in_flight(&state, drain).await;
+            drained.notify_one();
+        }
+    };
+    let server = axum::serve(listener, server::app(state)).with_graceful_shutdown(stop);
+    tokio::select! {
+        r = server => r?,
+        // After the drain, idle keep-alive connections close at once; anything still open
+        // (a client that stopped reading) does not keep the process alive.
+        () = async {
+            drained.notified().await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        } => tracing::warn!("connections still open after the drain; exiting"),
+    }
     Ok(())
+}
+
+/// Refuses new requests and waits, up to `deadline`, for the answers in flight.
+async fn drain_in_flight(state: &server::AppState, deadline: Duration) {
+    use std::sync::atomic::Ordering;
+    state.draining.store(true, Ordering::SeqCst);
+    let in_flight = || state.metrics.running.get() + state.metrics.waiting.get();
+    tracing::info!(
+        in_flight = in_flight(),
+        deadline_s = deadline.as_secs(),
+        "draining: new requests get 503, answers in flight may finish"
+    );
+    let t0 = std::time::Instant::now();
+    while in_flight() > 0 && t0.elapsed() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match in_flight() {
+        0 => tracing::info!("drained"),
+        n => tracing::warn!(
+            in_flight = n,
+            "drain deadline passed; exiting with answers unfinished"
+        ),
+    }
 }
 
 /// The API key: from `file`, else `EDGESPLIT_API_KEY`; `None` when neither is set.

@@ -33,6 +33,8 @@ pub struct AppState {
     pub bench_db: Option<std::path::PathBuf>,
     /// Clients must send `Authorization: Bearer <key>` when set.
     pub api_key: Option<String>,
+    /// Shutting down: new requests are refused, `/health` says `draining`.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 /// The router's HTTP API.
@@ -146,6 +148,14 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
         }
     };
     let metrics = s.metrics.clone();
+    if s.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        metrics.failed("shutting_down");
+        return ApiError::unavailable(
+            "shutting_down",
+            "the router is shutting down; retry on another instance or after it restarts",
+        )
+        .into_response();
+    }
     match serve_inner(s, endpoint, headers, &body).await {
         Ok(r) => r,
         Err(e) => {
@@ -356,6 +366,13 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
     let (p, d) = tokio::join!(s.backend.prefill_info(), s.backend.decode_info());
     let ok = p.is_ok() && d.is_ok();
     let body = json!({

@@ -1,5 +1,6 @@
 //! The three real binaries as separate processes on loopback: a chat request through the
-//! disaggregated path, and its request id in each process's (JSON) log.
+//! disaggregated path, and its request id in each process's (JSON) log; SIGTERM drains the
+//! router (answers in flight finish, new requests and health say so, then it exits).
 
 mod common;
 
@@ -52,16 +53,24 @@ fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
     )
 }
 
-#[tokio::test]
-async fn three_processes_one_request_id() {
-    let dir = std::env::temp_dir().join(format!("edgesplit-procs-{}", std::process::id()));
+/// The three services, started and healthy.
+struct Three {
+    _decode: Proc,
+    _prefill: Proc,
+    router: Proc,
+    base: String,
+    dir: PathBuf,
+}
+
+async fn start_three(tag: &str, router_extra: &[&str]) -> Three {
+    let dir = std::env::temp_dir().join(format!("edgesplit-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let model = common::model(common::SMOLLM2).display().to_string();
     let [dg, dh, dv, pg, pm, r] = [(); 6].map(|()| free_port());
     let a = |s: &str| s.to_string();
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    let _decode = spawn(
+    let decode = spawn(
         "edgesplit-decode",
         &[
             a("--model"),
@@ -79,7 +88,7 @@ async fn three_processes_one_request_id() {
         ],
         &dir.join("decode.log"),
     );
-    let _prefill = spawn(
+    let prefill = spawn(
         "edgesplit-prefill",
         &[
             a("--model"),
@@ -95,18 +104,16 @@ async fn three_processes_one_request_id() {
         ],
         &dir.join("prefill.log"),
     );
-    let _router = spawn(
-        "edgesplit-router",
-        &[
-            a("--listen"),
-            addr(r),
-            a("--prefill-url"),
-            format!("http://{}", addr(pg)),
-            a("--decode-url"),
-            format!("http://{}", addr(dg)),
-        ],
-        &dir.join("router.log"),
-    );
+    let mut rargs = vec![
+        a("--listen"),
+        addr(r),
+        a("--prefill-url"),
+        format!("http://{}", addr(pg)),
+        a("--decode-url"),
+        format!("http://{}", addr(dg)),
+    ];
+    rargs.extend(router_extra.iter().map(|s| s.to_string()));
+    let router = spawn("edgesplit-router", &rargs, &dir.join("router.log"));
     let base = format!("http://{}", addr(r));
     let t0 = Instant::now();
     loop {
@@ -124,6 +131,19 @@ async fn three_processes_one_request_id() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    Three {
+        _decode: decode,
+        _prefill: prefill,
+        router,
+        base,
+        dir,
+    }
+}
+
+#[tokio::test]
+async fn three_processes_one_request_id() {
+    let t = start_three("procs", &[]).await;
+    let (base, dir) = (&t.base, &t.dir);
     for transport in ["v2", "v1"] {
         let (st, _, v) = common::post(
             &format!("{base}/v1/chat/completions"),
@@ -146,4 +166,84 @@ async fn three_processes_one_request_id() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn sigterm_drains_the_router() {
+    let mut t = start_three("drain", &["--drain-timeout-s", "20"]).await;
+    let url = format!("{}/v1/chat/completions", t.base);
+    let body = json!({
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+        "max_tokens": 200, "temperature": 0, "stream": true,
+        "edgesplit": {"transport": "v2"},
+    });
+    let mut resp = common::client()
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let (mut text, mut finish, mut done, mut signalled) = (String::new(), None, false, false);
+    let mut buf = String::new();
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).unwrap();
+            assert!(v.get("error").is_none(), "{v}");
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(c);
+            }
+            if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+        if !signalled && !text.is_empty() {
+            // SIGTERM while the answer streams.
+            signalled = true;
+            let st = Command::new("kill")
+                .args(["-TERM", &t.router.0.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(st.success());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let health = common::client()
+                .get(format!("{}/health", t.base))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(health.status().as_u16(), 503);
+            let h: serde_json::Value = health.json().await.unwrap();
+            assert_eq!(h["status"], "draining");
+            let (st, headers, v) =
+                common::post(&url, &json!({"messages":[{"role":"user","content":"Hi"}]})).await;
+            assert_eq!(st, 503, "{v}");
+            assert_eq!(v["error"]["code"], "shutting_down");
+            assert!(headers.contains_key("retry-after"));
+        }
+    }
+    assert!(signalled);
+    assert!(done, "the answer in flight finished with [DONE]");
+    assert!(finish.is_some(), "and a finish reason");
+    // Then the router exits, cleanly, soon.
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = t.router.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the router did not exit after draining"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
 }

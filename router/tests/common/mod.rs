@@ -42,6 +42,8 @@ pub struct StackOptions {
     pub decode_proxy: Option<fn(String) -> String>,
     /// The router's `--on-split-failure fail` (default: fallback).
     pub fail_on_split_failure: bool,
+    /// The decode node's `--handoff-frame-timeout-s`.
+    pub handoff_frame_timeout_s: u64,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
     /// The router's `--bench-db` (the dashboard's benchmark section).
@@ -63,6 +65,7 @@ impl StackOptions {
             decode_url_override: None,
             decode_proxy: None,
             fail_on_split_failure: false,
+            handoff_frame_timeout_s: 30,
             kv_budget_bytes: 0,
             bench_db: None,
             secret: None,
@@ -165,7 +168,7 @@ async fn serve(opts: StackOptions) -> Stack {
         plan: false,
         pending_ttl_s: 120,
         max_pending_bytes: 1 << 30,
-        handoff_frame_timeout_s: 30,
+        handoff_frame_timeout_s: opts.handoff_frame_timeout_s,
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
     };
     let pcfg = edgesplit_prefill::Config {
