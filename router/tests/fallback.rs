@@ -116,39 +116,32 @@ async fn stream_and_kill(
     body: &Value,
     kill_after: usize,
 ) -> (String, Value, Option<Value>, bool) {
-    let mut resp = common::client().post(url).json(body).send().await.unwrap();
+    let resp = common::client().post(url).json(body).send().await.unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let (mut text, mut timing, mut error, mut done) = (String::new(), Value::Null, None, false);
     let mut pieces = 0;
-    let mut buf = String::new();
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: Value = serde_json::from_str(data).unwrap();
-            if v.get("error").is_some() {
-                error = Some(v);
-                continue;
-            }
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                if !c.is_empty() {
-                    text.push_str(c);
-                    pieces += 1;
-                    if pieces == kill_after {
-                        DECODE_DEAD.store(true, Ordering::SeqCst);
-                    }
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        if v.get("error").is_some() {
+            error = Some(v);
+            continue;
+        }
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            if !c.is_empty() {
+                text.push_str(c);
+                pieces += 1;
+                if pieces == kill_after {
+                    DECODE_DEAD.store(true, Ordering::SeqCst);
                 }
             }
-            if !v["edgesplit"].is_null() {
-                timing = v["edgesplit"].clone();
-            }
+        }
+        if !v["edgesplit"].is_null() {
+            timing = v["edgesplit"].clone();
         }
     }
     (text, timing, error, done)

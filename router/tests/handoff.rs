@@ -252,7 +252,7 @@ async fn first_token_does_not_wait_for_the_handoff() {
     let mut body = ask();
     body["stream"] = json!(true);
     let t0 = Instant::now();
-    let mut resp = common::client()
+    let resp = common::client()
         .post(&url)
         .json(&body)
         .send()
@@ -260,20 +260,18 @@ async fn first_token_does_not_wait_for_the_handoff() {
         .unwrap();
     let mut first_content = None;
     let mut text = String::new();
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        let chunk = String::from_utf8_lossy(&chunk).to_string();
-        for line in chunk.lines().filter_map(|l| l.strip_prefix("data: ")) {
-            if line == "[DONE]" {
-                continue;
-            }
-            let v: Value = serde_json::from_str(line).unwrap();
-            if let Some(c) = v["choices"][0]["delta"]["content"]
-                .as_str()
-                .filter(|c| !c.is_empty())
-            {
-                first_content.get_or_insert(t0.elapsed());
-                text.push_str(c);
-            }
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        if let Some(c) = v["choices"][0]["delta"]["content"]
+            .as_str()
+            .filter(|c| !c.is_empty())
+        {
+            first_content.get_or_insert(t0.elapsed());
+            text.push_str(c);
         }
     }
     let total = t0.elapsed();

@@ -177,7 +177,7 @@ async fn sigterm_drains_the_router() {
         "max_tokens": 200, "temperature": 0, "stream": true,
         "edgesplit": {"transport": "v2"},
     });
-    let mut resp = common::client()
+    let resp = common::client()
         .post(&url)
         .json(&body)
         .send()
@@ -185,26 +185,19 @@ async fn sigterm_drains_the_router() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let (mut text, mut finish, mut done, mut signalled) = (String::new(), None, false, false);
-    let mut buf = String::new();
-    while let Some(chunk) = resp.chunk().await.unwrap() {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap();
-            assert!(v.get("error").is_none(), "{v}");
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                text.push_str(c);
-            }
-            if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
-                finish = Some(f.to_string());
-            }
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = Some(f.to_string());
         }
         if !signalled && !text.is_empty() {
             // SIGTERM while the answer streams.

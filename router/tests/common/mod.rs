@@ -404,3 +404,32 @@ pub fn identity(info: &edgesplit_proto::pb::NodeInfo) -> edgesplit_proto::frame:
         n_ctx: info.n_ctx,
     }
 }
+
+/// Reads a streamed (SSE) response one `data:` payload at a time, as they arrive.
+pub struct Sse {
+    resp: reqwest::Response,
+    buf: String,
+}
+
+impl Sse {
+    pub fn new(resp: reqwest::Response) -> Self {
+        Self {
+            resp,
+            buf: String::new(),
+        }
+    }
+
+    /// The next payload (`[DONE]` included), or `None` at the end of the stream.
+    pub async fn next(&mut self) -> Option<String> {
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let event: String = self.buf.drain(..end + 2).collect();
+                if let Some(d) = event.lines().find_map(|l| l.strip_prefix("data: ")) {
+                    return Some(d.to_string());
+                }
+            }
+            let chunk = self.resp.chunk().await.unwrap()?;
+            self.buf.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    }
+}
