@@ -87,6 +87,15 @@ pub struct Config {
     /// `/health` says `draining` meanwhile) before exiting anyway.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Answers the router works on at once (0 = no limit); more wait in a queue.
+    #[arg(long, default_value_t = 16)]
+    pub max_in_flight: usize,
+    /// Requests that may wait for a slot; beyond it, 503 `queue_full` with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Longest wait in the queue, in seconds, before 503 `queue_timeout`.
+    #[arg(long, default_value_t = 60)]
+    pub queue_timeout_s: u64,
     /// The bench's SQLite record, whose newest run the dashboard shows.
     #[arg(long, env = "EDGESPLIT_BENCH_DB")]
     pub bench_db: Option<std::path::PathBuf>,
@@ -109,6 +118,9 @@ impl Config {
             token_idle_timeout_ms: 15_000,
             bench_db: None,
             drain_timeout_s: 30,
+            max_in_flight: 16,
+            max_queue: 64,
+            queue_timeout_s: 60,
             secret_file: None,
             api_key_file: None,
         }
@@ -145,6 +157,11 @@ pub async fn run(
         bench_db: config.bench_db.clone(),
         api_key,
         draining: std::sync::atomic::AtomicBool::new(false),
+        admission: server::Admission::new(
+            config.max_in_flight,
+            config.max_queue,
+            Duration::from_secs(config.queue_timeout_s),
+        ),
     });
     let drain = Duration::from_secs(config.drain_timeout_s);
     let drained = Arc::new(tokio::sync::Notify::new());

@@ -196,6 +196,8 @@ impl Metrics {
 pub struct RequestObserver {
     pub metrics: std::sync::Arc<Metrics>,
     running: bool,
+    /// The request's admission slot, released with the observer (the end of the answer).
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl RequestObserver {
@@ -206,7 +208,15 @@ impl RequestObserver {
         Self {
             metrics,
             running: false,
+            slot: None,
         }
+    }
+
+    /// Holds `slot` until the answer ends.
+    #[must_use]
+    pub fn holding(mut self, slot: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
+        self.slot = slot;
+        self
     }
 
     /// The request has its first token: waiting -> running.

@@ -35,6 +35,62 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Shutting down: new requests are refused, `/health` says `draining`.
     pub draining: std::sync::atomic::AtomicBool,
+    pub admission: Admission,
+}
+
+/// Back-pressure: at most `slots` answers at once, at most `max_queue` requests waiting
+/// for one (each up to `timeout`); beyond either, 503 with Retry-After.
+pub struct Admission {
+    slots: Option<Arc<tokio::sync::Semaphore>>,
+    waiting: std::sync::atomic::AtomicUsize,
+    max_queue: usize,
+    timeout: std::time::Duration,
+}
+
+impl Admission {
+    #[must_use]
+    pub fn new(max_in_flight: usize, max_queue: usize, timeout: std::time::Duration) -> Self {
+        Self {
+            slots: (max_in_flight > 0)
+                .then(|| Arc::new(tokio::sync::Semaphore::new(max_in_flight))),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+            max_queue,
+            timeout,
+        }
+    }
+
+    /// A slot for one answer (`None` when unlimited), after a bounded wait.
+    ///
+    /// # Errors
+    /// 503 `queue_full` or `queue_timeout`.
+    pub async fn admit(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ApiError> {
+        use std::sync::atomic::Ordering;
+        let Some(slots) = &self.slots else {
+            return Ok(None);
+        };
+        if let Ok(p) = slots.clone().try_acquire_owned() {
+            return Ok(Some(p));
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::unavailable(
+                "queue_full",
+                format!(
+                    "the router is at capacity ({} requests waiting); retry shortly",
+                    self.max_queue
+                ),
+            ));
+        }
+        let got = tokio::time::timeout(self.timeout, slots.clone().acquire_owned()).await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        match got {
+            Ok(Ok(p)) => Ok(Some(p)),
+            _ => Err(ApiError::unavailable(
+                "queue_timeout",
+                format!("no capacity within {:?}; retry shortly", self.timeout),
+            )),
+        }
+    }
 }
 
 /// The router's HTTP API.
@@ -181,6 +237,7 @@ async fn serve_inner(
     let received = Instant::now();
     let observer = crate::metrics::RequestObserver::new(s.metrics.clone());
     let req = api::parse(endpoint, body, random_seed)?;
+    let observer = observer.holding(s.admission.admit().await?);
     let header_transport = match headers.get("x-edgesplit-transport") {
         Some(v) => Some(
             v.to_str()

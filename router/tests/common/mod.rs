@@ -44,6 +44,9 @@ pub struct StackOptions {
     pub fail_on_split_failure: bool,
     /// The decode node's `--handoff-frame-timeout-s`.
     pub handoff_frame_timeout_s: u64,
+    /// The router's `--max-in-flight` and `--max-queue`.
+    pub max_in_flight: usize,
+    pub max_queue: usize,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
     /// The router's `--bench-db` (the dashboard's benchmark section).
@@ -66,6 +69,8 @@ impl StackOptions {
             decode_proxy: None,
             fail_on_split_failure: false,
             handoff_frame_timeout_s: 30,
+            max_in_flight: 16,
+            max_queue: 64,
             kv_budget_bytes: 0,
             bench_db: None,
             secret: None,
@@ -219,6 +224,8 @@ async fn serve(opts: StackOptions) -> Stack {
         (None, None) => decode_url,
     };
     let mut rcfg = edgesplit_router::Config::new(prefill_url, router_decode);
+    rcfg.max_in_flight = opts.max_in_flight;
+    rcfg.max_queue = opts.max_queue;
     if opts.fail_on_split_failure {
         rcfg.on_split_failure = "fail".into();
     }

@@ -1,0 +1,48 @@
+//! Back-pressure at the router: with one slot and a queue of one, a first answer runs, a
+//! second waits and is then served, a third is refused at once with 503 `queue_full` and
+//! Retry-After - never a hang.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_queue_requests_get_503_with_retry_after() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.max_in_flight = 1;
+    o.max_queue = 1;
+    let s = common::start(o);
+    let url = format!("{}/v1/completions", s.router);
+    // A raw prompt the model keeps continuing, long enough to hold the slot.
+    let count = (1..=40)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let long = json!({"prompt": format!("{count},"), "max_tokens": 120, "temperature": 0});
+    let first = tokio::spawn({
+        let (url, long) = (url.clone(), long.clone());
+        async move { common::post(&url, &long).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = tokio::spawn({
+        let url = url.clone();
+        async move { common::post(&url, &json!({"prompt": "Hello", "max_tokens": 4})).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    let (st, headers, v) = common::post(&url, &json!({"prompt": "Hi", "max_tokens": 4})).await;
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v["error"]["code"], "queue_full", "{v}");
+    assert!(headers.contains_key("retry-after"));
+    assert!(t0.elapsed() < Duration::from_secs(1), "refused at once");
+    let (st1, _, v1) = first.await.unwrap();
+    assert_eq!(st1, 200, "{v1}");
+    assert_eq!(
+        v1["usage"]["completion_tokens"], 120,
+        "the first held its slot to the end"
+    );
+    let (st2, _, v2) = second.await.unwrap();
+    assert_eq!(st2, 200, "the queued request was served: {v2}");
+}
