@@ -112,6 +112,15 @@ async fn dashboard_runs_a_v2_request_in_a_real_browser() {
         Duration::from_secs(20),
     )
     .await;
+    // No API key configured: the page does not ask for one.
+    assert_eq!(
+        js(
+            &c,
+            "return getComputedStyle(document.getElementById('key-box')).display"
+        )
+        .await,
+        json!("none")
+    );
     let decode_card = js(
         &c,
         "return document.getElementById('card-decode').textContent",
