@@ -312,18 +312,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     };
                     let c = pairs(&env, &args, &model_name, profile, &targets, &ask, pt).await?;
                     let lines = c.summarise();
-                    for l in &lines {
-                        env.rec.summary(
-                            &l.model,
-                            &l.profile,
-                            l.target_prompt_tokens,
-                            l.max_tokens,
-                            &l.subject,
-                            &l.metric,
-                            &l.stats,
-                            &l.attempt_ids,
-                        )?;
-                    }
+                    env.rec.summaries(&lines)?;
                     configs.push((c, lines));
                 }
             }
@@ -343,18 +332,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     };
                     let c = concurrent(&env, &args, &model_name, profile, t, &ask).await?;
                     let lines = c.summarise();
-                    for l in &lines {
-                        env.rec.summary(
-                            &l.model,
-                            &l.profile,
-                            l.target_prompt_tokens,
-                            l.max_tokens,
-                            &l.subject,
-                            &l.metric,
-                            &l.stats,
-                            &l.attempt_ids,
-                        )?;
-                    }
+                    env.rec.summaries(&lines)?;
                     conc.push((c, lines));
                 }
             }
@@ -379,7 +357,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         } else {
             "not run (--stock)"
         },
-        if power::start().is_some() {
+        if power::available() {
             "sampled with nvidia-smi every 100 ms"
         } else {
             power::NOT_AVAILABLE

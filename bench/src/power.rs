@@ -16,6 +16,16 @@ pub struct Sampler {
     task: JoinHandle<Vec<(Instant, f64)>>,
 }
 
+/// Whether `nvidia-smi` answers here (for the report's header; no sampler is started).
+pub fn available() -> bool {
+    std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Starts sampling, or `None` where there is no `nvidia-smi`.
 pub fn start() -> Option<Sampler> {
     let mut child = Command::new("nvidia-smi")

@@ -9,6 +9,7 @@ use rusqlite::{params, Connection};
 use serde_json::{Map, Value};
 
 use crate::client::Measure;
+use crate::report::Line;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS runs (
@@ -250,40 +251,33 @@ impl Record {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn summary(
-        &self,
-        model: &str,
-        profile: &str,
-        target_prompt_tokens: usize,
-        max_tokens: u32,
-        subject: &str,
-        metric: &str,
-        st: &Stats,
-        ids: &[i64],
-    ) -> anyhow::Result<()> {
-        self.db.execute(
-            "INSERT INTO summaries (run_id, model, profile, target_prompt_tokens, max_tokens,
-                subject, metric, n, mean, median, stddev, min, max, p90, attempt_ids)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-            params![
-                self.run_id,
-                model,
-                profile,
-                target_prompt_tokens as i64,
-                max_tokens,
-                subject,
-                metric,
-                st.n as i64,
-                st.mean,
-                st.median,
-                st.stddev,
-                st.min,
-                st.max,
-                st.p90,
-                serde_json::to_string(ids)?,
-            ],
-        )?;
+    /// Stores summary lines, each with the attempt ids it came from.
+    pub fn summaries(&self, lines: &[Line]) -> anyhow::Result<()> {
+        for l in lines {
+            let st = &l.stats;
+            self.db.execute(
+                "INSERT INTO summaries (run_id, model, profile, target_prompt_tokens, max_tokens,
+                    subject, metric, n, mean, median, stddev, min, max, p90, attempt_ids)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                params![
+                    self.run_id,
+                    l.model,
+                    l.profile,
+                    l.target_prompt_tokens as i64,
+                    l.max_tokens,
+                    l.subject,
+                    l.metric,
+                    st.n as i64,
+                    st.mean,
+                    st.median,
+                    st.stddev,
+                    st.min,
+                    st.max,
+                    st.p90,
+                    serde_json::to_string(&l.attempt_ids)?,
+                ],
+            )?;
+        }
         Ok(())
     }
 

@@ -181,7 +181,8 @@ async fn recent(State(s): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// The newest run in the bench record: its row, summary rows and plots.
-fn read_bench(db: &std::path::Path) -> Result<Value, String> {
+/// The bench record, opened read-only, and its newest finished run.
+fn latest_run(db: &std::path::Path) -> Result<(rusqlite::Connection, Value), String> {
     if !db.is_file() {
         return Err(format!(
             "{} does not exist yet: run `edgesplit-bench run`",
@@ -191,7 +192,6 @@ fn read_bench(db: &std::path::Path) -> Result<Value, String> {
     let conn =
         rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .map_err(|e| format!("{}: {e}", db.display()))?;
-    let e = |e: rusqlite::Error| format!("{}: {e}", db.display());
     let run = conn
         .query_row(
             "SELECT id, started_at, finished_at, command, git_rev, out_dir FROM runs
@@ -208,7 +208,13 @@ fn read_bench(db: &std::path::Path) -> Result<Value, String> {
                 }))
             },
         )
-        .map_err(e)?;
+        .map_err(|e| format!("{}: {e}", db.display()))?;
+    Ok((conn, run))
+}
+
+fn read_bench(db: &std::path::Path) -> Result<Value, String> {
+    let (conn, run) = latest_run(db)?;
+    let e = |e: rusqlite::Error| format!("{}: {e}", db.display());
     let mut stmt = conn
         .prepare(
             "SELECT model, profile, target_prompt_tokens, max_tokens, subject, metric, n, mean,
@@ -269,10 +275,11 @@ async fn plot(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Respo
     let Some(db) = s.bench_db.clone() else {
         return not_found();
     };
+    // Only the run's folder is needed, not its summary rows.
     let dir: Option<PathBuf> = tokio::task::spawn_blocking(move || {
-        read_bench(&db)
+        latest_run(&db)
             .ok()
-            .and_then(|v| v["run"]["out_dir"].as_str().map(PathBuf::from))
+            .and_then(|(_, run)| run["out_dir"].as_str().map(PathBuf::from))
     })
     .await
     .ok()
