@@ -4,6 +4,8 @@
 //!   client does, beside a stock llama.cpp `llama-server` baseline in the same run.
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
+//! - `load`: N concurrent clients for a fixed time against the whole stack; failures,
+//!   wrong answers, latency percentiles and each process's peak memory.
 //!
 //! Method (the seed project's), per configuration: one warm-up pair excluded, then
 //! `--pairs` retained pairs; within a pair the transports run in alternating order so
@@ -23,6 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 mod client;
 mod engine_bench;
 mod link;
+mod load;
 mod power;
 mod record;
 mod report;
@@ -41,6 +44,9 @@ enum Cli {
     Run(RunArgs),
     /// Our engine's prefill (pp) and decode (tg) speed, llama-bench style.
     Engine(engine_bench::EngineArgs),
+    /// A load test: N concurrent clients for a fixed time; failures, wrong answers,
+    /// latency percentiles and each process's peak memory.
+    Load(load::LoadArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -151,6 +157,7 @@ async fn main() -> anyhow::Result<()> {
             run(args).await
         }
         Cli::Engine(args) => engine_bench::run(&args).await,
+        Cli::Load(args) => load::run(&args).await,
     }
 }
 
@@ -273,6 +280,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     model: path.clone(),
                     n_ctx: args.n_ctx,
                     threads,
+                    parallel: None,
                     dir: out.join(format!("services-{model_name}")),
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;

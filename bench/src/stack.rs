@@ -28,6 +28,8 @@ pub struct StackConfig {
     pub model: PathBuf,
     pub n_ctx: u32,
     pub threads: i32,
+    /// Each node's `--parallel` (None: the nodes' defaults).
+    pub parallel: Option<u32>,
     /// Logs and state files go here.
     pub dir: PathBuf,
 }
@@ -40,6 +42,7 @@ pub struct Stack {
     /// Whether the model has a chat template (else the bench uses `/v1/completions`).
     pub chat: bool,
     links: Vec<Link>,
+    /// decode, prefill, router (see [`Stack::processes`]).
     children: Vec<Child>,
 }
 
@@ -93,7 +96,7 @@ impl Stack {
         let grpc_link = Link::start(decode_grpc.clone(), profile).await?;
         let model = cfg.model.display().to_string();
         let common = |listen: &str| -> Vec<String> {
-            vec![
+            let mut a: Vec<String> = vec![
                 "--model".into(),
                 model.clone(),
                 "--n-ctx".into(),
@@ -102,7 +105,11 @@ impl Stack {
                 cfg.threads.to_string(),
                 "--listen".into(),
                 listen.to_string(),
-            ]
+            ];
+            if let Some(n) = cfg.parallel {
+                a.extend(["--parallel".into(), n.to_string()]);
+            }
+            a
         };
         let mut stack = Stack {
             router: format!("http://{router}"),
@@ -192,6 +199,14 @@ impl Stack {
         stack.flash_attn = info.flash_attn;
         stack.chat = info.has_chat_template;
         Ok(stack)
+    }
+
+    /// The services' names and process ids.
+    pub fn processes(&self) -> Vec<(&'static str, u32)> {
+        ["decode", "prefill", "router"]
+            .into_iter()
+            .zip(self.children.iter().map(Child::id))
+            .collect()
     }
 
     /// Switches every emulated link to `profile`.

@@ -8,7 +8,7 @@ pub mod metrics;
 pub mod store;
 pub mod upload;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -19,6 +19,7 @@ use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
+use edgesplit_proto::service::Drain;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::Stream;
@@ -70,6 +71,11 @@ pub struct Config {
     /// Threads (default: physical cores).
     #[arg(long)]
     pub threads: Option<i32>,
+    /// Answers written at once, each in its own context (`n_ctx` tokens of KV each:
+    /// `--plan` counts them). They take turns token by token, so a short answer is not
+    /// stuck behind a long one; more wait for a free slot.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub parallel: u32,
     /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
     /// Both nodes must resolve to the same setting (the handoff handshake checks).
     #[arg(long, default_value = "auto")]
@@ -91,9 +97,21 @@ pub struct Config {
     /// Most bytes of unclaimed states held at once.
     #[arg(long, default_value_t = 2 * 1024 * 1024 * 1024)]
     pub max_pending_bytes: u64,
-    /// Seconds allowed for one handoff frame.
+    /// Seconds allowed for the state transfer: the STATE frame, from its first byte to
+    /// its last.
     #[arg(long, default_value_t = 60)]
     pub handoff_frame_timeout_s: u64,
+    /// Seconds allowed for each handshake frame (HELLO, AUTH) of a handoff connection.
+    #[arg(long, default_value_t = 10)]
+    pub handoff_handshake_timeout_s: u64,
+    /// Seconds allowed for a whole V1 upload body; past it, 408 `upload_timeout` and the
+    /// partial file is deleted.
+    #[arg(long, default_value_t = 120)]
+    pub upload_timeout_s: u64,
+    /// On SIGTERM: seconds the answers in flight may take to finish before the node exits
+    /// anyway (new calls and handoffs are refused meanwhile).
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
     /// Largest handoff frame accepted, in bytes.
     #[arg(long, default_value_t = edgesplit_proto::frame::DEFAULT_MAX_FRAME)]
     pub max_frame_bytes: usize,
@@ -107,6 +125,7 @@ impl Config {
         e.n_ctx = self.n_ctx;
         e.flash_attn = self.flash_attn;
         e.n_gpu_layers = 0;
+        e.n_parallel = self.parallel;
         if let Some(t) = self.threads {
             e.n_threads = t;
         }
@@ -195,6 +214,7 @@ impl pb::decode_server::Decode for DecodeService {
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
         let mut info = self.engine.info().node_info("decode");
         info.requests_in_flight = self.engine.in_flight();
+        info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         info.handoff_addr.clone_from(&self.handoff_addr);
         info.v1_url.clone_from(&self.v1_url);
         info.kv_budget_bytes = self.kv_budget_bytes;
@@ -239,14 +259,16 @@ pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
         mib(p.margin)
     );
     println!(
-        "context that fits {} tokens ({:.1} MiB of KV)",
+        "context that fits {} tokens ({:.1} MiB of KV), all sequences together",
         p.tokens,
         mib(p.kv_budget_bytes())
     );
-    // No more context than the model was trained for, in steps of 256.
-    let n_ctx = p.tokens.min(u64::from(info.n_ctx_train)) / 256 * 256;
+    // Each of the --parallel contexts holds n_ctx tokens of KV. No more context than the
+    // model was trained for, in steps of 256.
+    let parallel = u64::from(config.parallel.max(1));
+    let n_ctx = (p.tokens / parallel).min(u64::from(info.n_ctx_train)) / 256 * 256;
     println!(
-        "suggested        --n-ctx {n_ctx} --kv-budget-bytes {}  (model trained for {} tokens)",
+        "suggested        --parallel {parallel} --n-ctx {n_ctx} --kv-budget-bytes {}  (model trained for {} tokens)",
         n_ctx * p.kv_bytes_per_token,
         info.n_ctx_train
     );
@@ -314,37 +336,35 @@ pub async fn run(
         fingerprint_hex: engine.info().fingerprint_hex(),
         build_id: engine.info().build_id.clone(),
         n_ctx: engine.info().n_ctx,
+        timeout: Duration::from_secs(config.upload_timeout_s),
     });
     let limits = Limits {
         frame: Duration::from_secs(config.handoff_frame_timeout_s),
+        handshake: Duration::from_secs(config.handoff_handshake_timeout_s),
         max_frame: config.max_frame_bytes,
         ..Limits::default()
     };
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut stop_handoff = stop_rx.clone();
+    // The drain stops the handoff and upload listeners at once (a state arriving now
+    // could only be claimed by a call we would refuse) and lets gRPC answers finish.
+    let drain = Drain::new(shutdown, Duration::from_secs(config.drain_timeout_s));
     let receiver = tokio::spawn(handoff::serve(
         handoff_listener,
         engine.info().identity(),
         limits,
         store.clone(),
         secret.clone(),
-        async move {
-            let _ = stop_handoff.wait_for(|s| *s).await;
-        },
+        drain.started(),
     ));
     let sources = Arc::new(metrics::Sources {
         store: store.clone(),
         engine: engine.clone(),
     });
     let http = upload::router(upload_cfg).merge(metrics::router(sources));
-    let mut stop_up = stop_rx.clone();
-    let v1_server = tokio::spawn(async move {
+    let v1_server = tokio::spawn(
         axum::serve(v1_listener, http)
-            .with_graceful_shutdown(async move {
-                let _ = stop_up.wait_for(|s| *s).await;
-            })
-            .await
-    });
+            .with_graceful_shutdown(drain.started())
+            .into_future(),
+    );
     let svc = DecodeService {
         engine,
         store,
@@ -353,7 +373,7 @@ pub async fn run(
         kv_budget_bytes: config.kv_budget_bytes,
         wait: Duration::from_secs(config.handoff_wait_s),
     };
-    let result = tonic::transport::Server::builder()
+    let grpc = tonic::transport::Server::builder()
         .add_service(pb::decode_server::DecodeServer::with_interceptor(
             svc,
             edgesplit_proto::auth::GrpcGuard {
@@ -361,10 +381,15 @@ pub async fn run(
                 seen: Arc::default(),
             },
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
-        .await;
-    let _ = stop_tx.send(true);
-    let _ = receiver.await;
-    let _ = v1_server.await;
-    Ok(result?)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), drain.started());
+    let all = async {
+        let result = grpc.await;
+        let _ = receiver.await;
+        let _ = v1_server.await;
+        result
+    };
+    tokio::select! {
+        result = all => Ok(result?),
+        () = drain.expired() => Ok(()),
+    }
 }

@@ -37,6 +37,8 @@ pub struct UploadConfig {
     pub fingerprint_hex: String,
     pub build_id: String,
     pub n_ctx: u32,
+    /// The whole body must arrive within this.
+    pub timeout: std::time::Duration,
 }
 
 /// A refusal: status, machine code, human reason.
@@ -222,7 +224,22 @@ async fn receive(
     let mut head = Vec::with_capacity(12);
     let mut written: u64 = 0;
     let mut stream = body.into_data_stream();
-    while let Some(chunk) = stream.next().await {
+    let deadline = tokio::time::Instant::now() + cfg.timeout;
+    loop {
+        let next = tokio::time::timeout_at(deadline, stream.next()).await;
+        let Ok(next) = next else {
+            return Err(Refusal(
+                StatusCode::REQUEST_TIMEOUT,
+                "upload_timeout",
+                format!(
+                    "upload took longer than {:?} ({written} of {declared} bytes arrived)",
+                    cfg.timeout
+                ),
+            ));
+        };
+        let Some(chunk) = next else {
+            break;
+        };
         let chunk = chunk.map_err(|e| {
             bad(
                 "truncated",

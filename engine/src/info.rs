@@ -30,6 +30,8 @@ pub struct ModelInfo {
     pub n_layer: u32,
     /// The context length the model was trained for.
     pub n_ctx_train: u32,
+    /// Sequences served at once (one context each).
+    pub parallel: u32,
 }
 
 impl ModelInfo {
@@ -80,6 +82,7 @@ impl ModelInfo {
             has_chat_template: model.chat_template(None).is_ok(),
             n_layer,
             n_ctx_train: model.n_ctx_train(),
+            parallel: config.n_parallel.max(1),
         }
     }
 }

@@ -45,11 +45,19 @@ pub struct EngineConfig {
     pub flash_attn: FlashAttn,
     /// Layers to offload to a GPU (only with the `cuda` feature).
     pub n_gpu_layers: u32,
+    /// Sequences served at once: one llama.cpp context (one KV cache of `n_ctx` tokens)
+    /// each. Running answers take turns, one decode step each, so a sequence computes
+    /// exactly what it would alone (same context shape, same single-token batches) and
+    /// answers stay identical to a one-at-a-time run. Not done: batching the sequences'
+    /// steps into one `llama_decode`, which would raise a CPU node's throughput but changes
+    /// the matrix shapes each token is computed with, so its logits would no longer be
+    /// bit-identical to the single-device run's. Extra requests wait for a free slot.
+    pub n_parallel: u32,
 }
 
 impl EngineConfig {
     /// Defaults for `model_path`: 4,096 tokens, batch 512, physical cores, flash attention
-    /// [`FlashAttn::Auto`].
+    /// [`FlashAttn::Auto`], one sequence at a time.
     #[must_use]
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         Self {
@@ -59,6 +67,7 @@ impl EngineConfig {
             n_threads: default_threads(),
             flash_attn: FlashAttn::Auto,
             n_gpu_layers: if cfg!(feature = "cuda") { 999 } else { 0 },
+            n_parallel: 1,
         }
     }
 }
@@ -126,7 +135,13 @@ pub enum EngineError {
     Import(String),
     #[error("the engine thread has stopped")]
     Closed,
+    #[error("{waiting} requests are already waiting for a free sequence; try again later")]
+    Busy { waiting: usize },
 }
+
+/// Most prefills and generations waiting for a free slot; beyond it a request is refused
+/// at once with [`EngineError::Busy`] (the router's own queue normally keeps it far lower).
+pub const MAX_WAITING: usize = 256;
 
 /// The input of a request.
 #[derive(Debug, Clone)]
@@ -179,11 +194,12 @@ pub enum Exported {
 }
 
 /// Why a generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Finish {
     /// End-of-generation token.
     Stop,
     /// Token budget spent.
+    #[default]
     Length,
     /// The consumer went away.
     Cancelled,
@@ -203,7 +219,7 @@ pub enum GenEvent {
 }
 
 /// Totals of one generation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct GenSummary {
     pub finish: Finish,
     /// Tokens produced by decode steps (the EOG token included if there was one). The
@@ -236,12 +252,13 @@ pub enum Start {
     Resume { prompt: Vec<i32>, answer: Vec<i32> },
 }
 
-/// Commands the owner thread executes one at a time.
+/// What async code asks of the owner thread.
 enum Command {
     Tokenize {
         input: Input,
         reply: oneshot::Sender<Result<Vec<i32>, EngineError>>,
     },
+    /// Needs a free sequence slot; runs to completion once it has one.
     Prefill {
         tokens: Vec<i32>,
         params: SamplingParams,
@@ -250,12 +267,13 @@ enum Command {
         reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
         in_flight: InFlight,
     },
+    /// Needs a free sequence slot, which it holds until the answer ends.
     Generate {
         start: Start,
         params: SamplingParams,
         /// Tokens to emit at most.
         max_tokens: u32,
-        events: mpsc::Sender<GenEvent>,
+        events: mpsc::UnboundedSender<GenEvent>,
         in_flight: InFlight,
     },
 }
@@ -282,8 +300,18 @@ impl Drop for InFlight {
 pub struct Engine {
     tx: mpsc::Sender<Command>,
     info: Arc<ModelInfo>,
-    kv_tokens: Arc<AtomicU64>,
+    /// Owner-thread gauges: tokens held in KV, slots in use.
+    gauges: Arc<Gauges>,
     in_flight: Arc<AtomicU64>,
+}
+
+/// What the owner thread publishes about its slots.
+#[derive(Default)]
+struct Gauges {
+    /// Tokens in all slots' KV.
+    kv_tokens: AtomicU64,
+    /// Slots prefilling or writing an answer.
+    active: AtomicU64,
 }
 
 fn backend() -> &'static LlamaBackend {
@@ -295,18 +323,20 @@ fn backend() -> &'static LlamaBackend {
 }
 
 impl Engine {
-    /// Loads the model on a new owner thread and waits until it is ready.
+    /// Loads the model and creates its contexts on a new owner thread, and waits until it
+    /// is ready.
     ///
     /// # Errors
-    /// [`EngineError::Load`] if the file is missing or llama.cpp refuses it.
+    /// [`EngineError::Load`] if the file is missing, llama.cpp refuses it, or a context
+    /// cannot be allocated.
     pub async fn start(config: EngineConfig) -> Result<Engine, EngineError> {
         let (tx, rx) = mpsc::channel(64);
         let (ready_tx, ready_rx) = oneshot::channel();
-        let kv_tokens = Arc::new(AtomicU64::new(0));
-        let kv = kv_tokens.clone();
+        let gauges = Arc::new(Gauges::default());
+        let g = gauges.clone();
         std::thread::Builder::new()
             .name("llama-engine".into())
-            .spawn(move || owner_thread(config, rx, ready_tx, kv))
+            .spawn(move || owner_thread(config, rx, ready_tx, g))
             .map_err(|e| EngineError::Load {
                 path: String::new(),
                 reason: e.to_string(),
@@ -315,7 +345,7 @@ impl Engine {
         Ok(Engine {
             tx,
             info: Arc::new(info),
-            kv_tokens,
+            gauges,
             in_flight: Arc::new(AtomicU64::new(0)),
         })
     }
@@ -326,10 +356,16 @@ impl Engine {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Tokens whose KV the context holds now (0 when idle).
+    /// Tokens whose KV the contexts hold now, all sequences together (0 when idle).
     #[must_use]
     pub fn kv_tokens(&self) -> u64 {
-        self.kv_tokens.load(Ordering::Relaxed)
+        self.gauges.kv_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Slots in use now: prefilling, or writing an answer (at most `info().parallel`).
+    #[must_use]
+    pub fn active(&self) -> u64 {
+        self.gauges.active.load(Ordering::Relaxed)
     }
 
     /// Facts about the loaded model and context.
@@ -338,28 +374,18 @@ impl Engine {
         &self.info
     }
 
-    async fn call<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<Result<T, EngineError>>) -> Command,
-    ) -> Result<T, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
-            .await
-            .map_err(|_| EngineError::Closed)?;
-        rx.await.map_err(|_| EngineError::Closed)?
-    }
-
     /// Renders (chat) and tokenizes the input.
     ///
     /// # Errors
     /// No chat template, template failure, empty prompt.
     pub async fn tokenize(&self, input: Input) -> Result<Vec<i32>, EngineError> {
-        self.call(|reply| Command::Tokenize { input, reply }).await
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Tokenize { input, reply }).await?;
+        rx.await.map_err(|_| EngineError::Closed)?
     }
 
     /// Prefills `tokens`, samples the first token, and exports the state if asked and the
-    /// answer continues past the first token.
+    /// answer continues past the first token. Waits for a free sequence slot.
     ///
     /// # Errors
     /// Context overflow, llama.cpp decode or export failure.
@@ -370,20 +396,23 @@ impl Engine {
         max_tokens: u32,
         export: Export,
     ) -> Result<PrefillOutput, EngineError> {
-        let in_flight = InFlight::new(&self.in_flight);
-        self.call(|reply| Command::Prefill {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Prefill {
             tokens,
             params,
             max_tokens,
             export,
             reply,
-            in_flight,
+            in_flight: InFlight::new(&self.in_flight),
         })
-        .await
+        .await?;
+        rx.await.map_err(|_| EngineError::Closed)?
     }
 
-    /// Starts a generation; events arrive on the returned channel. Dropping the receiver
-    /// cancels the generation.
+    /// Starts a generation; events arrive on the returned channel (unbounded, so a slow
+    /// reader never holds up the other sequences; at most `max_tokens` + 2 events). It
+    /// waits for a free sequence slot. Dropping the receiver cancels the generation and
+    /// frees its slot.
     ///
     /// # Errors
     /// [`EngineError::Closed`] if the owner thread is gone.
@@ -392,27 +421,29 @@ impl Engine {
         start: Start,
         params: SamplingParams,
         max_tokens: u32,
-    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
-        let (events, rx) = mpsc::channel(64);
-        self.tx
-            .send(Command::Generate {
-                start,
-                params,
-                max_tokens,
-                events,
-                in_flight: InFlight::new(&self.in_flight),
-            })
-            .await
-            .map_err(|_| EngineError::Closed)?;
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate {
+            start,
+            params,
+            max_tokens,
+            events,
+            in_flight: InFlight::new(&self.in_flight),
+        })
+        .await?;
         Ok(rx)
+    }
+
+    async fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.tx.send(cmd).await.map_err(|_| EngineError::Closed)
     }
 }
 
 fn owner_thread(
     config: EngineConfig,
-    mut rx: mpsc::Receiver<Command>,
+    rx: mpsc::Receiver<Command>,
     ready: oneshot::Sender<Result<ModelInfo, EngineError>>,
-    kv_tokens: Arc<AtomicU64>,
+    gauges: Arc<Gauges>,
 ) {
     let load_err = |reason: String| EngineError::Load {
         path: config.model_path.display().to_string(),
@@ -448,6 +479,8 @@ fn owner_thread(
     } else {
         llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED
     };
+    // One context per slot, each with one sequence: a sequence computes exactly what it
+    // computes alone (see `EngineConfig::n_parallel`).
     let cparams = LlamaContextParams::default()
         .with_n_ctx(NonZeroU32::new(config.n_ctx))
         .with_n_batch(config.n_batch)
@@ -458,70 +491,287 @@ fn owner_thread(
         .with_type_k(KvCacheType::F16)
         .with_type_v(KvCacheType::F16)
         .with_flash_attention_policy(flash);
-    let ctx = match model.new_context(backend, cparams) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = ready.send(Err(load_err(e.to_string())));
-            return;
+    let mut slots = Vec::new();
+    for _ in 0..config.n_parallel.max(1) {
+        match model.new_context(backend, cparams.clone()) {
+            Ok(ctx) => slots.push(Slot { ctx, kv: 0 }),
+            Err(e) => {
+                let _ = ready.send(Err(load_err(format!(
+                    "context {} of {}: {e}",
+                    slots.len() + 1,
+                    config.n_parallel
+                ))));
+                return;
+            }
         }
-    };
-    let info = ModelInfo::read(&model, &config, fingerprint, ctx.n_ctx(), flash_on);
+    }
+    let n_ctx = slots[0].ctx.n_ctx();
+    let info = ModelInfo::read(&model, &config, fingerprint, n_ctx, flash_on);
     tracing::info!(
         model = %info.model_id,
         fingerprint = %info.fingerprint_hex(),
         n_ctx = info.n_ctx,
+        parallel = slots.len(),
         threads = config.n_threads,
         kv_bytes_per_token = info.kv_bytes_per_token,
         "model loaded"
     );
     let n_batch = config.n_batch as usize;
-    let mut worker = Worker {
+    let worker = Worker {
         model: &model,
-        ctx,
+        slots,
         batch: LlamaBatch::new(n_batch, 1),
         n_batch,
+        n_ctx,
         n_vocab: model.n_vocab(),
-        kv_tokens,
+        gauges,
     };
     if ready.send(Ok(info)).is_err() {
         return;
     }
-    while let Some(cmd) = rx.blocking_recv() {
+    Scheduler::new(worker, rx).run();
+}
+
+/// One context and what its sequence holds.
+struct Slot<'m> {
+    ctx: LlamaContext<'m>,
+    /// Tokens in the sequence's KV.
+    kv: usize,
+}
+
+/// Where an answer stands after its start, before its first decode step.
+struct Begun {
+    /// Every token whose KV is in the slot.
+    history: Vec<i32>,
+    /// The token the first step decodes.
+    last: i32,
+    /// The first step's index.
+    step: u32,
+    /// Tokens left to emit.
+    budget: u32,
+}
+
+/// An answer being written in a slot.
+struct Running {
+    slot: usize,
+    params: SamplingParams,
+    /// Every token whose KV is in the slot (prompt and answer so far).
+    history: Vec<i32>,
+    /// The newest answer token, decoded by the next step.
+    last: i32,
+    /// Index of the next sampling step (the RNG seed depends on it).
+    step: u32,
+    /// Tokens this node may still emit.
+    budget: u32,
+    events: mpsc::UnboundedSender<GenEvent>,
+    summary: GenSummary,
+    decoding_since: Instant,
+    /// Dropped before the final event is sent, so a reader that saw it sees the count
+    /// without this answer.
+    in_flight: InFlight,
+}
+
+/// The owner thread's loop: commands in, one decode step per running answer per round.
+///
+/// Answers in different slots take turns, one token each, so a long answer does not hold
+/// up a short one; on a CPU node the turns share the cores rather than adding throughput
+/// (see `EngineConfig::n_parallel`). Prefills and answer starts run whole between rounds.
+struct Scheduler<'m> {
+    worker: Worker<'m>,
+    rx: mpsc::Receiver<Command>,
+    /// Prefills and generations waiting for a free slot, oldest first.
+    waiting: std::collections::VecDeque<Command>,
+    running: Vec<Running>,
+    /// Every `Engine` handle is gone: finish what was accepted, then stop.
+    closed: bool,
+}
+
+impl<'m> Scheduler<'m> {
+    fn new(worker: Worker<'m>, rx: mpsc::Receiver<Command>) -> Self {
+        Scheduler {
+            worker,
+            rx,
+            waiting: std::collections::VecDeque::new(),
+            running: Vec::new(),
+            closed: false,
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if self.closed {
+                    return;
+                }
+                match self.rx.blocking_recv() {
+                    Some(cmd) => self.accept(cmd),
+                    None => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.accept(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        self.closed = true;
+                        break;
+                    }
+                }
+            }
+            self.start_waiting();
+            self.step_all();
+        }
+    }
+
+    fn publish_active(&self, extra: usize) {
+        let n = (self.running.len() + extra) as u64;
+        self.worker.gauges.active.store(n, Ordering::Relaxed);
+    }
+
+    fn accept(&mut self, cmd: Command) {
         match cmd {
             Command::Tokenize { input, reply } => {
-                let _ = reply.send(worker.tokenize(input));
+                let _ = reply.send(self.worker.tokenize(input));
             }
-            Command::Prefill {
-                tokens,
-                params,
-                max_tokens,
-                export,
-                reply,
-                in_flight,
-            } => {
-                let out = worker.prefill_cmd(&tokens, &params, max_tokens, &export);
-                drop(in_flight);
-                let _ = reply.send(out);
+            other if self.waiting.len() >= MAX_WAITING => {
+                let busy = EngineError::Busy {
+                    waiting: self.waiting.len(),
+                };
+                match other {
+                    Command::Prefill { reply, .. } => {
+                        let _ = reply.send(Err(busy));
+                    }
+                    Command::Generate { events, start, .. } => {
+                        if let Start::ImportedFile { path, .. } = start {
+                            let _ = std::fs::remove_file(path);
+                        }
+                        let _ = events.send(GenEvent::Error(busy));
+                    }
+                    Command::Tokenize { .. } => {}
+                }
             }
-            Command::Generate {
-                start,
-                params,
-                max_tokens,
-                events,
-                in_flight: _in_flight,
-            } => worker.generate(start, &params, max_tokens, &events),
+            other => self.waiting.push_back(other),
+        }
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        (0..self.worker.slots.len()).find(|s| self.running.iter().all(|r| r.slot != *s))
+    }
+
+    fn start_waiting(&mut self) {
+        while let Some(slot) = self.free_slot() {
+            let Some(cmd) = self.waiting.pop_front() else {
+                return;
+            };
+            match cmd {
+                Command::Prefill {
+                    tokens,
+                    params,
+                    max_tokens,
+                    export,
+                    reply,
+                    in_flight,
+                } => {
+                    let out = if reply.is_closed() {
+                        Err(EngineError::Closed)
+                    } else {
+                        self.publish_active(1);
+                        let out = self
+                            .worker
+                            .prefill_cmd(slot, &tokens, &params, max_tokens, &export);
+                        self.publish_active(0);
+                        out
+                    };
+                    drop(in_flight);
+                    let _ = reply.send(out);
+                }
+                Command::Generate {
+                    start,
+                    params,
+                    max_tokens,
+                    events,
+                    in_flight,
+                } => {
+                    if events.is_closed() {
+                        // Its reader left while it waited: drop it unrun.
+                        if let Start::ImportedFile { path, .. } = start {
+                            let _ = std::fs::remove_file(path);
+                        }
+                        continue;
+                    }
+                    let mut summary = GenSummary::default();
+                    self.publish_active(1);
+                    let begun =
+                        self.worker
+                            .begin(slot, start, &params, max_tokens, &events, &mut summary);
+                    match begun {
+                        Ok(Some(b)) => self.running.push(Running {
+                            slot,
+                            params,
+                            history: b.history,
+                            last: b.last,
+                            step: b.step,
+                            budget: b.budget,
+                            events,
+                            summary,
+                            decoding_since: Instant::now(),
+                            in_flight,
+                        }),
+                        Ok(None) => {
+                            self.worker.clear(slot);
+                            drop(in_flight);
+                            let _ = events.send(GenEvent::Done(summary));
+                        }
+                        Err(e) => {
+                            self.worker.clear(slot);
+                            drop(in_flight);
+                            let _ = events.send(GenEvent::Error(e));
+                        }
+                    }
+                    self.publish_active(0);
+                }
+                Command::Tokenize { .. } => unreachable!("tokenize never waits for a slot"),
+            }
+        }
+    }
+
+    fn step_all(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            match self.worker.step(&mut self.running[i]) {
+                Ok(false) => i += 1,
+                done => {
+                    let Running {
+                        slot,
+                        events,
+                        mut summary,
+                        decoding_since,
+                        in_flight,
+                        ..
+                    } = self.running.swap_remove(i);
+                    self.worker.clear(slot);
+                    self.publish_active(0);
+                    summary.decode_ms = ms(decoding_since);
+                    drop(in_flight);
+                    let _ = events.send(match done {
+                        Err(e) => GenEvent::Error(e),
+                        Ok(_) => GenEvent::Done(summary),
+                    });
+                }
+            }
         }
     }
 }
 
 struct Worker<'m> {
     model: &'m LlamaModel,
-    ctx: LlamaContext<'m>,
+    slots: Vec<Slot<'m>>,
+    /// Shared by the slots: only one decodes at a time.
     batch: LlamaBatch<'static>,
     n_batch: usize,
+    n_ctx: u32,
     n_vocab: i32,
-    /// Tokens in sequence 0's KV, for memory reporting.
-    kv_tokens: Arc<AtomicU64>,
+    gauges: Arc<Gauges>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -566,7 +816,7 @@ impl Worker<'_> {
     }
 
     fn check_fits(&self, prompt: usize, max_tokens: u32) -> Result<(), EngineError> {
-        let n_ctx = self.ctx.n_ctx();
+        let n_ctx = self.n_ctx;
         let needed = prompt as u64 + u64::from(max_tokens);
         if prompt == 0 {
             return Err(EngineError::EmptyPrompt);
@@ -596,14 +846,16 @@ impl Worker<'_> {
         }
     }
 
-    /// Clears the sequence, prefills `tokens` and samples the first answer token (step 0).
+    /// Clears the slot, prefills `tokens` and samples the first answer token (step 0).
     fn prefill(
         &mut self,
+        slot: usize,
         tokens: &[i32],
         params: &SamplingParams,
     ) -> Result<TokenOut, EngineError> {
-        self.clear();
+        self.clear(slot);
         let last_chunk = (tokens.len() - 1) / self.n_batch;
+        let ctx = &mut self.slots[slot].ctx;
         for (c, chunk) in tokens.chunks(self.n_batch).enumerate() {
             self.batch.clear();
             for (i, t) in chunk.iter().enumerate() {
@@ -613,72 +865,61 @@ impl Worker<'_> {
                     .add(LlamaToken(*t), pos, &[0], logits)
                     .map_err(|e| EngineError::Decode(e.to_string()))?;
             }
-            self.ctx
-                .decode(&mut self.batch)
+            ctx.decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
         }
-        self.set_kv_tokens(tokens.len());
         let idx = self.batch.n_tokens() - 1;
-        let id = sampling::sample(&self.ctx, idx, self.n_vocab, params, tokens, 0);
+        let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
+        self.set_kv(slot, tokens.len());
         Ok(self.token_out(id))
     }
 
-    /// Appends `token` to the sequence at the next position: one single-token decode, as
-    /// every generated token is decoded.
-    fn decode_one(&mut self, token: i32, history: &mut Vec<i32>) -> Result<(), EngineError> {
+    /// Appends `token` to the slot's sequence at the next position: one single-token
+    /// decode, as every generated token is decoded.
+    fn decode_one(
+        &mut self,
+        slot: usize,
+        token: i32,
+        history: &mut Vec<i32>,
+    ) -> Result<(), EngineError> {
         let pos = history.len() as i32;
         history.push(token);
         self.batch.clear();
         self.batch
             .add(LlamaToken(token), pos, &[0], true)
             .map_err(|e| EngineError::Decode(e.to_string()))?;
-        self.ctx
+        self.slots[slot]
+            .ctx
             .decode(&mut self.batch)
-            .map_err(|e| EngineError::Decode(e.to_string()))
+            .map_err(|e| EngineError::Decode(e.to_string()))?;
+        self.set_kv(slot, history.len());
+        Ok(())
     }
 
-    fn clear(&mut self) {
+    fn clear(&mut self, slot: usize) {
         // Seq id 0 always fits in an i32; this cannot fail.
-        let _ = self.ctx.clear_kv_cache_seq(Some(0), None, None);
-        self.set_kv_tokens(0);
+        let _ = self.slots[slot].ctx.clear_kv_cache_seq(Some(0), None, None);
+        self.set_kv(slot, 0);
     }
 
-    fn set_kv_tokens(&self, n: usize) {
-        self.kv_tokens.store(n as u64, Ordering::Relaxed);
+    fn set_kv(&mut self, slot: usize, n: usize) {
+        self.slots[slot].kv = n;
+        let total: usize = self.slots.iter().map(|s| s.kv).sum();
+        self.gauges.kv_tokens.store(total as u64, Ordering::Relaxed);
     }
 
     fn prefill_cmd(
         &mut self,
+        slot: usize,
         tokens: &[i32],
         params: &SamplingParams,
         max_tokens: u32,
         export: &Export,
     ) -> Result<PrefillOutput, EngineError> {
         self.check_fits(tokens.len(), max_tokens)?;
-        let t0 = Instant::now();
-        let first = match self.prefill(tokens, params) {
-            Ok(f) => f,
-            Err(e) => {
-                self.clear();
-                return Err(e);
-            }
-        };
-        let prefill_ms = ms(t0);
-        let continues = !first.eog && max_tokens > 1;
-        let mut state = None;
-        let t1 = Instant::now();
-        if continues {
-            state = match export {
-                Export::None => None,
-                Export::Raw => Some(Exported::Raw(self.export().inspect_err(|_| self.clear())?)),
-                Export::File(path) => Some(
-                    self.export_file(path, tokens)
-                        .inspect_err(|_| self.clear())?,
-                ),
-            };
-        }
-        let export_ms = ms(t1);
-        self.clear();
+        let out = self.prefill_export(slot, tokens, params, max_tokens, export);
+        self.clear(slot);
+        let (first, state, prefill_ms, export_ms) = out?;
         Ok(PrefillOutput {
             prompt_tokens: tokens.to_vec(),
             first,
@@ -688,9 +929,32 @@ impl Worker<'_> {
         })
     }
 
-    fn export(&self) -> Result<Vec<u8>, EngineError> {
+    fn prefill_export(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        params: &SamplingParams,
+        max_tokens: u32,
+        export: &Export,
+    ) -> Result<(TokenOut, Option<Exported>, f64, f64), EngineError> {
+        let t0 = Instant::now();
+        let first = self.prefill(slot, tokens, params)?;
+        let prefill_ms = ms(t0);
+        let t1 = Instant::now();
+        let continues = !first.eog && max_tokens > 1;
+        let state = match export {
+            _ if !continues => None,
+            Export::None => None,
+            Export::Raw => Some(Exported::Raw(self.export(slot)?)),
+            Export::File(path) => Some(self.export_file(slot, path, tokens)?),
+        };
+        Ok((first, state, prefill_ms, ms(t1)))
+    }
+
+    fn export(&self, slot: usize) -> Result<Vec<u8>, EngineError> {
+        let ctx = &self.slots[slot].ctx;
         let flags = LlamaStateSeqFlags::empty();
-        let size = self.ctx.state_seq_get_size_ext(0, flags);
+        let size = ctx.state_seq_get_size_ext(0, flags);
         if size == 0 {
             return Err(EngineError::Export(
                 "llama.cpp reported an empty state".into(),
@@ -699,7 +963,7 @@ impl Worker<'_> {
         let mut buf = vec![0u8; size];
         // SAFETY: `buf` holds exactly the size llama.cpp reported for this sequence, and the
         // context is not modified between the size query and the copy (same thread).
-        let n = unsafe { self.ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
+        let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
         if n != size {
             return Err(EngineError::Export(format!(
                 "llama.cpp wrote {n} bytes, expected {size}"
@@ -708,9 +972,14 @@ impl Worker<'_> {
         Ok(buf)
     }
 
-    fn export_file(&self, path: &std::path::Path, tokens: &[i32]) -> Result<Exported, EngineError> {
+    fn export_file(
+        &self,
+        slot: usize,
+        path: &std::path::Path,
+        tokens: &[i32],
+    ) -> Result<Exported, EngineError> {
         let toks: Vec<LlamaToken> = tokens.iter().map(|t| LlamaToken(*t)).collect();
-        let bytes = self
+        let bytes = self.slots[slot]
             .ctx
             .state_seq_save_file(path, 0, &toks)
             .map_err(|e| EngineError::Export(e.to_string()))?;
@@ -720,111 +989,89 @@ impl Worker<'_> {
         })
     }
 
-    /// Loads a sequence-state file into sequence 0; returns the tokens it covers. The file
+    /// Loads a sequence-state file into the slot; returns the tokens it covers. The file
     /// is deleted whatever happens.
-    fn import_file(&mut self, path: &std::path::Path) -> Result<Vec<i32>, EngineError> {
-        self.clear();
-        let n_ctx = self.ctx.n_ctx() as usize;
-        let res = self.ctx.state_seq_load_file(path, 0, n_ctx);
+    fn import_file(
+        &mut self,
+        slot: usize,
+        path: &std::path::Path,
+    ) -> Result<Vec<i32>, EngineError> {
+        self.clear(slot);
+        let n_ctx = self.n_ctx as usize;
+        let res = self.slots[slot].ctx.state_seq_load_file(path, 0, n_ctx);
         let _ = std::fs::remove_file(path);
         match res {
             Ok((toks, _)) => {
-                self.set_kv_tokens(toks.len());
+                self.set_kv(slot, toks.len());
                 Ok(toks.into_iter().map(|t| t.0).collect())
             }
-            Err(e) => {
-                self.clear();
-                Err(EngineError::Import(format!(
-                    "llama.cpp refused the state file: {e}"
-                )))
-            }
+            Err(e) => Err(EngineError::Import(format!(
+                "llama.cpp refused the state file: {e}"
+            ))),
         }
     }
 
-    fn import(&mut self, state: &[u8]) -> Result<(), EngineError> {
-        self.clear();
+    fn import(&mut self, slot: usize, state: &[u8]) -> Result<(), EngineError> {
+        self.clear(slot);
+        let ctx = &mut self.slots[slot].ctx;
         // SAFETY: the bytes were produced by `state_seq_get_data_ext` of the same llama.cpp
         // build and model (the V2 handshake compared build id and model fingerprint), their
         // SHA-256 passed and their tensor layout was re-derived and compared before we got
         // here. llama.cpp's reader is bounds-checked against `state.len()` and rejects
         // shape mismatches.
-        let ok = unsafe {
-            self.ctx
-                .state_seq_set_data_ext(state, 0, LlamaStateSeqFlags::empty())
-        };
+        let ok = unsafe { ctx.state_seq_set_data_ext(state, 0, LlamaStateSeqFlags::empty()) };
         if !ok {
-            self.clear();
             return Err(EngineError::Import(
                 "llama.cpp refused the state (shape or type mismatch)".into(),
             ));
         }
-        let held = self.ctx.kv_cache_seq_pos_max(0) + 1;
-        self.set_kv_tokens(usize::try_from(held).unwrap_or(0));
+        let held = ctx.kv_cache_seq_pos_max(0) + 1;
+        self.set_kv(slot, usize::try_from(held).unwrap_or(0));
         Ok(())
     }
 
-    fn generate(
+    /// Sets an answer up in `slot`: prefill, import or rebuild, and emit what comes before
+    /// the first decode step. `None` when the answer already ended
+    /// (end-of-generation first token, or the reader left). The caller clears the slot
+    /// when this fails or ends.
+    fn begin(
         &mut self,
+        slot: usize,
         start: Start,
         params: &SamplingParams,
         max_tokens: u32,
-        events: &mpsc::Sender<GenEvent>,
-    ) {
-        let mut summary = GenSummary {
-            finish: Finish::Length,
-            generated: 0,
-            prompt_tokens: 0,
-            prefill_ms: 0.0,
-            import_ms: 0.0,
-            decode_ms: 0.0,
-        };
-        let result = self.generate_inner(start, params, max_tokens, events, &mut summary);
-        self.clear();
-        let last = match result {
-            Ok(()) => GenEvent::Done(summary),
-            Err(e) => GenEvent::Error(e),
-        };
-        let _ = events.blocking_send(last);
-    }
-
-    fn generate_inner(
-        &mut self,
-        start: Start,
-        params: &SamplingParams,
-        max_tokens: u32,
-        events: &mpsc::Sender<GenEvent>,
+        events: &mpsc::UnboundedSender<GenEvent>,
         summary: &mut GenSummary,
-    ) -> Result<(), EngineError> {
-        let emit = |t: TokenOut| events.blocking_send(GenEvent::Token(t)).is_ok();
-        // `history` = every token whose KV is (or is about to be) in the cache.
+    ) -> Result<Option<Begun>, EngineError> {
         // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
         // continues at the step after its last token.
         let mut step = 1u32;
-        let (mut history, first, budget) = match start {
+        let (history, first, budget) = match start {
             Start::Prompt(tokens) => {
                 self.check_fits(tokens.len(), max_tokens)?;
                 summary.prompt_tokens = tokens.len() as u32;
                 let t0 = Instant::now();
-                let first = self.prefill(&tokens, params)?;
+                let first = self.prefill(slot, &tokens, params)?;
                 summary.prefill_ms = ms(t0);
                 let prefilled = GenEvent::Prefilled {
                     prompt_tokens: summary.prompt_tokens,
                     prefill_ms: summary.prefill_ms,
                 };
-                if events.blocking_send(prefilled).is_err() || !emit(first.clone()) {
+                if events.send(prefilled).is_err()
+                    || events.send(GenEvent::Token(first.clone())).is_err()
+                {
                     summary.finish = Finish::Cancelled;
-                    return Ok(());
+                    return Ok(None);
                 }
                 (tokens, first, max_tokens.saturating_sub(1))
             }
             Start::ImportedFile { path, first } => {
                 let t0 = Instant::now();
-                let tokens = self.import_file(&path)?;
+                let tokens = self.import_file(slot, &path)?;
                 summary.import_ms = ms(t0);
                 self.check_fits(tokens.len(), max_tokens + 1)?;
                 summary.prompt_tokens = tokens.len() as u32;
-                let first = self.token_out(LlamaToken(first));
-                (tokens, first, max_tokens)
+                (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
             Start::Imported {
                 state,
@@ -835,10 +1082,9 @@ impl Worker<'_> {
                 self.check_fits(tokens.len(), max_tokens + 1)?;
                 summary.prompt_tokens = tokens.len() as u32;
                 let t0 = Instant::now();
-                self.import(&state)?;
+                self.import(slot, &state)?;
                 summary.import_ms = ms(t0);
-                let first = self.token_out(LlamaToken(first));
-                (tokens, first, max_tokens)
+                (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
             Start::Resume { prompt, answer } => {
                 let Some((&last, before)) = answer.split_last() else {
@@ -850,12 +1096,11 @@ impl Worker<'_> {
                 summary.prompt_tokens = prompt.len() as u32;
                 let t0 = Instant::now();
                 // The same batches as the original prefill (its sampled token is not used).
-                self.prefill(&prompt, params)?;
+                self.prefill(slot, &prompt, params)?;
                 let mut history = prompt;
                 for &t in before {
-                    self.decode_one(t, &mut history)?;
+                    self.decode_one(slot, t, &mut history)?;
                 }
-                self.set_kv_tokens(history.len());
                 summary.prefill_ms = ms(t0);
                 step = u32::try_from(answer.len()).unwrap_or(u32::MAX);
                 (history, self.token_out(LlamaToken(last)), max_tokens)
@@ -863,31 +1108,43 @@ impl Worker<'_> {
         };
         if first.eog {
             summary.finish = Finish::Stop;
-            return Ok(());
+            return Ok(None);
         }
-        let t0 = Instant::now();
-        let mut last = first.id;
-        let mut emitted = 0u32;
-        while emitted < budget {
-            self.decode_one(last, &mut history)?;
-            self.set_kv_tokens(history.len());
-            let id = sampling::sample(&self.ctx, 0, self.n_vocab, params, &history, step);
-            step += 1;
-            emitted += 1;
-            summary.generated += 1;
-            let out = self.token_out(id);
-            let eog = out.eog;
-            if !emit(out) {
-                summary.finish = Finish::Cancelled;
-                break;
-            }
-            if eog {
-                summary.finish = Finish::Stop;
-                break;
-            }
-            last = id.0;
+        if budget == 0 {
+            return Ok(None);
         }
-        summary.decode_ms = ms(t0);
-        Ok(())
+        Ok(Some(Begun {
+            history,
+            last: first.id,
+            step,
+            budget,
+        }))
+    }
+
+    /// One decode step of a running answer: decode its newest token, sample and emit the
+    /// next. `Ok(true)` when the answer has ended (its `summary.finish` says why).
+    fn step(&mut self, r: &mut Running) -> Result<bool, EngineError> {
+        if r.events.is_closed() {
+            r.summary.finish = Finish::Cancelled;
+            return Ok(true);
+        }
+        self.decode_one(r.slot, r.last, &mut r.history)?;
+        let ctx = &self.slots[r.slot].ctx;
+        let id = sampling::sample(ctx, 0, self.n_vocab, &r.params, &r.history, r.step);
+        r.step += 1;
+        r.budget -= 1;
+        r.summary.generated += 1;
+        let out = self.token_out(id);
+        let eog = out.eog;
+        if r.events.send(GenEvent::Token(out)).is_err() {
+            r.summary.finish = Finish::Cancelled;
+            return Ok(true);
+        }
+        if eog {
+            r.summary.finish = Finish::Stop;
+            return Ok(true);
+        }
+        r.last = id.0;
+        Ok(r.budget == 0)
     }
 }

@@ -41,6 +41,7 @@ impl ModelInfo {
             flash_attn: self.flash_attn,
             type_k: self.type_k,
             type_v: self.type_v,
+            parallel: self.parallel,
             ..Default::default()
         }
     }
@@ -77,6 +78,7 @@ pub fn status(e: &EngineError) -> tonic::Status {
         EngineError::Template(_) => (tonic::Code::InvalidArgument, "template_error"),
         EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
         EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
+        EngineError::Busy { .. } => (tonic::Code::Unavailable, "engine_busy"),
         EngineError::Closed | EngineError::Load { .. } | EngineError::Decode(_) => {
             (tonic::Code::Internal, "engine_error")
         }
@@ -97,7 +99,7 @@ pub fn status_with_code(code: tonic::Code, name: &str, message: String) -> tonic
 /// Turns engine events into the gRPC token stream. Dropping the stream drops the engine's
 /// receiver, which cancels the generation.
 pub fn token_events(
-    mut rx: mpsc::Receiver<GenEvent>,
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
 ) -> impl Stream<Item = Result<pb::TokenEvent, Status>> + Send {
     spawn_stream(
         move |tx: mpsc::Sender<Result<pb::TokenEvent, Status>>| async move {

@@ -21,7 +21,7 @@ fn model_path() -> std::path::PathBuf {
     p
 }
 
-async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> (Vec<i32>, GenEvent) {
+async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> (Vec<i32>, GenEvent) {
     let mut ids = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {

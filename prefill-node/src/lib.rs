@@ -6,7 +6,7 @@
 pub mod metrics;
 pub mod upload;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use edgesplit_engine::{Engine, EngineConfig, Export, Exported, Input, SamplingPa
 use edgesplit_proto::auth::{GrpcGuard, Secret};
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
+use edgesplit_proto::service::Drain;
 use edgesplit_proto::{layout, pb};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -53,6 +54,11 @@ pub struct Config {
     /// Prefill batch size.
     #[arg(long, default_value_t = 512)]
     pub batch: u32,
+    /// Sequences served at once, each in its own context (`n_ctx` tokens of KV each).
+    /// Prefills take one while they run; a local or fallback answer holds one until it
+    /// ends, so with 2 a local answer does not stop the prefills of split ones.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub parallel: u32,
     /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
     /// Both nodes must resolve to the same setting (the handoff handshake checks).
     #[arg(long, default_value = "auto")]
@@ -63,9 +69,17 @@ pub struct Config {
     /// Seconds allowed for the handoff connect.
     #[arg(long, default_value_t = 5)]
     pub handoff_connect_timeout_s: u64,
-    /// Seconds allowed for one handoff frame (transfer of the state included).
+    /// Seconds allowed for the state transfer: sending the STATE frame (V2) or the whole
+    /// upload (V1), and the receiver's answer.
     #[arg(long, default_value_t = 60)]
     pub handoff_frame_timeout_s: u64,
+    /// Seconds allowed for each handshake frame of a V2 handoff (HELLO, AUTH and replies).
+    #[arg(long, default_value_t = 10)]
+    pub handoff_handshake_timeout_s: u64,
+    /// On SIGTERM: seconds the prefills and answers in flight may take to finish before
+    /// the node exits anyway (new calls are refused meanwhile).
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
     /// HTTP listen address of `GET /metrics`.
     #[arg(
         long,
@@ -85,6 +99,7 @@ impl Config {
         let mut e = EngineConfig::new(&self.model);
         e.n_ctx = self.n_ctx;
         e.n_batch = self.batch;
+        e.n_parallel = self.parallel;
         e.flash_attn = self.flash_attn;
         if let Some(t) = self.threads {
             e.n_threads = t;
@@ -99,6 +114,7 @@ impl Config {
         Limits {
             connect: Duration::from_secs(self.handoff_connect_timeout_s),
             frame: Duration::from_secs(self.handoff_frame_timeout_s),
+            handshake: Duration::from_secs(self.handoff_handshake_timeout_s),
             ..Limits::default()
         }
     }
@@ -410,6 +426,7 @@ impl pb::prefill_server::Prefill for PrefillService {
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
         let mut info = self.engine.info().node_info("prefill");
         info.requests_in_flight = self.engine.in_flight();
+        info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         Ok(Response::new(info))
     }
 }
@@ -487,16 +504,18 @@ pub async fn run(
     let svc = PrefillService::new(engine, config.limits(), state_dir)
         .map_err(|e| anyhow::anyhow!("state folder: {e}"))?
         .with_secret(secret.clone());
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let drain = Drain::new(shutdown, Duration::from_secs(config.drain_timeout_s));
     let app = metrics::router(svc.metrics.clone());
-    let http = tokio::spawn(async move {
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    // Metrics stay up while the node drains.
+    let http = tokio::spawn(
         axum::serve(listeners.metrics, app)
             .with_graceful_shutdown(async move {
                 let _ = stop_rx.wait_for(|s| *s).await;
             })
-            .await
-    });
-    let result = tonic::transport::Server::builder()
+            .into_future(),
+    );
+    let grpc = tonic::transport::Server::builder()
         .add_service(pb::prefill_server::PrefillServer::with_interceptor(
             svc,
             GrpcGuard {
@@ -504,8 +523,11 @@ pub async fn run(
                 seen: Arc::default(),
             },
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), shutdown)
-        .await;
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), drain.started());
+    let result = tokio::select! {
+        result = grpc => result,
+        () = drain.expired() => Ok(()),
+    };
     let _ = stop_tx.send(true);
     let _ = http.await;
     Ok(result?)

@@ -24,8 +24,12 @@ use crate::layout;
 pub struct Limits {
     /// TCP connect.
     pub connect: Duration,
-    /// One whole frame, from its first byte (or from the previous frame) to its last.
+    /// The state transfer: the STATE frame (and its ACK), each from its first byte (or
+    /// from the previous frame) to its last.
     pub frame: Duration,
+    /// Each handshake frame (HELLO, CHALLENGE, AUTH, HELLO_OK), the same way. Short: these
+    /// frames are small, and a peer that trickles them is cut off soon.
+    pub handshake: Duration,
     /// Largest frame body accepted or sent.
     pub max_frame: usize,
     /// Most connections a receiver serves at once.
@@ -37,6 +41,7 @@ impl Default for Limits {
         Self {
             connect: Duration::from_secs(5),
             frame: Duration::from_secs(60),
+            handshake: Duration::from_secs(10),
             max_frame: crate::frame::DEFAULT_MAX_FRAME,
             max_connections: 64,
         }
@@ -132,10 +137,10 @@ pub async fn send_on<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    tokio::time::timeout(limits.frame, framed.send(Frame::Hello(ours.clone())))
+    tokio::time::timeout(limits.handshake, framed.send(Frame::Hello(ours.clone())))
         .await
         .map_err(|_| HandoffError::Timeout("hello"))??;
-    let mut reply = next_frame(framed, limits.frame, "handshake").await?;
+    let mut reply = next_frame(framed, limits.handshake, "handshake").await?;
     if let Some(Frame::Challenge { nonce: theirs }) = reply {
         let Some(secret) = secret else {
             return Err(HandoffError::Auth(
@@ -146,10 +151,13 @@ where
         };
         let mine = auth::nonce();
         let mac = secret.mac(SENDER, &[&theirs, &mine]);
-        tokio::time::timeout(limits.frame, framed.send(Frame::Auth { nonce: mine, mac }))
-            .await
-            .map_err(|_| HandoffError::Timeout("authentication"))??;
-        match next_frame(framed, limits.frame, "authentication").await? {
+        tokio::time::timeout(
+            limits.handshake,
+            framed.send(Frame::Auth { nonce: mine, mac }),
+        )
+        .await
+        .map_err(|_| HandoffError::Timeout("authentication"))??;
+        match next_frame(framed, limits.handshake, "authentication").await? {
             Some(Frame::Auth { nonce, mac })
                 if nonce == theirs && secret.verify(RECEIVER, &[&mine, &theirs], &mac) => {}
             Some(Frame::Nack(n)) => return Err(HandoffError::Refused(n)),
@@ -162,7 +170,7 @@ where
         framed
             .codec_mut()
             .set_key(secret.mac(SESSION, &[&theirs, &mine]));
-        reply = next_frame(framed, limits.frame, "handshake").await?;
+        reply = next_frame(framed, limits.handshake, "handshake").await?;
     } else if secret.is_some() && matches!(reply, Some(Frame::HelloOk(_))) {
         // A receiver without the secret could be anyone: the state would leak to it.
         return Err(HandoffError::Auth(
@@ -293,7 +301,7 @@ where
         n
     };
     // Handshake.
-    let first = match next_frame(&mut framed, limits.frame, "handshake").await {
+    let first = match next_frame(&mut framed, limits.handshake, "handshake").await {
         Ok(f) => f,
         Err(e) => {
             let n = refuse(error_nack(&e));
@@ -309,7 +317,7 @@ where
             if let Some(secret) = secret {
                 let mine = auth::nonce();
                 framed.send(Frame::Challenge { nonce: mine }).await?;
-                let reply = next_frame(&mut framed, limits.frame, "authentication").await;
+                let reply = next_frame(&mut framed, limits.handshake, "authentication").await;
                 let theirs_nonce = match reply {
                     Ok(Some(Frame::Auth { nonce, mac }))
                         if secret.verify(SENDER, &[&mine, &nonce], &mac) =>

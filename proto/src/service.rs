@@ -38,3 +38,48 @@ pub async fn shutdown_signal() {
     }
     tracing::info!("shutdown signal received");
 }
+
+/// A node's shutdown in two steps: the signal starts the drain (stop accepting, let what
+/// is in flight finish), and the deadline ends it whatever is left.
+#[derive(Clone)]
+pub struct Drain {
+    started: tokio::sync::watch::Receiver<bool>,
+    deadline: std::time::Duration,
+}
+
+impl Drain {
+    /// Starts watching `shutdown`; the drain begins when it resolves.
+    pub fn new(
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+        deadline: std::time::Duration,
+    ) -> Self {
+        let (tx, started) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            tracing::info!(
+                ?deadline,
+                "draining: no new work; what is in flight may finish"
+            );
+            let _ = tx.send(true);
+        });
+        Drain { started, deadline }
+    }
+
+    /// Resolves when the drain begins.
+    pub fn started(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.started.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Resolves when the drain deadline has passed.
+    pub fn expired(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (started, deadline) = (self.started(), self.deadline);
+        async move {
+            started.await;
+            tokio::time::sleep(deadline).await;
+            tracing::warn!("drain deadline passed; exiting with work unfinished");
+        }
+    }
+}

@@ -255,7 +255,7 @@ impl Backend {
     ) -> Result<Started, ApiError> {
         match transport {
             Transport::V2 | Transport::V1 => self.start_split(req, transport, request_id).await,
-            Transport::Local => self.start_local(req, request_id).await,
+            Transport::Local => self.start_local(req, request_id, None).await,
         }
     }
 
@@ -274,7 +274,14 @@ impl Backend {
         }
     }
 
-    async fn start_local(&self, req: &ValidRequest, request_id: &str) -> Result<Started, ApiError> {
+    /// The colocated path. `fallback`: the split path could not start (the cause), so
+    /// this answer is a fallback and reports it first.
+    async fn start_local(
+        &self,
+        req: &ValidRequest,
+        request_id: &str,
+        fallback: Option<String>,
+    ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
         let mut client = self.prefill.clone();
         let preq = Self::prefill_request(req, request_id, None, 0);
@@ -295,15 +302,23 @@ impl Backend {
         };
         let (tx, rx) = mpsc::channel(64);
         let param = param.to_string();
+        let idle = self.config.token_idle_timeout;
+        if let Some(cause) = fallback {
+            let _ = tx.send(Event::Fallback { cause }).await;
+        }
         tokio::spawn(async move {
             loop {
-                let ev = match stream.message().await {
-                    Ok(Some(m)) => token_event(m, true),
-                    Ok(None) => Event::Error(ApiError::upstream(
+                let ev = match tokio::time::timeout(idle, stream.message()).await {
+                    Ok(Ok(Some(m))) => token_event(m, true),
+                    Ok(Ok(None)) => Event::Error(ApiError::upstream(
                         "stream_ended",
                         "the prefill node ended the stream without finishing",
                     )),
-                    Err(st) => Event::Error(ApiError::from_status(&st, &param)),
+                    Ok(Err(st)) => Event::Error(ApiError::from_status(&st, &param)),
+                    Err(_) => Event::Error(ApiError::upstream(
+                        "timeout",
+                        format!("the prefill node sent no token for {idle:?}"),
+                    )),
                 };
                 let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
                 if tx.send(ev).await.is_err() || end {
@@ -326,8 +341,25 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
-        // Refuse before prefilling if no decode node can take the answer.
-        let decode_info = self.decode_info().await?;
+        // No decode node to take the answer (asleep, gone, draining): answer here under
+        // the fallback policy, else refuse before prefilling.
+        let decode_info = match self.decode_info().await {
+            Ok(i) => i,
+            Err(e) if self.config.fallback && e.code.as_deref() == Some("decode_unavailable") => {
+                tracing::warn!(
+                    request_id,
+                    reason = %e.message,
+                    "no decode node; answering on the prefill node"
+                );
+                let mut started = self
+                    .start_local(req, request_id, Some("decode_unavailable".into()))
+                    .await?;
+                // Reported as asked, with `fallback` saying what happened instead.
+                started.transport = transport;
+                return Ok(started);
+            }
+            Err(e) => return Err(e),
+        };
         let (addr, wire) = if transport == Transport::V1 {
             (decode_info.v1_url, pb::HandoffTransport::V1)
         } else {
@@ -603,8 +635,24 @@ async fn split_part(
     };
     let call = decode.generate(greq);
     tokio::pin!(call);
+    // Until the handoff is done, its own deadlines bound this wait (the prefill node
+    // reports a failed one); once the state is there, the decode node must start the
+    // answer within the idle bound (a frozen phone answers nothing, not even an error).
+    let mut answer_by: Option<tokio::time::Instant> = None;
     let mut stream = loop {
+        let started = async {
+            match answer_by {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            () = started => {
+                return Split::Failed(ApiError::upstream(
+                    "timeout",
+                    format!("the decode node did not take the answer within {idle:?} of the handoff"),
+                ));
+            }
             r = &mut call => match r {
                 Ok(s) => break s.into_inner(),
                 Err(st) => {
@@ -619,6 +667,7 @@ async fn split_part(
             },
             h = &mut handoff, if handoff_pending => {
                 handoff_pending = false;
+                answer_by = Some(tokio::time::Instant::now() + idle);
                 match on_handoff(h) {
                     Ok(ev) => { if tx.send(ev).await.is_err() { return Split::Over; } }
                     Err(e) => return Split::Failed(e),

@@ -321,14 +321,17 @@ async fn prompt_longer_than_the_context_is_400_naming_the_limit() {
     assert_error(st, &v, 400, Some("messages")).await;
 }
 
-#[tokio::test]
-async fn no_decode_node_is_503_with_retry_after_quickly() {
-    // A router whose decode URL points at a port nobody listens on.
+fn dead_url() -> String {
+    // A port nobody listens on.
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead_url = format!("http://{}", dead.local_addr().unwrap());
-    drop(dead);
+    format!("http://{}", dead.local_addr().unwrap())
+}
+
+#[tokio::test]
+async fn no_decode_node_is_503_with_retry_after_quickly_under_the_fail_policy() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
-    opts.decode_url_override = Some(dead_url);
+    opts.decode_url_override = Some(dead_url());
+    opts.fail_on_split_failure = true;
     let s = common::start(opts);
     let url = format!("{}/v1/chat/completions", s.router);
     let t0 = Instant::now();
@@ -353,4 +356,29 @@ async fn no_decode_node_is_503_with_retry_after_quickly() {
         .await
         .unwrap();
     assert_eq!(r.status(), 503);
+}
+
+#[tokio::test]
+async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_policy() {
+    let mut opts = common::StackOptions::new(common::SMOLLM2);
+    opts.decode_url_override = Some(dead_url());
+    let s = common::start(opts);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let body = |transport: &str| {
+        chat_body(
+            hi(),
+            json!({"max_tokens": 12, "temperature": 0, "edgesplit": {"transport": transport}}),
+        )
+    };
+    let (st, _, want) = post(&url, &body("local")).await;
+    assert_eq!(st, 200, "{want}");
+    assert!(want["edgesplit"]["fallback"].is_null(), "{want}");
+    let (st, _, v) = post(&url, &body("v2")).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["edgesplit"]["fallback"], "decode_unavailable", "{v}");
+    assert_eq!(v["edgesplit"]["transport"], "v2", "{v}");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        want["choices"][0]["message"]["content"]
+    );
 }

@@ -1,5 +1,5 @@
 //! A slow-loris V2 sender - a valid HELLO trickled a byte at a time - is cut off at the
-//! frame deadline with a `timeout` NACK, and the node serves real requests meanwhile.
+//! handshake deadline with a `timeout` NACK, and the node serves real requests meanwhile.
 
 mod common;
 
@@ -18,7 +18,7 @@ use tokio_util::codec::FramedRead;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_loris_sender_is_cut_off_and_others_are_served() {
     let mut o = common::StackOptions::new(common::SMOLLM2);
-    o.handoff_frame_timeout_s = 2;
+    o.handoff_handshake_timeout_s = 2;
     let s = common::start(o);
     let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
         .await

@@ -1,6 +1,8 @@
 //! The three real binaries as separate processes on loopback: a chat request through the
 //! disaggregated path, and its request id in each process's (JSON) log; SIGTERM drains the
-//! router (answers in flight finish, new requests and health say so, then it exits).
+//! router (answers in flight finish, new requests and health say so, then it exits) and
+//! the decode node (its answer in flight finishes, within the drain deadline or by the
+//! router's fallback past it; then it exits).
 
 mod common;
 
@@ -53,16 +55,20 @@ fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
     )
 }
 
+/// The tests here each start three processes: one at a time, so that on a 2-core
+/// machine their timings (drain deadlines) are not at the mercy of each other.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The three services, started and healthy.
 struct Three {
-    _decode: Proc,
+    decode: Proc,
     _prefill: Proc,
     router: Proc,
     base: String,
     dir: PathBuf,
 }
 
-async fn start_three(tag: &str, router_extra: &[&str]) -> Three {
+async fn start_three(tag: &str, decode_extra: &[&str], router_extra: &[&str]) -> Three {
     let dir = std::env::temp_dir().join(format!("edgesplit-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -70,24 +76,22 @@ async fn start_three(tag: &str, router_extra: &[&str]) -> Three {
     let [dg, dh, dv, pg, pm, r] = [(); 6].map(|()| free_port());
     let a = |s: &str| s.to_string();
     let addr = |p: u16| format!("127.0.0.1:{p}");
-    let decode = spawn(
-        "edgesplit-decode",
-        &[
-            a("--model"),
-            model.clone(),
-            a("--n-ctx"),
-            a("1024"),
-            a("--listen"),
-            addr(dg),
-            a("--handoff-listen"),
-            addr(dh),
-            a("--v1-listen"),
-            addr(dv),
-            a("--state-dir"),
-            dir.join("d").display().to_string(),
-        ],
-        &dir.join("decode.log"),
-    );
+    let mut dargs = vec![
+        a("--model"),
+        model.clone(),
+        a("--n-ctx"),
+        a("1024"),
+        a("--listen"),
+        addr(dg),
+        a("--handoff-listen"),
+        addr(dh),
+        a("--v1-listen"),
+        addr(dv),
+        a("--state-dir"),
+        dir.join("d").display().to_string(),
+    ];
+    dargs.extend(decode_extra.iter().map(|s| s.to_string()));
+    let decode = spawn("edgesplit-decode", &dargs, &dir.join("decode.log"));
     let prefill = spawn(
         "edgesplit-prefill",
         &[
@@ -132,7 +136,7 @@ async fn start_three(tag: &str, router_extra: &[&str]) -> Three {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Three {
-        _decode: decode,
+        decode,
         _prefill: prefill,
         router,
         base,
@@ -142,7 +146,8 @@ async fn start_three(tag: &str, router_extra: &[&str]) -> Three {
 
 #[tokio::test]
 async fn three_processes_one_request_id() {
-    let t = start_three("procs", &[]).await;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let t = start_three("procs", &[], &[]).await;
     let (base, dir) = (&t.base, &t.dir);
     for transport in ["v2", "v1"] {
         let (st, _, v) = common::post(
@@ -170,7 +175,8 @@ async fn three_processes_one_request_id() {
 
 #[tokio::test]
 async fn sigterm_drains_the_router() {
-    let mut t = start_three("drain", &["--drain-timeout-s", "20"]).await;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut t = start_three("drain", &[], &["--drain-timeout-s", "20"]).await;
     let url = format!("{}/v1/chat/completions", t.base);
     let body = json!({
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
@@ -237,4 +243,124 @@ async fn sigterm_drains_the_router() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(status.success(), "{status}");
+}
+
+fn sigterm(p: &Proc) {
+    let pid = libc::pid_t::try_from(p.0.id()).unwrap();
+    // SAFETY: sends a signal to our own child process; no memory is shared.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+}
+
+/// Waits for a process to exit; returns its status and when it exited.
+async fn exited(p: &mut Proc, within: Duration) -> (std::process::ExitStatus, Instant) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = p.0.try_wait().unwrap() {
+            return (s, Instant::now());
+        }
+        assert!(
+            t0.elapsed() < within,
+            "the process did not exit within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Streams `body` and SIGTERMs the decode node at the first content; returns the text,
+/// the finish chunk's `edgesplit` object, and when the stream ended.
+async fn stream_and_stop_decode(
+    t: &Three,
+    body: &serde_json::Value,
+) -> (String, serde_json::Value, Instant) {
+    let resp = common::client()
+        .post(format!("{}/v1/chat/completions", t.base))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let (mut text, mut timing, mut done, mut signalled) = (String::new(), None, false, false);
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+        if v["choices"][0]["finish_reason"].is_string() {
+            timing = Some(v["edgesplit"].clone());
+        }
+        if !signalled && !text.is_empty() {
+            signalled = true;
+            sigterm(&t.decode);
+        }
+    }
+    assert!(done, "the answer ended with [DONE]");
+    (text, timing.expect("a finish chunk"), Instant::now())
+}
+
+#[tokio::test]
+async fn sigterm_drains_the_decode_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let chat = |max: u32, stream: bool| {
+        json!({
+            "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "max_tokens": max, "temperature": 0, "stream": stream,
+            "edgesplit": {"transport": "v2"},
+        })
+    };
+    let reference = |t: &Three, max: u32| {
+        let (url, mut body) = (format!("{}/v1/chat/completions", t.base), chat(max, false));
+        body["edgesplit"]["transport"] = json!("local");
+        async move {
+            let (st, _, v) = common::post(&url, &body).await;
+            assert_eq!(st, 200, "{v}");
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+
+    // A drain long enough: the answer in flight ends on the decode node itself, a new
+    // request meanwhile is served through the fallback, and then the node exits.
+    let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[]).await;
+    let want = reference(&t, 60).await;
+    let (text, timing, ended) = stream_and_stop_decode(&t, &chat(60, true)).await;
+    assert_eq!(text, want);
+    assert!(
+        timing["fallback"].is_null(),
+        "finished by the draining node: {timing}"
+    );
+    let (status, at) = exited(&mut t.decode, Duration::from_secs(15)).await;
+    assert!(status.success(), "{status}");
+    assert!(
+        at >= ended - Duration::from_millis(500),
+        "it exited only after the answer"
+    );
+    let (st, _, v) =
+        common::post(&format!("{}/v1/chat/completions", t.base), &chat(8, false)).await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["edgesplit"]["fallback"].is_string(), "{v}");
+
+    // A drain deadline shorter than the answer: the node exits at the deadline and the
+    // router finishes the answer on the prefill node, identical to an uninterrupted run.
+    let mut t = start_three("ddeadline", &["--drain-timeout-s", "1"], &[]).await;
+    let want = reference(&t, 400).await;
+    let stopped = Instant::now();
+    let (text, timing, ended) = stream_and_stop_decode(&t, &chat(400, true)).await;
+    let (status, at) = exited(&mut t.decode, Duration::from_secs(10)).await;
+    assert!(status.success(), "{status}");
+    assert!(
+        at - stopped < Duration::from_secs(5),
+        "exited at the deadline"
+    );
+    assert_eq!(text, want);
+    if at < ended {
+        assert!(timing["fallback"].is_string(), "{timing}");
+    }
 }

@@ -224,3 +224,49 @@ async fn duplicate_and_unloadable_files() {
     assert_eq!(v["edgesplit"]["transport"], "v1");
     assert!(v["edgesplit"]["handoff_bytes"].as_u64().unwrap() > 0);
 }
+
+#[tokio::test]
+async fn a_slow_upload_is_cut_off_at_its_deadline() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.upload_timeout_s = 2;
+    let s = common::start(o);
+    let (fp, build) = fingerprint(&s).await;
+    let body = ggsq(4);
+    let head = format!(
+        "PUT /v1/handoff/v1-slow HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
+        body.len(),
+        v1::HEADER_SHA256,
+        sha(&body),
+        v1::HEADER_MODEL,
+        v1::HEADER_BUILD
+    );
+    let addr = s
+        .v1_url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let t0 = std::time::Instant::now();
+    sock.write_all(head.as_bytes()).await.unwrap();
+    // A few bytes, then nothing: the connection stays open.
+    sock.write_all(&body[..10]).await.unwrap();
+    let mut out = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read(&mut out))
+        .await
+        .expect("an answer at the deadline, not a hang")
+        .unwrap();
+    let took = t0.elapsed();
+    let resp = String::from_utf8_lossy(&out[..n]);
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+    assert!(resp.contains("upload_timeout"), "{resp}");
+    assert!(
+        took >= std::time::Duration::from_secs(2) && took < std::time::Duration::from_secs(6),
+        "{took:?}"
+    );
+    assert!(
+        leftovers(&s, "v1-slow").is_empty(),
+        "the part file is deleted"
+    );
+}

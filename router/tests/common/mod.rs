@@ -32,6 +32,8 @@ pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 pub struct StackOptions {
     pub model: PathBuf,
     pub n_ctx: u32,
+    /// Sequences each node serves at once (`--parallel`).
+    pub parallel: u32,
     /// Put something between the nodes: the decode node advertises this address instead of
     /// its own handoff listener (given the real one, returns the address to advertise).
     pub handoff_proxy: Option<fn(String) -> String>,
@@ -43,7 +45,9 @@ pub struct StackOptions {
     /// The router's `--on-split-failure fail` (default: fallback).
     pub fail_on_split_failure: bool,
     /// The decode node's `--handoff-frame-timeout-s`.
-    pub handoff_frame_timeout_s: u64,
+    pub handoff_handshake_timeout_s: u64,
+    /// The decode node's `--upload-timeout-s`.
+    pub upload_timeout_s: u64,
     /// The router's `--max-in-flight` and `--max-queue`.
     pub max_in_flight: usize,
     pub max_queue: usize,
@@ -64,11 +68,13 @@ impl StackOptions {
         Self {
             model: model(model_file),
             n_ctx: 2048,
+            parallel: 2,
             handoff_proxy: None,
             decode_url_override: None,
             decode_proxy: None,
             fail_on_split_failure: false,
-            handoff_frame_timeout_s: 30,
+            handoff_handshake_timeout_s: 10,
+            upload_timeout_s: 120,
             max_in_flight: 16,
             max_queue: 64,
             kv_budget_bytes: 0,
@@ -167,13 +173,17 @@ async fn serve(opts: StackOptions) -> Stack {
         state_dir: Some(decode_state_dir),
         n_ctx: opts.n_ctx,
         threads: None,
+        parallel: opts.parallel,
         flash_attn: edgesplit_engine::FlashAttn::Auto,
         handoff_wait_s: 5,
         kv_budget_bytes: opts.kv_budget_bytes,
         plan: false,
         pending_ttl_s: 120,
         max_pending_bytes: 1 << 30,
-        handoff_frame_timeout_s: opts.handoff_frame_timeout_s,
+        handoff_frame_timeout_s: 30,
+        handoff_handshake_timeout_s: opts.handoff_handshake_timeout_s,
+        upload_timeout_s: opts.upload_timeout_s,
+        drain_timeout_s: 30,
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
     };
     let pcfg = edgesplit_prefill::Config {
@@ -183,10 +193,13 @@ async fn serve(opts: StackOptions) -> Stack {
         n_ctx: opts.n_ctx,
         threads: None,
         batch: 512,
+        parallel: opts.parallel,
         flash_attn: edgesplit_engine::FlashAttn::Auto,
         gpu_layers: None,
         handoff_connect_timeout_s: 5,
         handoff_frame_timeout_s: 30,
+        handoff_handshake_timeout_s: 10,
+        drain_timeout_s: 30,
         state_dir: Some(base.join("prefill")),
         metrics_listen: String::new(),
     };

@@ -1,0 +1,257 @@
+//! Several sequences at once on one engine (`n_parallel`): each answer is identical to the
+//! one the engine writes alone, the answers really overlap in time, a request beyond the
+//! slots waits and then runs, and a reader that leaves frees its slot.
+
+use std::time::{Duration, Instant};
+
+use edgesplit_engine::{
+    Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
+};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+fn model_path() -> std::path::PathBuf {
+    std::env::var("EDGESPLIT_MODEL").map_or_else(
+        |_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        Into::into,
+    )
+}
+
+/// Token ids, the final event, and when the first and the last token arrived.
+struct Run {
+    ids: Vec<i32>,
+    last: GenEvent,
+    first_at: Instant,
+    done_at: Instant,
+}
+
+async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> Run {
+    let mut ids = Vec::new();
+    let mut first_at = None;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token(t) => {
+                first_at.get_or_insert_with(Instant::now);
+                ids.push(t.id);
+            }
+            GenEvent::Prefilled { .. } => {}
+            last => {
+                let now = Instant::now();
+                return Run {
+                    ids,
+                    last,
+                    first_at: first_at.unwrap_or(now),
+                    done_at: now,
+                };
+            }
+        }
+    }
+    panic!("generation ended without a final event");
+}
+
+fn seeded() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+        ..SamplingParams::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_answers_equal_the_answers_written_alone() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 512;
+    let alone = Engine::start(cfg.clone()).await.unwrap();
+    cfg.n_parallel = 3;
+    let par = Engine::start(cfg).await.unwrap();
+    assert_eq!(par.info().parallel, 3);
+
+    let questions = ["Name three rivers.", "What is rust?", "Count to ten."];
+    let mut prompts = Vec::new();
+    for q in questions {
+        let chat = Input::Chat(vec![("user".into(), q.into())]);
+        prompts.push(alone.tokenize(chat).await.unwrap());
+    }
+    // Greedy and seeded, prompts of different lengths, and one started from an imported
+    // state: the three ways a decode or prefill node starts an answer.
+    let params = [
+        SamplingParams::default(),
+        seeded(),
+        SamplingParams::default(),
+    ];
+    let n = 40;
+    let mut reference = Vec::new();
+    for (p, s) in prompts.iter().zip(&params) {
+        let run = collect(
+            alone
+                .generate(Start::Prompt(p.clone()), s.clone(), n)
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert!(matches!(run.last, GenEvent::Done(_)), "{:?}", run.last);
+        assert_eq!(run.ids.len(), n as usize, "answers run to the budget");
+        reference.push(run.ids);
+    }
+    let pre = alone
+        .prefill(prompts[2].clone(), params[2].clone(), n, Export::Raw)
+        .await
+        .unwrap();
+    let Some(Exported::Raw(state)) = pre.state else {
+        panic!("state exported")
+    };
+
+    let a = par
+        .generate(Start::Prompt(prompts[0].clone()), params[0].clone(), n)
+        .await
+        .unwrap();
+    let b = par
+        .generate(Start::Prompt(prompts[1].clone()), params[1].clone(), n)
+        .await
+        .unwrap();
+    let c = par
+        .generate(
+            Start::Imported {
+                state,
+                tokens: prompts[2].clone(),
+                first: pre.first.id,
+            },
+            params[2].clone(),
+            n - 1,
+        )
+        .await
+        .unwrap();
+    let (a, b, c) = tokio::join!(collect(a), collect(b), collect(c));
+    for r in [&a, &b, &c] {
+        assert!(matches!(r.last, GenEvent::Done(_)), "{:?}", r.last);
+    }
+    assert_eq!(a.ids, reference[0], "greedy, prompt 0");
+    assert_eq!(b.ids, reference[1], "seeded, prompt 1");
+    let mut split = vec![pre.first.id];
+    split.extend(&c.ids);
+    assert_eq!(split, reference[2], "imported state, prompt 2");
+    // They ran at the same time: every answer had its first token before any ended.
+    let first_end = [a.done_at, b.done_at, c.done_at].into_iter().min().unwrap();
+    for r in [&a, &b, &c] {
+        assert!(r.first_at < first_end, "the answers took turns");
+    }
+    assert_eq!(par.in_flight(), 0);
+    assert_eq!(par.kv_tokens(), 0, "every slot was cleared");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_slots_requests_wait_and_a_reader_that_leaves_frees_its_slot() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 512;
+    cfg.n_parallel = 2;
+    let e = Engine::start(cfg).await.unwrap();
+    let prompt = e
+        .tokenize(Input::Raw("Once upon a time".into()))
+        .await
+        .unwrap();
+    let long = |e: &Engine| {
+        let (e, p) = (e.clone(), prompt.clone());
+        async move {
+            e.generate(Start::Prompt(p), SamplingParams::default(), 400)
+                .await
+                .unwrap()
+        }
+    };
+    // Two long answers fill both slots; the third request waits.
+    let mut a = long(&e).await;
+    let mut b = long(&e).await;
+    let mut c = e
+        .generate(Start::Prompt(prompt.clone()), SamplingParams::default(), 4)
+        .await
+        .unwrap();
+    assert!(matches!(a.recv().await, Some(GenEvent::Prefilled { .. })));
+    assert!(matches!(b.recv().await, Some(GenEvent::Prefilled { .. })));
+    assert_eq!(e.in_flight(), 3);
+    assert_eq!(e.active(), 2, "two slots write, the third request waits");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), c.recv())
+            .await
+            .is_err(),
+        "no slot is free: the third request has not started"
+    );
+    // The reader of `b` leaves: its slot frees and the third request runs to its end.
+    drop(b);
+    let waited = collect(c).await;
+    assert!(
+        matches!(waited.last, GenEvent::Done(_)),
+        "{:?}",
+        waited.last
+    );
+    assert_eq!(waited.ids.len(), 4);
+    // `a` was still running all along.
+    drop(a.recv().await);
+    assert_eq!(e.in_flight(), 1);
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while e.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "cancelled answer still running");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(e.kv_tokens(), 0);
+    assert_eq!(e.active(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_for_a_slot_is_bounded() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 512;
+    let e = Engine::start(cfg).await.unwrap();
+    let prompt = e
+        .tokenize(Input::Raw("Once upon a time".into()))
+        .await
+        .unwrap();
+    let mut long = e
+        .generate(
+            Start::Prompt(prompt.clone()),
+            SamplingParams::default(),
+            480,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        long.recv().await,
+        Some(GenEvent::Prefilled { .. })
+    ));
+    // The one slot is busy: these wait, up to the bound.
+    let mut waiting = Vec::new();
+    for _ in 0..edgesplit_engine::MAX_WAITING {
+        let g = e.generate(Start::Prompt(prompt.clone()), SamplingParams::default(), 1);
+        waiting.push(g.await.unwrap());
+    }
+    let mut refused = e
+        .generate(Start::Prompt(prompt.clone()), SamplingParams::default(), 1)
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), refused.recv())
+        .await
+        .expect("refused at once, not queued");
+    assert!(
+        matches!(
+            got,
+            Some(GenEvent::Error(edgesplit_engine::EngineError::Busy {
+                waiting: 256
+            }))
+        ),
+        "{got:?}"
+    );
+    assert!(e.in_flight() as usize > edgesplit_engine::MAX_WAITING);
+    drop(waiting);
+    drop(long);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while e.in_flight() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the waiting requests were not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
