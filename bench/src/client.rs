@@ -51,6 +51,8 @@ pub struct Measure {
     /// Server-reported decode speed (ours: decode steps on the decode node; stock:
     /// `timings.predicted_per_second`).
     pub decode_tps: Option<f64>,
+    /// Ours: why the split failed and the prefill node finished the answer, if it did.
+    pub fallback: Option<String>,
     pub text: String,
 }
 
@@ -157,6 +159,9 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.handoff_bytes = es["handoff_bytes"].as_u64().filter(|&b| b > 0);
                 m.handoff_ms = m.handoff_bytes.and(es["handoff_ms"].as_f64());
                 m.decode_tps = es["decode_tokens_per_s"].as_f64();
+                if let Some(f) = es["fallback"].as_str() {
+                    m.fallback = Some(f.to_string());
+                }
             }
             let t = &v["timings"];
             if !t.is_null() {

@@ -4,7 +4,9 @@
 //! process. Not part of CI (it runs for minutes); docs/BENCHMARKS.md has the command.
 //!
 //! Every client sends its next request as soon as the last one ended, until the time is
-//! up; requests under way then finish and count. Prompts and transports rotate. Before the
+//! up; requests under way then finish and count. An answer the router finished on the
+//! prefill node (`edgesplit.fallback`) is a success for the client, and is counted apart
+//! by cause. Prompts and transports rotate. Before the
 //! clients start, each prompt is answered once, alone, on the `local` path: every answer
 //! under load must equal it (temperature 0), else it counts as wrong.
 //! Peak memory is the kernel's high-water mark of resident memory (`VmHWM` in
@@ -77,6 +79,8 @@ struct Sample {
     e2e_ms: Option<f64>,
     tpot_ms: Option<f64>,
     completion_tokens: u64,
+    /// Answered, but finished on the prefill node after the split failed (the cause).
+    fallback: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -199,6 +203,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
                         e2e_ms: Some(m.e2e_ms),
                         tpot_ms: m.tpot_ms,
                         completion_tokens: m.completion_tokens,
+                        fallback: m.fallback,
                     },
                     Err(e) => Sample {
                         client: c,
@@ -212,6 +217,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
                         e2e_ms: None,
                         tpot_ms: None,
                         completion_tokens: 0,
+                        fallback: None,
                     },
                 });
             }
@@ -255,6 +261,10 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         let e = s.error.clone().unwrap_or_default();
         *errors.entry(e.chars().take(120).collect()).or_default() += 1;
     }
+    let mut fallbacks: BTreeMap<String, usize> = BTreeMap::new();
+    for f in ok.iter().filter_map(|s| s.fallback.clone()) {
+        *fallbacks.entry(f).or_default() += 1;
+    }
     let tokens: u64 = ok.iter().map(|s| s.completion_tokens).sum();
     let pick =
         |f: fn(&Sample) -> Option<f64>| percentiles(ok.iter().filter_map(|s| f(s)).collect());
@@ -274,6 +284,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         "failed": failed,
         "wrong_answers": wrong,
         "errors": errors,
+        "fallbacks": fallbacks,
         "requests_per_s": ok.len() as f64 / wall_s,
         "output_tokens_per_s": tokens as f64 / wall_s,
         "ttft_ms": pick(|s| s.ttft_ms),
@@ -330,6 +341,10 @@ fn print_summary(r: &serde_json::Value) {
             mib(&m["vm_hwm_bytes"]),
             mib(&m["vm_rss_bytes"])
         );
+    }
+    match r["fallbacks"].as_object().filter(|f| !f.is_empty()) {
+        Some(f) => println!("\nanswered through the fallback (by cause): {f:?}"),
+        None => println!("\nno answer needed the fallback"),
     }
     if let Some(e) = r["errors"].as_object().filter(|e| !e.is_empty()) {
         println!("\nerrors: {e:?}");

@@ -150,7 +150,7 @@ impl Stack {
             &pargs,
             &cfg.dir.join("prefill.log"),
         )?);
-        let rargs: Vec<String> = vec![
+        let mut rargs: Vec<String> = vec![
             "--listen".into(),
             router,
             "--prefill-url".into(),
@@ -158,6 +158,11 @@ impl Stack {
             "--decode-url".into(),
             format!("http://{}", grpc_link.addr),
         ];
+        // The router reads the decode node's sequences at start, which may be before the
+        // node listens: say it.
+        if let Some(n) = cfg.parallel {
+            rargs.extend(["--max-in-flight".into(), n.to_string()]);
+        }
         stack.children.push(spawn(
             "edgesplit-router",
             &rargs,

@@ -87,9 +87,13 @@ pub struct Config {
     /// `/health` says `draining` meanwhile) before exiting anyway.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
-    /// Answers the router works on at once (0 = no limit); more wait in a queue.
-    #[arg(long, default_value_t = 16)]
-    pub max_in_flight: usize,
+    /// Answers the router works on at once (0 = no limit); more wait in a queue. Default:
+    /// the sequences the decode node serves at once (its `--parallel`, read at start; 4 if
+    /// it does not answer then), so a split answer never waits for a decode slot after its
+    /// first token - the wait happens here, before the prefill, where it is bounded and
+    /// visible.
+    #[arg(long)]
+    pub max_in_flight: Option<usize>,
     /// Requests that may wait for a slot; beyond it, 503 `queue_full` with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -118,7 +122,7 @@ impl Config {
             token_idle_timeout_ms: 15_000,
             bench_db: None,
             drain_timeout_s: 30,
-            max_in_flight: 16,
+            max_in_flight: None,
             max_queue: 64,
             queue_timeout_s: 60,
             secret_file: None,
@@ -126,6 +130,10 @@ impl Config {
         }
     }
 }
+
+/// The decode node's default `--parallel`: the admission limit when the node cannot be
+/// asked at start.
+const DEFAULT_DECODE_PARALLEL: usize = 4;
 
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
 ///
@@ -148,6 +156,20 @@ pub async fn run(
         token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
         secret,
     })?;
+    let max_in_flight = match config.max_in_flight {
+        Some(n) => n,
+        None => {
+            let n = match backend.decode_info().await {
+                Ok(i) if i.parallel > 0 => i.parallel as usize,
+                _ => DEFAULT_DECODE_PARALLEL,
+            };
+            tracing::info!(
+                max_in_flight = n,
+                "admission limit: the decode node's sequences"
+            );
+            n
+        }
+    };
     let state = Arc::new(server::AppState {
         backend,
         metrics: Arc::new(metrics::Metrics::new()),
@@ -158,7 +180,7 @@ pub async fn run(
         api_key,
         draining: std::sync::atomic::AtomicBool::new(false),
         admission: server::Admission::new(
-            config.max_in_flight,
+            max_in_flight,
             config.max_queue,
             Duration::from_secs(config.queue_timeout_s),
         ),

@@ -11,7 +11,7 @@ use serde_json::json;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn beyond_the_queue_requests_get_503_with_retry_after() {
     let mut o = common::StackOptions::new(common::SMOLLM2);
-    o.max_in_flight = 1;
+    o.max_in_flight = Some(1);
     o.max_queue = 1;
     let s = common::start(o);
     let url = format!("{}/v1/completions", s.router);

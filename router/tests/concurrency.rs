@@ -1,6 +1,7 @@
 //! Sixteen streaming clients at once through the real router and nodes: every one gets a
-//! complete answer (zero failures), each identical to the same request run alone on the
-//! single-device path, and the decode node really serves several sequences at once.
+//! complete answer (zero failures, no fallback), each identical to the same request run
+//! alone on the single-device path, and the decode node really serves several sequences
+//! at once.
 
 mod common;
 
@@ -102,4 +103,7 @@ async fn sixteen_concurrent_streaming_clients_all_get_the_single_device_answer()
         peak >= 2,
         "the decode node never wrote two answers at once (peak {peak})"
     );
+    // Every answer came from the split path: none needed the fallback (the router admits
+    // as many answers as the decode node has sequences; the rest wait at the door).
+    assert_eq!(common::fallbacks(s).await, 0);
 }

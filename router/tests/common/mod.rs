@@ -49,7 +49,8 @@ pub struct StackOptions {
     /// The decode node's `--upload-timeout-s`.
     pub upload_timeout_s: u64,
     /// The router's `--max-in-flight` and `--max-queue`.
-    pub max_in_flight: usize,
+    /// The router's `--max-in-flight` (None: the decode node's `parallel`).
+    pub max_in_flight: Option<usize>,
     pub max_queue: usize,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
@@ -75,7 +76,7 @@ impl StackOptions {
             fail_on_split_failure: false,
             handoff_handshake_timeout_s: 10,
             upload_timeout_s: 120,
-            max_in_flight: 16,
+            max_in_flight: None,
             max_queue: 64,
             kv_budget_bytes: 0,
             bench_db: None,
@@ -257,6 +258,22 @@ async fn serve(opts: StackOptions) -> Stack {
 pub fn smollm2() -> &'static Stack {
     static S: OnceLock<Stack> = OnceLock::new();
     S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
+}
+
+/// The router's `edgesplit:fallbacks_total`, all causes together.
+pub async fn fallbacks(stack: &Stack) -> u64 {
+    let text = client()
+        .get(format!("{}/metrics", stack.router))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("edgesplit:fallbacks_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 pub fn client() -> reqwest::Client {
