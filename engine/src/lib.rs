@@ -10,7 +10,7 @@ pub mod wire;
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -322,6 +322,68 @@ fn backend() -> &'static LlamaBackend {
     })
 }
 
+/// Set when the process exits: owner threads make no more llama.cpp calls.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+/// Owner threads inside llama.cpp calls now.
+static BUSY: AtomicUsize = AtomicUsize::new(0);
+
+/// Registers [`quiesce_at_exit`] once, after an engine's first round of work: exit
+/// handlers run in reverse order of registration, and ggml creates some of its static
+/// objects lazily (function-local statics, registered for destruction at first use, e.g.
+/// the CPU backend's extra buffer types during the first compute). Registered at start,
+/// the handler would run after their destructors and be useless.
+fn register_exit_guard() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a plain `extern "C" fn` with no captured state.
+    ONCE.call_once(|| unsafe {
+        libc::atexit(quiesce_at_exit);
+    });
+}
+
+/// At process exit, before ggml's static objects are destroyed (see
+/// [`register_exit_guard`]), stop the owner threads at their next step and wait for the
+/// ones mid-step. Without it, an engine still decoding when `main` returns (a drain
+/// deadline passed, a test ended) read ggml's destroyed globals: measured as a SIGSEGV in
+/// `ggml_cpu_extra_compute_forward` in about one exit in ten.
+extern "C" fn quiesce_at_exit() {
+    STOPPING.store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    while BUSY.load(Ordering::SeqCst) > 0 && t0.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Proof that this owner thread may call llama.cpp until it is dropped.
+struct Busy;
+
+impl Busy {
+    /// `None` once the process is exiting: the caller must not touch llama.cpp again.
+    fn enter() -> Option<Busy> {
+        // Dekker-style with `quiesce_at_exit`: count first, then look at the flag (both
+        // SeqCst), so the handler either sees us counted or we see the flag.
+        BUSY.fetch_add(1, Ordering::SeqCst);
+        if STOPPING.load(Ordering::SeqCst) {
+            BUSY.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Busy)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Parks an owner thread for the rest of the process (it is exiting), keeping its
+/// llama.cpp objects alive and untouched.
+fn park_forever() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
 impl Engine {
     /// Loads the model and creates its contexts on a new owner thread, and waits until it
     /// is ready.
@@ -530,6 +592,10 @@ fn owner_thread(
         return;
     }
     Scheduler::new(worker, rx).run();
+    let Some(_busy) = Busy::enter() else {
+        park_forever()
+    };
+    drop(model);
 }
 
 /// One context and what its sequence holds.
@@ -599,14 +665,25 @@ impl<'m> Scheduler<'m> {
 
     fn run(mut self) {
         loop {
+            let mut next = None;
             if self.running.is_empty() && self.waiting.is_empty() {
-                if self.closed {
+                if !self.closed {
+                    next = self.rx.blocking_recv();
+                }
+                if next.is_none() {
+                    // Every handle is gone and nothing is left: free the contexts.
+                    let Some(_busy) = Busy::enter() else {
+                        park_forever()
+                    };
+                    drop(self);
                     return;
                 }
-                match self.rx.blocking_recv() {
-                    Some(cmd) => self.accept(cmd),
-                    None => return,
-                }
+            }
+            let Some(_busy) = Busy::enter() else {
+                park_forever()
+            };
+            if let Some(cmd) = next {
+                self.accept(cmd);
             }
             loop {
                 match self.rx.try_recv() {
@@ -620,6 +697,7 @@ impl<'m> Scheduler<'m> {
             }
             self.start_waiting();
             self.step_all();
+            register_exit_guard();
         }
     }
 
