@@ -381,4 +381,14 @@ async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_polic
         v["choices"][0]["message"]["content"],
         want["choices"][0]["message"]["content"]
     );
+    // Streamed too: the same chunks as the local answer (text, ids, finish, usage).
+    let body = chat_body(hi(), json!({"max_tokens": 12, "temperature": 0}));
+    let local = common::run(&s, "/v1/chat/completions", &body, "local", true).await;
+    let split = common::run(&s, "/v1/chat/completions", &body, "v2", true).await;
+    assert_eq!(split, local);
+    assert_eq!(
+        common::fallbacks(&s).await,
+        2,
+        "both v2 answers counted as fallbacks"
+    );
 }
