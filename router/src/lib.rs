@@ -88,10 +88,10 @@ pub struct Config {
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
     /// Answers the router works on at once (0 = no limit); more wait in a queue. Default:
-    /// the sequences the decode node serves at once (its `--parallel`, read at start; 4 if
-    /// it does not answer then), so a split answer never waits for a decode slot after its
-    /// first token - the wait happens here, before the prefill, where it is bounded and
-    /// visible.
+    /// the sequences the decode node serves at once (its `--parallel`: read at start, 4 if
+    /// it does not answer then, and again every 10 s), so a split answer never waits for a
+    /// decode slot after its first token - the wait happens here, before the prefill,
+    /// where it is bounded and visible.
     #[arg(long)]
     pub max_in_flight: Option<usize>,
     /// Requests that may wait for a slot; beyond it, 503 `queue_full` with Retry-After.
@@ -135,6 +135,9 @@ impl Config {
 /// asked at start.
 const DEFAULT_DECODE_PARALLEL: usize = 4;
 
+/// How often the default admission limit re-reads the decode node's sequences.
+const FOLLOW_DECODE_EVERY: Duration = Duration::from_secs(10);
+
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
 ///
 /// # Errors
@@ -170,6 +173,7 @@ pub async fn run(
             n
         }
     };
+    let follow_decode = config.max_in_flight.is_none();
     let state = Arc::new(server::AppState {
         backend,
         metrics: Arc::new(metrics::Metrics::new()),
@@ -185,6 +189,31 @@ pub async fn run(
             Duration::from_secs(config.queue_timeout_s),
         ),
     });
+    if follow_decode {
+        // The decode node may start after the router, or restart with another --parallel.
+        let state = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(FOLLOW_DECODE_EVERY);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let Some(state) = state.upgrade() else {
+                    return;
+                };
+                if let Ok(info) = state.backend.decode_info().await {
+                    let n = info.parallel as usize;
+                    if n > 0 && n != state.admission.limit() {
+                        tracing::info!(
+                            from = state.admission.limit(),
+                            to = n,
+                            "admission limit follows the decode node's sequences"
+                        );
+                        state.admission.resize(n);
+                    }
+                }
+            }
+        });
+    }
     let drain = Duration::from_secs(config.drain_timeout_s);
     let drained = Arc::new(tokio::sync::Notify::new());
     let stop = {

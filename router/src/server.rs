@@ -42,6 +42,8 @@ pub struct AppState {
 /// for one (each up to `timeout`); beyond either, 503 with Retry-After.
 pub struct Admission {
     slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// The current number of slots (changed by [`Admission::resize`]).
+    limit: std::sync::atomic::AtomicUsize,
     waiting: std::sync::atomic::AtomicUsize,
     max_queue: usize,
     timeout: std::time::Duration,
@@ -53,9 +55,39 @@ impl Admission {
         Self {
             slots: (max_in_flight > 0)
                 .then(|| Arc::new(tokio::sync::Semaphore::new(max_in_flight))),
+            limit: std::sync::atomic::AtomicUsize::new(max_in_flight),
             waiting: std::sync::atomic::AtomicUsize::new(0),
             max_queue,
             timeout,
+        }
+    }
+
+    /// The current number of slots (0: unlimited).
+    #[must_use]
+    pub fn limit(&self) -> usize {
+        self.limit.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Changes the number of slots to `to` (at least 1; no effect when unlimited). Growing
+    /// frees slots at once; shrinking takes the surplus back as answers end (the taker
+    /// queues like a request, so new requests wait meanwhile).
+    pub fn resize(&self, to: usize) {
+        use std::sync::atomic::Ordering;
+        let Some(slots) = &self.slots else {
+            return;
+        };
+        let to = to.max(1);
+        let from = self.limit.swap(to, Ordering::SeqCst);
+        if to > from {
+            slots.add_permits(to - from);
+        } else if from > to {
+            let (slots, n) = (slots.clone(), from - to);
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            tokio::spawn(async move {
+                if let Ok(p) = slots.acquire_many_owned(n).await {
+                    p.forget();
+                }
+            });
         }
     }
 
@@ -443,4 +475,27 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(body)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Admission;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn admission_resizes_both_ways() {
+        let a = Admission::new(2, 8, Duration::from_millis(50));
+        let p1 = a.admit().await.unwrap();
+        let _p2 = a.admit().await.unwrap();
+        assert!(a.admit().await.is_err(), "two slots, both taken");
+        a.resize(3);
+        assert_eq!(a.limit(), 3);
+        let _p3 = a.admit().await.unwrap();
+        assert!(a.admit().await.is_err(), "three slots, all taken");
+        // Down to 1: the surplus comes back as answers end.
+        a.resize(1);
+        drop(p1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(a.admit().await.is_err(), "one slot, still taken");
+    }
 }
