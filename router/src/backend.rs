@@ -306,26 +306,7 @@ impl Backend {
         if let Some(cause) = fallback {
             let _ = tx.send(Event::Fallback { cause }).await;
         }
-        tokio::spawn(async move {
-            loop {
-                let ev = match tokio::time::timeout(idle, stream.message()).await {
-                    Ok(Ok(Some(m))) => token_event(m, true),
-                    Ok(Ok(None)) => Event::Error(ApiError::upstream(
-                        "stream_ended",
-                        "the prefill node ended the stream without finishing",
-                    )),
-                    Ok(Err(st)) => Event::Error(ApiError::from_status(&st, &param)),
-                    Err(_) => Event::Error(ApiError::upstream(
-                        "timeout",
-                        format!("the prefill node sent no token for {idle:?}"),
-                    )),
-                };
-                let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
-                if tx.send(ev).await.is_err() || end {
-                    return;
-                }
-            }
-        });
+        tokio::spawn(async move { forward_prefill_node(stream, &tx, false, idle, &param).await });
         Ok(Started {
             transport: Transport::Local,
             prompt_tokens: Some(prompt_tokens),
@@ -527,7 +508,7 @@ async fn resume_locally(
     request.max_tokens = remaining;
     let mut prefill = fb.prefill;
     let call = tokio::time::timeout(fb.first_token_timeout, prefill.generate(request)).await;
-    let mut stream = match call {
+    let stream = match call {
         Ok(Ok(s)) => s.into_inner(),
         Ok(Err(st)) => {
             let _ = tx
@@ -545,24 +526,36 @@ async fn resume_locally(
             return;
         }
     };
+    let wait = idle.max(fb.first_token_timeout);
+    forward_prefill_node(stream, tx, true, wait, "messages").await;
+}
+
+/// Forwards the prefill node's `Generate` stream (a colocated or a resumed answer) to the
+/// client until it finishes or fails; each message must come within `wait`.
+async fn forward_prefill_node(
+    mut stream: tonic::Streaming<pb::TokenEvent>,
+    tx: &mpsc::Sender<Event>,
+    resumed: bool,
+    wait: Duration,
+    param: &str,
+) {
     loop {
-        let ev =
-            match tokio::time::timeout(idle.max(fb.first_token_timeout), stream.message()).await {
-                Ok(Ok(Some(m))) => match token_event(m, false) {
-                    // The resumed answer's prefill is not this request's prefill.
-                    Event::Prefilled { .. } => continue,
-                    ev => ev,
-                },
-                Ok(Ok(None)) => Event::Error(ApiError::upstream(
-                    "stream_ended",
-                    "the prefill node ended the resumed answer without finishing",
-                )),
-                Ok(Err(st)) => Event::Error(ApiError::from_status(&st, "messages")),
-                Err(_) => Event::Error(ApiError::upstream(
-                    "timeout",
-                    format!("no token from the prefill node within {idle:?}"),
-                )),
-            };
+        let ev = match tokio::time::timeout(wait, stream.message()).await {
+            Ok(Ok(Some(m))) => match token_event(m, !resumed) {
+                // A resumed answer's prefill is not this request's prefill.
+                Event::Prefilled { .. } if resumed => continue,
+                ev => ev,
+            },
+            Ok(Ok(None)) => Event::Error(ApiError::upstream(
+                "stream_ended",
+                "the prefill node ended the answer without finishing",
+            )),
+            Ok(Err(st)) => Event::Error(ApiError::from_status(&st, param)),
+            Err(_) => Event::Error(ApiError::upstream(
+                "timeout",
+                format!("the prefill node sent no token for {wait:?}"),
+            )),
+        };
         let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
         if tx.send(ev).await.is_err() || end {
             return;

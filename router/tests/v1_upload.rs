@@ -137,15 +137,25 @@ async fn path_traversal_ids_are_refused() {
 }
 
 /// Raw HTTP, for requests reqwest will not send (lying Content-Length, early close).
+/// The request line and headers of a V1 upload of `body` that declares `len` bytes.
+fn put_head(id: &str, len: usize, body: &[u8], fp: &str, build: &str) -> String {
+    format!(
+        "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
+        v1::HEADER_SHA256,
+        sha(body),
+        v1::HEADER_MODEL,
+        v1::HEADER_BUILD
+    )
+}
+
+/// The decode node's V1 listener, `host:port`.
+fn v1_addr(s: &common::Stack) -> String {
+    let url = s.v1_url.trim_start_matches("http://");
+    url.split('/').next().unwrap().to_string()
+}
+
 async fn raw(s: &common::Stack, head: String, body: &[u8]) -> String {
-    let addr = s
-        .v1_url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut sock = tokio::net::TcpStream::connect(v1_addr(s)).await.unwrap();
     sock.write_all(head.as_bytes()).await.unwrap();
     sock.write_all(body).await.unwrap();
     sock.shutdown().await.unwrap(); // half-close: the body ends here
@@ -163,15 +173,7 @@ async fn truncated_and_oversized_uploads_are_refused() {
     let s = common::smollm2();
     let (fp, build) = fingerprint(s).await;
     let body = ggsq(4);
-    let head = |id: &str, len: usize| {
-        format!(
-            "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
-            v1::HEADER_SHA256,
-            sha(&body),
-            v1::HEADER_MODEL,
-            v1::HEADER_BUILD
-        )
-    };
+    let head = |id: &str, len: usize| put_head(id, len, &body, &fp, &build);
     // Declares more than it sends, then closes.
     let resp = raw(s, head("v1-trunc", body.len() + 100), &body).await;
     assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
@@ -232,22 +234,8 @@ async fn a_slow_upload_is_cut_off_at_its_deadline() {
     let s = common::start(o);
     let (fp, build) = fingerprint(&s).await;
     let body = ggsq(4);
-    let head = format!(
-        "PUT /v1/handoff/v1-slow HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
-        body.len(),
-        v1::HEADER_SHA256,
-        sha(&body),
-        v1::HEADER_MODEL,
-        v1::HEADER_BUILD
-    );
-    let addr = s
-        .v1_url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = put_head("v1-slow", body.len(), &body, &fp, &build);
+    let mut sock = tokio::net::TcpStream::connect(v1_addr(&s)).await.unwrap();
     let t0 = std::time::Instant::now();
     sock.write_all(head.as_bytes()).await.unwrap();
     // A few bytes, then nothing: the connection stays open.
