@@ -183,65 +183,28 @@ async fn sigterm_drains_the_router() {
         "max_tokens": 200, "temperature": 0, "stream": true,
         "edgesplit": {"transport": "v2"},
     });
-    let resp = common::client()
-        .post(&url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status().as_u16(), 200);
-    let (mut text, mut finish, mut done, mut signalled) = (String::new(), None, false, false);
-    let mut sse = common::Sse::new(resp);
-    while let Some(data) = sse.next().await {
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-            text.push_str(c);
-        }
-        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
-            finish = Some(f.to_string());
-        }
-        if !signalled && !text.is_empty() {
-            // SIGTERM while the answer streams.
-            signalled = true;
-            let pid = libc::pid_t::try_from(t.router.0.id()).unwrap();
-            // SAFETY: sends a signal to our own child process; no memory is shared.
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let health = common::client()
-                .get(format!("{}/health", t.base))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(health.status().as_u16(), 503);
-            let h: serde_json::Value = health.json().await.unwrap();
-            assert_eq!(h["status"], "draining");
-            let (st, headers, v) =
-                common::post(&url, &json!({"messages":[{"role":"user","content":"Hi"}]})).await;
-            assert_eq!(st, 503, "{v}");
-            assert_eq!(v["error"]["code"], "shutting_down");
-            assert!(headers.contains_key("retry-after"));
-        }
-    }
-    assert!(signalled);
-    assert!(done, "the answer in flight finished with [DONE]");
-    assert!(finish.is_some(), "and a finish reason");
-    // Then the router exits, cleanly, soon.
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = t.router.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the router did not exit after draining"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    stream_and_signal(&t.base, &body, || async {
+        // SIGTERM while the answer streams.
+        sigterm(&t.router);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let health = common::client()
+            .get(format!("{}/health", t.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status().as_u16(), 503);
+        let h: serde_json::Value = health.json().await.unwrap();
+        assert_eq!(h["status"], "draining");
+        let (st, headers, v) =
+            common::post(&url, &json!({"messages":[{"role":"user","content":"Hi"}]})).await;
+        assert_eq!(st, 503, "{v}");
+        assert_eq!(v["error"]["code"], "shutting_down");
+        assert!(headers.contains_key("retry-after"));
+    })
+    .await;
+    // The answer in flight finished ([DONE] and a finish chunk); then the router exits,
+    // cleanly, soon.
+    let status = exited(&mut t.router, Duration::from_secs(10)).await;
     assert!(status.success(), "{status}");
 }
 
@@ -251,12 +214,12 @@ fn sigterm(p: &Proc) {
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
 }
 
-/// Waits for a process to exit; returns its status and when it exited.
-async fn exited(p: &mut Proc, within: Duration) -> (std::process::ExitStatus, Instant) {
+/// Waits for a process to exit; returns its status.
+async fn exited(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
     let t0 = Instant::now();
     loop {
         if let Some(s) = p.0.try_wait().unwrap() {
-            return (s, Instant::now());
+            return s;
         }
         assert!(
             t0.elapsed() < within,
@@ -266,20 +229,43 @@ async fn exited(p: &mut Proc, within: Duration) -> (std::process::ExitStatus, In
     }
 }
 
-/// Streams `body` and SIGTERMs the decode node at the first content; returns the text,
-/// the finish chunk's `edgesplit` object, and when the stream ended.
-async fn stream_and_stop_decode(
-    t: &Three,
+/// When the process exits, watched while the test does other things: it is then a zombie
+/// (exited, not yet reaped by `exited`) or gone from /proc.
+fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
+    let pid = p.0.id();
+    tokio::spawn(async move {
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // The state is the first field after the command name, which is in parentheses.
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next());
+            if matches!(state, None | Some("Z" | "X")) {
+                return Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+}
+
+/// Streams `body` from the router at `base` and runs `at_first_content` (a SIGTERM, and
+/// what to check right after it) once the first content has arrived; returns the text, the
+/// finish chunk's `edgesplit` object, and when the stream ended with `[DONE]`.
+async fn stream_and_signal<F: std::future::Future<Output = ()>>(
+    base: &str,
     body: &serde_json::Value,
+    at_first_content: impl FnOnce() -> F,
 ) -> (String, serde_json::Value, Instant) {
     let resp = common::client()
-        .post(format!("{}/v1/chat/completions", t.base))
+        .post(format!("{base}/v1/chat/completions"))
         .json(body)
         .send()
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let (mut text, mut timing, mut done, mut signalled) = (String::new(), None, false, false);
+    let (mut text, mut timing, mut done) = (String::new(), None, false);
+    let mut at_first_content = Some(at_first_content);
     let mut sse = common::Sse::new(resp);
     while let Some(data) = sse.next().await {
         if data == "[DONE]" {
@@ -294,11 +280,13 @@ async fn stream_and_stop_decode(
         if v["choices"][0]["finish_reason"].is_string() {
             timing = Some(v["edgesplit"].clone());
         }
-        if !signalled && !text.is_empty() {
-            signalled = true;
-            sigterm(&t.decode);
+        if !text.is_empty() {
+            if let Some(f) = at_first_content.take() {
+                f().await;
+            }
         }
     }
+    assert!(at_first_content.is_none(), "content arrived");
     assert!(done, "the answer ended with [DONE]");
     (text, timing.expect("a finish chunk"), Instant::now())
 }
@@ -330,13 +318,19 @@ async fn sigterm_drains_the_decode_node() {
     // request meanwhile is served through the fallback, and then the node exits.
     let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[]).await;
     let want = reference(&t, 60).await;
-    let (text, timing, ended) = stream_and_stop_decode(&t, &chat(60, true)).await;
+    let gone = watch_exit(&t.decode);
+    let (text, timing, ended) =
+        stream_and_signal(&t.base, &chat(60, true), || async { sigterm(&t.decode) }).await;
     assert_eq!(text, want);
     assert!(
         timing["fallback"].is_null(),
         "finished by the draining node: {timing}"
     );
-    let (status, at) = exited(&mut t.decode, Duration::from_secs(15)).await;
+    let at = tokio::time::timeout(Duration::from_secs(15), gone)
+        .await
+        .expect("the node exits after draining")
+        .unwrap();
+    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
     assert!(status.success(), "{status}");
     assert!(
         at >= ended - Duration::from_millis(500),
@@ -351,13 +345,23 @@ async fn sigterm_drains_the_decode_node() {
     // router finishes the answer on the prefill node, identical to an uninterrupted run.
     let mut t = start_three("ddeadline", &["--drain-timeout-s", "1"], &[]).await;
     let want = reference(&t, 400).await;
-    let stopped = Instant::now();
-    let (text, timing, ended) = stream_and_stop_decode(&t, &chat(400, true)).await;
-    let (status, at) = exited(&mut t.decode, Duration::from_secs(10)).await;
+    let gone = watch_exit(&t.decode);
+    let signalled = std::sync::OnceLock::new();
+    let (text, timing, ended) = stream_and_signal(&t.base, &chat(400, true), || async {
+        signalled.set(Instant::now()).unwrap();
+        sigterm(&t.decode);
+    })
+    .await;
+    let at = tokio::time::timeout(Duration::from_secs(10), gone)
+        .await
+        .expect("the node exits at its drain deadline")
+        .unwrap();
+    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
     assert!(status.success(), "{status}");
+    let took = at - *signalled.get().unwrap();
     assert!(
-        at - stopped < Duration::from_secs(5),
-        "exited at the deadline"
+        took < Duration::from_secs(5),
+        "exited {took:?} after SIGTERM"
     );
     assert_eq!(text, want);
     if at < ended {
