@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use edgesplit_proto::pb;
 use serde_json::json;
 
 struct Proc(Child);
@@ -62,6 +63,8 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// The three services, started and healthy.
 struct Three {
     decode: Proc,
+    /// The decode node's gRPC address.
+    decode_grpc: String,
     _prefill: Proc,
     router: Proc,
     base: String,
@@ -137,6 +140,7 @@ async fn start_three(tag: &str, decode_extra: &[&str], router_extra: &[&str]) ->
     }
     Three {
         decode,
+        decode_grpc: format!("http://{}", addr(dg)),
         _prefill: prefill,
         router,
         base,
@@ -249,6 +253,25 @@ fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
     })
 }
 
+/// Waits until the decode node at `url` is writing an answer (within 10 s).
+async fn decode_holds_a_sequence(url: &str) {
+    let mut d = pb::decode_client::DecodeClient::connect(url.to_string())
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let info = d.info(pb::InfoRequest {}).await.unwrap().into_inner();
+        if info.sequences_active > 0 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the decode node never took the answer"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Streams `body` from the router at `base` and runs `at_first_content` (a SIGTERM, and
 /// what to check right after it) once the first content has arrived; returns the text, the
 /// finish chunk's `edgesplit` object, and when the stream ended with `[DONE]`.
@@ -319,8 +342,14 @@ async fn sigterm_drains_the_decode_node() {
     let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[]).await;
     let want = reference(&t, 60).await;
     let gone = watch_exit(&t.decode);
-    let (text, timing, ended) =
-        stream_and_signal(&t.base, &chat(60, true), || async { sigterm(&t.decode) }).await;
+    // The first token comes from the prefill node before the decode node has the
+    // sequence; a SIGTERM in that gap is refused work, finished through the fallback (the
+    // second half of this test). Here the signal waits until the decode node writes it.
+    let (text, timing, ended) = stream_and_signal(&t.base, &chat(60, true), || async {
+        decode_holds_a_sequence(&t.decode_grpc).await;
+        sigterm(&t.decode);
+    })
+    .await;
     assert_eq!(text, want);
     assert!(
         timing["fallback"].is_null(),
