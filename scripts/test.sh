@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh --gemma
 # Test-only packages: shellcheck, and Debian's Chromium + ChromeDriver for the dashboard's
-# browser test (router/tests/dashboard.rs).
+# browser test (router/tests/it/dashboard.rs).
 missing=()
 command -v shellcheck >/dev/null || missing+=(shellcheck)
 [[ -x /usr/bin/chromium ]] || missing+=(chromium)
@@ -26,6 +26,8 @@ cargo fmt --all --check
 echo "[test] cargo clippy" >&2
 cargo clippy --release --workspace --all-targets -- -D warnings
 echo "[test] cargo test" >&2
-# The process-level test runs the real binaries from target/release.
-cargo build --release --bins
+# The process-level tests run the real binaries from target/release. Building every target
+# in one go gives the binaries the same dependency features as the tests (dev-dependencies
+# included), so `cargo test` compiles nothing twice.
+cargo build --release --workspace --all-targets
 cargo test --release --workspace

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -101,9 +101,13 @@ pub struct Stack {
     pub decode_state_dir: PathBuf,
     /// The prefill node's `/metrics` URL.
     pub prefill_metrics: String,
+    /// The stack runs until the last clone of this is dropped.
+    alive: Option<Arc<tokio::sync::oneshot::Sender<()>>>,
 }
 
-/// Starts a stack on a dedicated thread and runtime that outlive the calling test.
+/// Starts a stack on a dedicated thread and runtime that outlive the calling test's
+/// runtime; it stops (services cancelled, contexts freed) when the returned `Stack` and
+/// its clones are dropped.
 pub fn start(opts: StackOptions) -> Stack {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -113,10 +117,16 @@ pub fn start(opts: StackOptions) -> Stack {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let stack = serve(opts).await;
+            let (alive, stopped) = tokio::sync::oneshot::channel();
+            let mut stack = serve(opts).await;
+            stack.alive = Some(Arc::new(alive));
             tx.send(stack).unwrap();
-            std::future::pending::<()>().await;
+            // Resolves (with an error) once every clone of the sender is gone.
+            let _ = stopped.await;
         });
+        // Dropping the runtime cancels the services; the engines free their contexts
+        // once their last handle is gone.
+        drop(rt);
     });
     rx.recv_timeout(Duration::from_secs(120))
         .expect("stack started")
@@ -147,6 +157,7 @@ async fn serve(opts: StackOptions) -> Stack {
         v1_url,
         decode_state_dir: decode_state_dir.clone(),
         prefill_metrics: prefill_metrics_url,
+        alive: None,
     };
 
     std::fs::create_dir_all(&base).unwrap();

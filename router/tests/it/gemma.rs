@@ -3,11 +3,11 @@
 //! state shape from SmolLM2's. Its disaggregated answers must equal the single-process ones,
 //! including for prompts longer than the 512-token window.
 
-mod common;
+use crate::common;
 
 use std::sync::OnceLock;
 
-use common::{run, Stack, StackOptions};
+use crate::common::{run, Stack, StackOptions};
 use serde_json::{json, Value};
 
 fn gemma() -> &'static Stack {

@@ -1,7 +1,7 @@
 //! Memory-aware admission: a decode node with a KV budget makes the router refuse, before
 //! any prefill, a request whose KV would not fit, with a clear error; the node stays healthy.
 
-mod common;
+use crate::common;
 
 use serde_json::json;
 

@@ -3,7 +3,7 @@
 //! alone on the single-device path, and the decode node really serves several sequences
 //! at once.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! corrupted payload is refused with a reason and nothing is imported, and the first token
 //! does not wait for it.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,7 @@
 //! n_rot_v` per stream. `edgesplit_proto::v1::to_version_3` drops them: that is the
 //! compatible pairing, and this test is its proof.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,10 +1,10 @@
 //! The OpenAI API shape and error cases, against the real services and model.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
-use common::{chat_body, chunks, post, post_raw, smollm2, stream};
+use crate::common::{chat_body, chunks, post, post_raw, smollm2, stream};
 use serde_json::{json, Value};
 
 fn hi() -> Value {

@@ -3,7 +3,7 @@
 //! another one is refused before any state is read, and the node goes on serving; the
 //! router's API key answers 401 with an OpenAI error object.
 
-mod common;
+use crate::common;
 
 use std::sync::OnceLock;
 

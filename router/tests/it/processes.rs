@@ -4,7 +4,7 @@
 //! the decode node (its answer in flight finishes, within the drain deadline or by the
 //! router's fallback past it; then it exits).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -6,7 +6,7 @@
 //!
 //! `EDGESPLIT_DASHBOARD_BENCH_DB=bench/results/bench.sqlite` shows a bench record too.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

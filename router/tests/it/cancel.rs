@@ -1,7 +1,7 @@
 //! A client that goes away cancels its generation: the node writing the answer stops and
 //! its sequence is free for the next request (`requests_in_flight` back to 0 in `Info`).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -7,7 +7,7 @@
 //!   the prefill node retries once, and the answer is still the one-device answer, through
 //!   the retry or through the fallback.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! A slow-loris V2 sender - a valid HELLO trickled a byte at a time - is cut off at the
 //! handshake deadline with a `timeout` NACK, and the node serves real requests meanwhile.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! second waits and is then served, a third is refused at once with 503 `queue_full` and
 //! Retry-After - never a hang.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,6 +1,6 @@
 //! A real request moves the right Prometheus series on the router and the decode node.
 
-mod common;
+use crate::common;
 
 use serde_json::json;
 

@@ -3,9 +3,9 @@
 //! prefill node's one context), greedy and seeded, streamed and not, through the real HTTP
 //! API and the default model.
 
-mod common;
+use crate::common;
 
-use common::{run, smollm2, Outcome};
+use crate::common::{run, smollm2, Outcome};
 use serde_json::{json, Value};
 
 fn samplings() -> [Value; 2] {

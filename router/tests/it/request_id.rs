@@ -1,7 +1,7 @@
 //! One request id is logged by the router, the prefill node and the decode node for one
 //! request (it travels in the gRPC requests and in the V2 STATE frame / V1 upload header).
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};

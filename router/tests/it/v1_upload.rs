@@ -2,7 +2,7 @@
 //! and leaves no file behind. A file that passes the upload checks but that llama.cpp
 //! refuses at import is a clean error too, and is deleted.
 
-mod common;
+use crate::common;
 
 use edgesplit_proto::{pb, v1};
 use sha2::{Digest, Sha256};
