@@ -215,6 +215,7 @@ impl pb::decode_server::Decode for DecodeService {
         let mut info = self.engine.info().node_info("decode");
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
+        info.handoffs_awaited = u32::try_from(self.store.awaited_count()).unwrap_or(u32::MAX);
         info.handoff_addr.clone_from(&self.handoff_addr);
         info.v1_url.clone_from(&self.v1_url);
         info.kv_budget_bytes = self.kv_budget_bytes;
@@ -344,16 +345,32 @@ pub async fn run(
         max_frame: config.max_frame_bytes,
         ..Limits::default()
     };
-    // The drain stops the handoff and upload listeners at once (a state arriving now
-    // could only be claimed by a call we would refuse) and lets gRPC answers finish.
+    // The drain: gRPC takes no new calls and lets the answers it has finish. The handoff
+    // and upload listeners stay open until then, but the store takes only the states a
+    // `Generate` call is already waiting for (their clients have a first token); any other
+    // could only be claimed by a call the draining node refuses.
     let drain = Drain::new(shutdown, Duration::from_secs(config.drain_timeout_s));
+    tokio::spawn({
+        let (store, started) = (store.clone(), drain.started());
+        async move {
+            started.await;
+            store.start_draining();
+        }
+    });
+    let (served_tx, served) = tokio::sync::watch::channel(false);
+    let grpc_done = move || {
+        let mut served = served.clone();
+        async move {
+            let _ = served.wait_for(|done| *done).await;
+        }
+    };
     let receiver = tokio::spawn(handoff::serve(
         handoff_listener,
         engine.info().identity(),
         limits,
         store.clone(),
         secret.clone(),
-        drain.started(),
+        grpc_done(),
     ));
     let sources = Arc::new(metrics::Sources {
         store: store.clone(),
@@ -362,7 +379,7 @@ pub async fn run(
     let http = upload::router(upload_cfg).merge(metrics::router(sources));
     let v1_server = tokio::spawn(
         axum::serve(v1_listener, http)
-            .with_graceful_shutdown(drain.started())
+            .with_graceful_shutdown(grpc_done())
             .into_future(),
     );
     let svc = DecodeService {
@@ -384,6 +401,7 @@ pub async fn run(
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), drain.started());
     let all = async {
         let result = grpc.await;
+        let _ = served_tx.send(true);
         let _ = receiver.await;
         let _ = v1_server.await;
         result

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -62,11 +62,40 @@ struct Entry {
     at: Instant,
 }
 
+/// Marks `handoff_id` as awaited by a `Generate` call for as long as it lives.
+struct Awaiting<'a> {
+    store: &'a Store,
+    id: &'a str,
+}
+
+impl<'a> Awaiting<'a> {
+    fn new(store: &'a Store, id: &'a str) -> Self {
+        *store.awaited().entry(id.to_string()).or_insert(0) += 1;
+        Awaiting { store, id }
+    }
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        let mut awaited = self.store.awaited();
+        if let Some(n) = awaited.get_mut(self.id) {
+            *n -= 1;
+            if *n == 0 {
+                awaited.remove(self.id);
+            }
+        }
+    }
+}
+
 /// The pending-state store; the V2 receiver's sink.
 pub struct Store {
     limits: StoreLimits,
     entries: Mutex<HashMap<String, Entry>>,
     arrived: Notify,
+    /// Handoff ids a `Generate` call is waiting for, with how many calls wait for each.
+    awaited: Mutex<HashMap<String, usize>>,
+    /// The node is draining: only awaited states come in.
+    draining: AtomicBool,
     pub counters: Counters,
 }
 
@@ -77,6 +106,8 @@ impl Store {
             limits,
             entries: Mutex::new(HashMap::new()),
             arrived: Notify::new(),
+            awaited: Mutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
             counters: Counters::default(),
         }
     }
@@ -100,9 +131,35 @@ impl Store {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn awaited(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.awaited
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// From now on, take only the states a `Generate` call is already waiting for: their
+    /// answers are in flight (the client has its first token). Any other state could only
+    /// be claimed by a call the draining node refuses.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a state for `handoff_id` may come in now.
+    #[must_use]
+    pub fn admits(&self, handoff_id: &str) -> bool {
+        !self.draining.load(Ordering::SeqCst) || self.awaited().contains_key(handoff_id)
+    }
+
+    /// `Generate` calls waiting for their state now.
+    #[must_use]
+    pub fn awaited_count(&self) -> usize {
+        self.awaited().values().sum()
+    }
+
     /// Takes the state of `handoff_id`, waiting up to `wait` for it to arrive.
     pub async fn take(&self, handoff_id: &str, wait: Duration) -> Option<Held> {
         let deadline = tokio::time::Instant::now() + wait;
+        let _awaiting = Awaiting::new(self, handoff_id);
         loop {
             let notified = self.arrived.notified();
             tokio::pin!(notified);
@@ -146,6 +203,12 @@ impl Store {
             handoff_id: handoff_id.to_string(),
             reason,
         };
+        if !self.admits(handoff_id) {
+            return Err(refuse(
+                NackCode::Capacity,
+                format!("draining: no call is waiting for handoff {handoff_id}"),
+            ));
+        }
         let bytes = held.bytes();
         let mut map = self.lock();
         self.expire(&mut map);
@@ -284,5 +347,28 @@ mod tests {
         long.tokens = vec![0; 10];
         assert_eq!(s.accept(long).unwrap_err().code, NackCode::SequenceTooLong);
         assert_eq!(s.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn while_draining_only_awaited_states_come_in() {
+        let s = std::sync::Arc::new(store());
+        s.start_draining();
+        let refused = s.accept(state("early", 10)).unwrap_err();
+        assert_eq!(refused.code, NackCode::Capacity);
+        assert!(refused.reason.contains("draining"), "{}", refused.reason);
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
+        while s.awaited_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(s.admits("a") && !s.admits("b"));
+        s.accept(state("a", 10)).unwrap();
+        assert!(matches!(waiter.await.unwrap(), Some(Held::Frame(_))));
+        // The call has its state: nothing waits for "a" any more.
+        assert_eq!(s.awaited_count(), 0);
+        assert!(!s.admits("a"));
+        // A call that gave up does not leave its id admitted either.
+        assert!(s.take("c", Duration::from_millis(10)).await.is_none());
+        assert!(!s.admits("c"));
     }
 }

@@ -199,6 +199,13 @@ async fn receive(
             format!("handoff {id} is already held"),
         ));
     }
+    if !cfg.store.admits(id) {
+        return Err(Refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            format!("draining: no call is waiting for handoff {id}"),
+        ));
+    }
     let part_path = cfg.dir.join(format!("{id}.ggsq.part"));
     let mut file = tokio::fs::OpenOptions::new()
         .write(true)

@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use edgesplit_proto::frame::{self, Frame, Identity, NackCode, StateFrame};
@@ -219,34 +219,10 @@ async fn declared_descriptors_must_match_the_payload() {
     assert!(matches!(f.next().await, Some(Ok(Frame::Ack { .. }))));
 }
 
-const DELAY: Duration = Duration::from_millis(1500);
-
-/// Between the nodes: holds every handoff connection for `DELAY` before forwarding.
-fn delaying_proxy(target: String) -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.set_nonblocking(true).unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut inbound, _)) = l.accept().await else {
-                return;
-            };
-            let target = target.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(DELAY).await;
-                let mut outbound = TcpStream::connect(target).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test]
 async fn first_token_does_not_wait_for_the_handoff() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
-    opts.handoff_proxy = Some(delaying_proxy);
+    opts.handoff_proxy = Some(common::delaying_proxy);
     let s = common::start(opts);
     let url = format!("{}/v1/chat/completions", s.router);
     let mut body = ask();
@@ -277,11 +253,11 @@ async fn first_token_does_not_wait_for_the_handoff() {
     let total = t0.elapsed();
     let first = first_content.expect("content arrived");
     assert!(
-        first < DELAY / 2,
+        first < common::HANDOFF_DELAY / 2,
         "first token after {first:?}: it waited for the handoff"
     );
     assert!(
-        total >= DELAY,
+        total >= common::HANDOFF_DELAY,
         "answer finished in {total:?}, before the handoff could have"
     );
     // And the delayed split answer is still the single-device answer.

@@ -71,7 +71,14 @@ struct Three {
     dir: PathBuf,
 }
 
-async fn start_three(tag: &str, decode_extra: &[&str], router_extra: &[&str]) -> Three {
+/// Starts the three binaries; `handoff_via` puts a proxy (given the decode node's handoff
+/// address, returning its own) between the nodes.
+async fn start_three(
+    tag: &str,
+    decode_extra: &[&str],
+    router_extra: &[&str],
+    handoff_via: Option<fn(String) -> String>,
+) -> Three {
     let dir = std::env::temp_dir().join(format!("edgesplit-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -94,6 +101,9 @@ async fn start_three(tag: &str, decode_extra: &[&str], router_extra: &[&str]) ->
         dir.join("d").display().to_string(),
     ];
     dargs.extend(decode_extra.iter().map(|s| s.to_string()));
+    if let Some(via) = handoff_via {
+        dargs.extend([a("--handoff-advertise"), via(addr(dh))]);
+    }
     let decode = spawn("edgesplit-decode", &dargs, &dir.join("decode.log"));
     let prefill = spawn(
         "edgesplit-prefill",
@@ -151,7 +161,7 @@ async fn start_three(tag: &str, decode_extra: &[&str], router_extra: &[&str]) ->
 #[tokio::test]
 async fn three_processes_one_request_id() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let t = start_three("procs", &[], &[]).await;
+    let t = start_three("procs", &[], &[], None).await;
     let (base, dir) = (&t.base, &t.dir);
     for transport in ["v2", "v1"] {
         let (st, _, v) = common::post(
@@ -180,7 +190,7 @@ async fn three_processes_one_request_id() {
 #[tokio::test]
 async fn sigterm_drains_the_router() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut t = start_three("drain", &[], &["--drain-timeout-s", "20"]).await;
+    let mut t = start_three("drain", &[], &["--drain-timeout-s", "20"], None).await;
     let url = format!("{}/v1/chat/completions", t.base);
     let body = json!({
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
@@ -253,21 +263,18 @@ fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
     })
 }
 
-/// Waits until the decode node at `url` is writing an answer (within 10 s).
-async fn decode_holds_a_sequence(url: &str) {
+/// Waits (up to 10 s) until the decode node at `url` reports what `ready` wants.
+async fn decode_info_until(url: &str, what: &str, ready: impl Fn(&pb::NodeInfo) -> bool) {
     let mut d = pb::decode_client::DecodeClient::connect(url.to_string())
         .await
         .unwrap();
     let t0 = Instant::now();
     loop {
         let info = d.info(pb::InfoRequest {}).await.unwrap().into_inner();
-        if info.sequences_active > 0 {
+        if ready(&info) {
             return;
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the decode node never took the answer"
-        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "never {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -314,39 +321,43 @@ async fn stream_and_signal<F: std::future::Future<Output = ()>>(
     (text, timing.expect("a finish chunk"), Instant::now())
 }
 
+/// A long greedy answer over V2.
+fn story(max: u32, stream: bool) -> serde_json::Value {
+    json!({
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+        "max_tokens": max, "temperature": 0, "stream": stream,
+        "edgesplit": {"transport": "v2"},
+    })
+}
+
+/// The same answer on the single-device path.
+async fn local_story(t: &Three, max: u32) -> String {
+    let mut body = story(max, false);
+    body["edgesplit"]["transport"] = json!("local");
+    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.base), &body).await;
+    assert_eq!(st, 200, "{v}");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 #[tokio::test]
 async fn sigterm_drains_the_decode_node() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let chat = |max: u32, stream: bool| {
-        json!({
-            "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-            "max_tokens": max, "temperature": 0, "stream": stream,
-            "edgesplit": {"transport": "v2"},
-        })
-    };
-    let reference = |t: &Three, max: u32| {
-        let (url, mut body) = (format!("{}/v1/chat/completions", t.base), chat(max, false));
-        body["edgesplit"]["transport"] = json!("local");
-        async move {
-            let (st, _, v) = common::post(&url, &body).await;
-            assert_eq!(st, 200, "{v}");
-            v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        }
-    };
-
     // A drain long enough: the answer in flight ends on the decode node itself, a new
     // request meanwhile is served through the fallback, and then the node exits.
-    let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[]).await;
-    let want = reference(&t, 60).await;
+    let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[], None).await;
+    let want = local_story(&t, 60).await;
     let gone = watch_exit(&t.decode);
     // The first token comes from the prefill node before the decode node has the
-    // sequence; a SIGTERM in that gap is refused work, finished through the fallback (the
-    // second half of this test). Here the signal waits until the decode node writes it.
-    let (text, timing, ended) = stream_and_signal(&t.base, &chat(60, true), || async {
-        decode_holds_a_sequence(&t.decode_grpc).await;
+    // sequence (the next test signals in that gap); here the signal waits until the decode
+    // node writes it.
+    let (text, timing, ended) = stream_and_signal(&t.base, &story(60, true), || async {
+        decode_info_until(&t.decode_grpc, "writing the answer", |i| {
+            i.sequences_active > 0
+        })
+        .await;
         sigterm(&t.decode);
     })
     .await;
@@ -366,17 +377,17 @@ async fn sigterm_drains_the_decode_node() {
         "it exited only after the answer"
     );
     let (st, _, v) =
-        common::post(&format!("{}/v1/chat/completions", t.base), &chat(8, false)).await;
+        common::post(&format!("{}/v1/chat/completions", t.base), &story(8, false)).await;
     assert_eq!(st, 200, "{v}");
     assert!(v["edgesplit"]["fallback"].is_string(), "{v}");
 
     // A drain deadline shorter than the answer: the node exits at the deadline and the
     // router finishes the answer on the prefill node, identical to an uninterrupted run.
-    let mut t = start_three("ddeadline", &["--drain-timeout-s", "1"], &[]).await;
-    let want = reference(&t, 400).await;
+    let mut t = start_three("ddeadline", &["--drain-timeout-s", "1"], &[], None).await;
+    let want = local_story(&t, 400).await;
     let gone = watch_exit(&t.decode);
     let signalled = std::sync::OnceLock::new();
-    let (text, timing, ended) = stream_and_signal(&t.base, &chat(400, true), || async {
+    let (text, timing, ended) = stream_and_signal(&t.base, &story(400, true), || async {
         signalled.set(Instant::now()).unwrap();
         sigterm(&t.decode);
     })
@@ -396,4 +407,43 @@ async fn sigterm_drains_the_decode_node() {
     if at < ended {
         assert!(timing["fallback"].is_string(), "{timing}");
     }
+}
+
+#[tokio::test]
+async fn a_draining_decode_node_takes_the_handoff_an_answer_awaits() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // A proxy holds the handoff for 1.5 s. SIGTERM comes while the decode node's
+    // `Generate` call waits for it: the client already has its first token, so the answer
+    // is in flight, and the draining node takes its handoff and writes it.
+    let mut t = start_three(
+        "dawait",
+        &["--drain-timeout-s", "30"],
+        &[],
+        Some(common::delaying_proxy),
+    )
+    .await;
+    let want = local_story(&t, 32).await;
+    let gone = watch_exit(&t.decode);
+    let (text, timing, ended) = stream_and_signal(&t.base, &story(32, true), || async {
+        decode_info_until(&t.decode_grpc, "awaiting the handoff", |i| {
+            i.handoffs_awaited > 0
+        })
+        .await;
+        sigterm(&t.decode);
+    })
+    .await;
+    assert_eq!(text, want);
+    assert!(timing["fallback"].is_null(), "finished elsewhere: {timing}");
+    assert!(timing["handoff_bytes"].as_u64().unwrap() > 0, "{timing}");
+    let at = tokio::time::timeout(Duration::from_secs(15), gone)
+        .await
+        .expect("the node exits after draining")
+        .unwrap();
+    assert!(exited(&mut t.decode, Duration::from_secs(5))
+        .await
+        .success());
+    assert!(
+        at >= ended - Duration::from_millis(500),
+        "exited after the answer"
+    );
 }

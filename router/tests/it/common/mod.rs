@@ -265,6 +265,34 @@ async fn serve(opts: StackOptions) -> Stack {
     stack
 }
 
+/// How long `delaying_proxy` holds a handoff connection.
+pub const HANDOFF_DELAY: Duration = Duration::from_millis(1500);
+
+/// Between the nodes: holds every handoff connection to `target` for `HANDOFF_DELAY`
+/// before forwarding it; returns the proxy's address. Call it inside a runtime.
+pub fn delaying_proxy(target: String) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let l = TcpListener::from_std(l).unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = l.accept().await else {
+                return;
+            };
+            let target = target.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(HANDOFF_DELAY).await;
+                // A target that is gone refuses the sender as it would have directly.
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
 /// The default-model stack shared by a test binary.
 pub fn smollm2() -> &'static Stack {
     static S: OnceLock<Stack> = OnceLock::new();
