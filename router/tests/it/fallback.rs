@@ -223,17 +223,7 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
     let s = common::start(o);
     let url = format!("{}/v1/chat/completions", s.router);
     let expected = local_answer(&s.router).await;
-    let decode_refused = || async {
-        let mut c =
-            edgesplit_proto::pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
-                .await
-                .unwrap();
-        c.info(edgesplit_proto::pb::InfoRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .handoffs_refused
-    };
+    let decode_refused = || async { common::decode_info(&s.decode_grpc).await.handoffs_refused };
 
     // One corrupted connection: refused, retried once, delivered; no fallback.
     HANDOFFS.store(0, Ordering::SeqCst);

@@ -15,13 +15,6 @@ use serde_json::{json, Value};
 use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
-async fn decode_info(stack: &common::Stack) -> pb::NodeInfo {
-    let mut c = pb::decode_client::DecodeClient::connect(stack.decode_grpc.clone())
-        .await
-        .unwrap();
-    c.info(pb::InfoRequest {}).await.unwrap().into_inner()
-}
-
 fn ask() -> Value {
     common::chat_body(
         json!([{"role":"user","content":"Name three rivers in Europe."}]),
@@ -33,10 +26,10 @@ fn ask() -> Value {
 async fn kv_state_really_crosses_the_v2_connection() {
     let s = common::smollm2();
     let url = format!("{}/v1/chat/completions", s.router);
-    let before = decode_info(s).await;
+    let before = common::decode_info(&s.decode_grpc).await;
     let (st, _, v) = common::post(&url, &ask()).await;
     assert_eq!(st, 200);
-    let after = decode_info(s).await;
+    let after = common::decode_info(&s.decode_grpc).await;
     let sent = v["edgesplit"]["handoff_bytes"].as_u64().unwrap();
     let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(sent >= prompt * 23_040);
@@ -48,7 +41,7 @@ async fn kv_state_really_crosses_the_v2_connection() {
 #[tokio::test]
 async fn wrong_model_fingerprint_is_refused_with_a_reason() {
     let s = common::smollm2();
-    let info = decode_info(s).await;
+    let info = common::decode_info(&s.decode_grpc).await;
     let mut id = common::identity(&info);
     id.model_fingerprint[0] ^= 0xff;
     let state = StateFrame {
@@ -132,7 +125,7 @@ async fn raw_session(
 #[tokio::test]
 async fn corrupted_payload_is_refused_and_nothing_is_imported() {
     let s = common::smollm2();
-    let info = decode_info(s).await;
+    let info = common::decode_info(&s.decode_grpc).await;
     let id = common::identity(&info);
     let payload = synthetic_state();
     assert!(edgesplit_proto::layout::describe(&payload)
@@ -150,7 +143,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
     let n = buf.len();
     buf[n - 40] ^= 0x01; // a payload byte, as a flaky link would flip it
 
-    let before = decode_info(s).await;
+    let before = common::decode_info(&s.decode_grpc).await;
     let mut f = raw_session(&s.handoff_addr, &id).await;
     use tokio::io::AsyncWriteExt;
     f.get_mut().write_all(&buf).await.unwrap();
@@ -161,7 +154,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
         }
         other => panic!("expected NACK, got {other:?}"),
     }
-    let after = decode_info(s).await;
+    let after = common::decode_info(&s.decode_grpc).await;
     assert!(after.handoffs_refused > before.handoffs_refused);
     // Nothing was stored: generating from that handoff finds no state.
     let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
@@ -187,7 +180,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
 #[tokio::test]
 async fn declared_descriptors_must_match_the_payload() {
     let s = common::smollm2();
-    let id = common::identity(&decode_info(s).await);
+    let id = common::identity(&common::decode_info(&s.decode_grpc).await);
     let payload = synthetic_state();
     let mut descriptors = edgesplit_proto::layout::describe(&payload).descriptors;
     descriptors[0].dtype = 0; // claims f32 where the payload says f16

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use edgesplit_proto::codec::V2Codec;
 use edgesplit_proto::frame::{self, Frame, NackCode};
-use edgesplit_proto::pb;
 use futures::StreamExt;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
@@ -20,10 +19,7 @@ async fn a_slow_loris_sender_is_cut_off_and_others_are_served() {
     let mut o = common::StackOptions::new(common::SMOLLM2);
     o.handoff_handshake_timeout_s = 2;
     let s = common::start(o);
-    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
-        .await
-        .unwrap();
-    let info = c.info(pb::InfoRequest {}).await.unwrap().into_inner();
+    let info = common::decode_info(&s.decode_grpc).await;
     let mut hello = BytesMut::new();
     frame::encode(
         &Frame::Hello(common::identity(&info)),

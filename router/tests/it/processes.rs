@@ -263,6 +263,23 @@ fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
     })
 }
 
+/// When the decode node exited, seen by `gone` within `within` (`what` names the
+/// expectation); it must have exited with status 0.
+async fn decode_exit(
+    t: &mut Three,
+    gone: tokio::task::JoinHandle<Instant>,
+    within: Duration,
+    what: &str,
+) -> Instant {
+    let at = tokio::time::timeout(within, gone)
+        .await
+        .expect(what)
+        .unwrap();
+    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    assert!(status.success(), "{status}");
+    at
+}
+
 /// Waits (up to 10 s) until the decode node at `url` reports what `ready` wants.
 async fn decode_info_until(url: &str, what: &str, ready: impl Fn(&pb::NodeInfo) -> bool) {
     let mut d = pb::decode_client::DecodeClient::connect(url.to_string())
@@ -366,12 +383,13 @@ async fn sigterm_drains_the_decode_node() {
         timing["fallback"].is_null(),
         "finished by the draining node: {timing}"
     );
-    let at = tokio::time::timeout(Duration::from_secs(15), gone)
-        .await
-        .expect("the node exits after draining")
-        .unwrap();
-    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
-    assert!(status.success(), "{status}");
+    let at = decode_exit(
+        &mut t,
+        gone,
+        Duration::from_secs(15),
+        "the node exits after draining",
+    )
+    .await;
     assert!(
         at >= ended - Duration::from_millis(500),
         "it exited only after the answer"
@@ -392,12 +410,13 @@ async fn sigterm_drains_the_decode_node() {
         sigterm(&t.decode);
     })
     .await;
-    let at = tokio::time::timeout(Duration::from_secs(10), gone)
-        .await
-        .expect("the node exits at its drain deadline")
-        .unwrap();
-    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
-    assert!(status.success(), "{status}");
+    let at = decode_exit(
+        &mut t,
+        gone,
+        Duration::from_secs(10),
+        "the node exits at its drain deadline",
+    )
+    .await;
     let took = at - *signalled.get().unwrap();
     assert!(
         took < Duration::from_secs(5),
@@ -435,13 +454,13 @@ async fn a_draining_decode_node_takes_the_handoff_an_answer_awaits() {
     assert_eq!(text, want);
     assert!(timing["fallback"].is_null(), "finished elsewhere: {timing}");
     assert!(timing["handoff_bytes"].as_u64().unwrap() > 0, "{timing}");
-    let at = tokio::time::timeout(Duration::from_secs(15), gone)
-        .await
-        .expect("the node exits after draining")
-        .unwrap();
-    assert!(exited(&mut t.decode, Duration::from_secs(5))
-        .await
-        .success());
+    let at = decode_exit(
+        &mut t,
+        gone,
+        Duration::from_secs(15),
+        "the node exits after draining",
+    )
+    .await;
     assert!(
         at >= ended - Duration::from_millis(500),
         "exited after the answer"

@@ -9,10 +9,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn fingerprint(s: &common::Stack) -> (String, String) {
-    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
-        .await
-        .unwrap();
-    let i = c.info(pb::InfoRequest {}).await.unwrap().into_inner();
+    let i = common::decode_info(&s.decode_grpc).await;
     (i.model_fingerprint, i.build_id)
 }
 

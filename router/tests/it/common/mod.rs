@@ -468,6 +468,17 @@ pub async fn run(
 }
 
 /// The V2 identity a node reports in `Info`.
+/// The decode node's `Info`, from its gRPC address.
+pub async fn decode_info(url: &str) -> edgesplit_proto::pb::NodeInfo {
+    let mut c = edgesplit_proto::pb::decode_client::DecodeClient::connect(url.to_string())
+        .await
+        .unwrap();
+    c.info(edgesplit_proto::pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 pub fn identity(info: &edgesplit_proto::pb::NodeInfo) -> edgesplit_proto::frame::Identity {
     let mut fp = [0u8; 32];
     hex::decode_to_slice(&info.model_fingerprint, &mut fp).unwrap();
