@@ -177,37 +177,20 @@ impl pb::decode_server::Decode for DecodeService {
             handoff_id = %req.handoff_id,
             "generating from handoff"
         );
-        let (start, file) = match state {
-            Held::Frame(f) => (
-                Start::Imported {
-                    state: f.payload.to_vec(),
-                    tokens: f.tokens,
-                    first,
-                },
-                None,
-            ),
-            Held::File { path, .. } => (
-                Start::ImportedFile {
-                    path: path.clone(),
-                    first,
-                },
-                Some(path),
-            ),
+        // A file the engine never loads is deleted with the dropped command.
+        let start = match state {
+            Held::Frame(f) => Start::Imported {
+                state: f.payload.to_vec(),
+                tokens: f.tokens,
+                first,
+            },
+            Held::File { file, .. } => Start::ImportedFile { file, first },
         };
-        let rx = match self
+        let rx = self
             .engine
             .generate(start, params, req.max_new_tokens)
             .await
-        {
-            Ok(rx) => rx,
-            Err(e) => {
-                // The engine never saw the file: delete it here.
-                if let Some(p) = file {
-                    let _ = std::fs::remove_file(p);
-                }
-                return Err(status(&e));
-            }
-        };
+            .map_err(|e| status(&e))?;
         Ok(Response::new(Box::pin(token_events(rx))))
     }
 

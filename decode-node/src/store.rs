@@ -5,11 +5,11 @@
 //! than the TTL are dropped, and the total bytes held are capped.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use edgesplit_engine::StateFile;
 use edgesplit_proto::frame::{Nack, NackCode, StateFrame};
 use edgesplit_proto::handoff::StateSink;
 use tokio::sync::Notify;
@@ -38,8 +38,9 @@ pub struct Counters {
 pub enum Held {
     /// A V2 state frame (checksum, identity and descriptors verified).
     Frame(StateFrame),
-    /// A V1 sequence-state file (checksum, identity and header verified), renamed into place.
-    File { path: PathBuf, bytes: u64 },
+    /// A V1 sequence-state file (checksum, identity and header verified), renamed into
+    /// place; deleted when dropped unloaded (TTL, refusal, drain).
+    File { file: StateFile, bytes: u64 },
 }
 
 impl Held {
@@ -47,12 +48,6 @@ impl Held {
         match self {
             Held::Frame(s) => s.payload.len() as u64,
             Held::File { bytes, .. } => *bytes,
-        }
-    }
-
-    fn discard(&self) {
-        if let Held::File { path, .. } = self {
-            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -118,7 +113,6 @@ impl Store {
             let keep = e.at.elapsed() < ttl;
             if !keep {
                 tracing::warn!(handoff_id = %id, "dropping unclaimed handoff state after its TTL");
-                e.state.discard();
             }
             keep
         });
@@ -192,9 +186,9 @@ impl Store {
     /// Stores a verified V1 file under `handoff_id`.
     ///
     /// # Errors
-    /// A duplicate id or no room; the caller deletes the file.
-    pub fn put_file(&self, handoff_id: &str, path: PathBuf, bytes: u64) -> Result<(), Nack> {
-        self.insert(handoff_id, Held::File { path, bytes })
+    /// A duplicate id or no room; the file is then deleted.
+    pub fn put_file(&self, handoff_id: &str, file: StateFile, bytes: u64) -> Result<(), Nack> {
+        self.insert(handoff_id, Held::File { file, bytes })
     }
 
     fn insert(&self, handoff_id: &str, held: Held) -> Result<(), Nack> {

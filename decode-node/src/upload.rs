@@ -17,6 +17,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::put;
 use axum::{Json, Router};
+use edgesplit_engine::StateFile;
 use edgesplit_proto::{frame, v1};
 use futures::StreamExt;
 use serde_json::json;
@@ -59,20 +60,6 @@ pub fn router(cfg: Arc<UploadConfig>) -> Router {
     Router::new()
         .route("/v1/handoff/{id}", put(put_handoff))
         .with_state(cfg)
-}
-
-/// Deletes the part file unless the upload succeeded.
-struct PartFile {
-    path: PathBuf,
-    keep: bool,
-}
-
-impl Drop for PartFile {
-    fn drop(&mut self) {
-        if !self.keep {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
 }
 
 /// The header's one value; a header sent twice counts as absent (no guessing which one).
@@ -223,10 +210,8 @@ async fn receive(
                 Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
             }
         })?;
-    let mut part = PartFile {
-        path: part_path,
-        keep: false,
-    };
+    // Deleted on every way out but success.
+    let part = StateFile::new(part_path);
     let mut hasher = Sha256::new();
     let mut head = Vec::with_capacity(12);
     let mut written: u64 = 0;
@@ -300,13 +285,13 @@ async fn receive(
         ));
     }
     let final_path = cfg.dir.join(format!("{id}.ggsq"));
-    tokio::fs::rename(&part.path, &final_path)
+    tokio::fs::rename(part.path(), &final_path)
         .await
         .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    part.path.clone_from(&final_path);
+    let _renamed = part.keep();
+    // The store owns the file from here; a refused insert drops (deletes) it.
     cfg.store
-        .put_file(id, final_path, written)
+        .put_file(id, StateFile::new(final_path), written)
         .map_err(|n| Refusal(StatusCode::CONFLICT, n.code.as_str(), n.reason))?;
-    part.keep = true;
     Ok(written)
 }

@@ -174,6 +174,16 @@ impl PrefillService {
         self
     }
 
+    fn sender(&self) -> Sender {
+        Sender {
+            info: self.engine.info().clone(),
+            limits: self.limits,
+            http: self.http.clone(),
+            metrics: self.metrics.clone(),
+            secret: self.secret.clone(),
+        }
+    }
+
     async fn tokenize(&self, req: &pb::PrefillRequest) -> Result<(Vec<i32>, u32), Status> {
         let tokens = self
             .engine
@@ -246,20 +256,12 @@ impl pb::prefill_server::Prefill for PrefillService {
             Some(h) if v1 => Export::File(self.state_dir.join(format!("{}.ggsq", h.handoff_id))),
             Some(_) => Export::Raw,
         };
-        let out = match self
+        // A failed file export leaves no file: the engine's `StateFile` guard deletes it.
+        let mut out = self
             .engine
-            .prefill(tokens, params, max_tokens, export.clone())
+            .prefill(tokens, params, max_tokens, export)
             .await
-        {
-            Ok(out) => out,
-            Err(e) => {
-                // A failed file export may leave a partial file behind.
-                if let Export::File(path) = export {
-                    let _ = std::fs::remove_file(path);
-                }
-                return Err(status(&e));
-            }
-        };
+            .map_err(|e| status(&e))?;
         tracing::info!(
             request_id = %req.request_id,
             prompt_tokens = out.prompt_tokens.len(),
@@ -271,7 +273,6 @@ impl pb::prefill_server::Prefill for PrefillService {
             .prompt_tokens
             .inc_by(out.prompt_tokens.len() as u64);
         let (tx, rx) = mpsc::channel(2);
-        let last = out.state.is_none();
         let first = pb::PrefillEvent {
             event: Some(pb::prefill_event::Event::First(pb::FirstToken {
                 token: out.first.id,
@@ -285,102 +286,16 @@ impl pb::prefill_server::Prefill for PrefillService {
         };
         // The first token goes out before the handoff starts: TTFT does not wait for it.
         let _ = tx.send(Ok(first)).await;
-        if let (Some(Exported::File { path, .. }), Some(h)) = (&out.state, &handoff) {
-            let (path, h) = (path.clone(), h.clone());
-            let info = self.engine.info().clone();
-            let http = self.http.clone();
-            let export_ms = out.export_ms;
-            let request_id = req.request_id.clone();
-            let metrics = self.metrics.clone();
-            let secret = self.secret.clone();
+        if let (Some(state), Some(h)) = (out.state.take(), handoff) {
+            let job = HandoffJob {
+                handoff: h,
+                request_id: req.request_id.clone(),
+                prompt_tokens: out.prompt_tokens,
+                export_ms: out.export_ms,
+            };
+            let sender = self.sender();
             tokio::spawn(async move {
-                let t0 = Instant::now();
-                let send = || {
-                    upload::upload(
-                        &http,
-                        &h.decode_addr,
-                        &h.handoff_id,
-                        &request_id,
-                        &path,
-                        &info,
-                        secret.as_deref(),
-                    )
-                };
-                let mut result = send().await;
-                if let Err(e) = &result {
-                    if e.retryable() {
-                        tracing::warn!(%request_id, error = %e, "V1 upload failed; retrying once");
-                        result = send().await;
-                    }
-                }
-                let _ = tokio::fs::remove_file(&path).await;
-                let secs = t0.elapsed().as_secs_f64();
-                metrics.handoff("v1", result.is_ok(), *result.as_ref().unwrap_or(&0), secs);
-                let ev = match result {
-                    Ok(bytes) => {
-                        let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
-                        tracing::info!(%request_id, handoff_id = %h.handoff_id, bytes, transfer_ms, "V1 upload done");
-                        Ok(handoff_done(bytes, export_ms, transfer_ms))
-                    }
-                    Err(e) => {
-                        tracing::warn!(%request_id, error = %e, "V1 upload failed");
-                        Err(status_with_code(
-                            tonic::Code::Unavailable,
-                            e.code(),
-                            format!("KV handoff (V1 upload) failed: {e}"),
-                        ))
-                    }
-                };
-                let _ = tx.send(ev).await;
-            });
-        } else if let (Some(Exported::Raw(state)), Some(h), false) = (out.state, handoff, last) {
-            let ours = self.engine.info().identity();
-            let limits = self.limits;
-            let secret = self.secret.clone();
-            let export_ms = out.export_ms;
-            let request_id = req.request_id.clone();
-            let metrics = self.metrics.clone();
-            tokio::spawn(async move {
-                let layout = layout::describe(&state);
-                let frame = StateFrame {
-                    handoff_id: h.handoff_id.clone(),
-                    request_id: request_id.clone(),
-                    tokens: out.prompt_tokens,
-                    descriptors: layout.descriptors,
-                    payload: Bytes::from(state),
-                };
-                let t0 = Instant::now();
-                let send = |frame: StateFrame| {
-                    handoff::send_state(&h.decode_addr, &ours, frame, &limits, secret.as_deref())
-                };
-                let mut result = send(frame.clone()).await;
-                if let Err(e) = &result {
-                    if retryable(e) {
-                        tracing::warn!(%request_id, error = %e, "handoff failed; retrying once");
-                        metrics.handoff("v2", false, 0, t0.elapsed().as_secs_f64());
-                        result = send(frame).await;
-                    }
-                }
-                let bytes = result.as_ref().map_or(0, |r| r.payload_bytes);
-                metrics.handoff("v2", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
-                let ev = match result {
-                    Ok(report) => {
-                        let transfer_ms = t0.elapsed().as_secs_f64() * 1000.0;
-                        tracing::info!(
-                            %request_id,
-                            handoff_id = %h.handoff_id,
-                            bytes = report.payload_bytes,
-                            transfer_ms,
-                            "handoff sent"
-                        );
-                        Ok(handoff_done(report.payload_bytes, export_ms, transfer_ms))
-                    }
-                    Err(e) => {
-                        tracing::warn!(%request_id, error = %e, "handoff failed");
-                        Err(handoff_status(&e))
-                    }
-                };
-                let _ = tx.send(ev).await;
+                let _ = tx.send(sender.send(job, state).await).await;
             });
         }
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -441,38 +356,160 @@ fn handoff_done(bytes: u64, export_ms: f64, transfer_ms: f64) -> pb::PrefillEven
     }
 }
 
-/// Failures a second attempt may not meet: the bytes or the link, not the peer's refusal
-/// of who we are (model, build, context, secret) or of the request (too long, no room).
-fn retryable(e: &HandoffError) -> bool {
-    match e {
-        HandoffError::Refused(n) => matches!(
-            n.code,
-            NackCode::ChecksumMismatch
-                | NackCode::Malformed
-                | NackCode::Timeout
-                | NackCode::Internal
-                | NackCode::BadMagic
-        ),
-        HandoffError::Mismatch(_) | HandoffError::Auth(_) => false,
-        HandoffError::Connect { .. }
-        | HandoffError::Timeout(_)
-        | HandoffError::Protocol(_)
-        | HandoffError::Codec(_) => true,
+/// A handoff that failed, on either transport.
+#[derive(Debug, thiserror::Error)]
+enum HandoffFailure {
+    #[error("{0}")]
+    V2(#[from] HandoffError),
+    #[error("{0}")]
+    V1(#[from] upload::UploadError),
+}
+
+impl HandoffFailure {
+    /// Failures a second attempt may not meet: the bytes or the link, not the peer's
+    /// refusal of who we are (model, build, context, secret) or of the request (too long,
+    /// no room).
+    fn retryable(&self) -> bool {
+        match self {
+            HandoffFailure::V1(e) => e.retryable(),
+            HandoffFailure::V2(HandoffError::Refused(n)) => matches!(
+                n.code,
+                NackCode::ChecksumMismatch
+                    | NackCode::Malformed
+                    | NackCode::Timeout
+                    | NackCode::Internal
+                    | NackCode::BadMagic
+            ),
+            HandoffFailure::V2(HandoffError::Mismatch(_) | HandoffError::Auth(_)) => false,
+            HandoffFailure::V2(
+                HandoffError::Connect { .. }
+                | HandoffError::Timeout(_)
+                | HandoffError::Protocol(_)
+                | HandoffError::Codec(_),
+            ) => true,
+        }
+    }
+
+    /// What the router sees: `Unavailable` with a stable cause name.
+    fn status(&self) -> Status {
+        let (name, what) = match self {
+            HandoffFailure::V1(e) => (e.code(), "KV handoff (V1 upload) failed"),
+            HandoffFailure::V2(HandoffError::Refused(n) | HandoffError::Mismatch(n)) => {
+                (n.code.as_str(), "KV handoff failed")
+            }
+            HandoffFailure::V2(HandoffError::Timeout(_)) => {
+                ("handoff_timeout", "KV handoff failed")
+            }
+            HandoffFailure::V2(HandoffError::Connect { .. }) => {
+                ("handoff_unreachable", "KV handoff failed")
+            }
+            HandoffFailure::V2(_) => ("handoff_failed", "KV handoff failed"),
+        };
+        status_with_code(tonic::Code::Unavailable, name, format!("{what}: {self}"))
     }
 }
 
-fn handoff_status(e: &HandoffError) -> Status {
-    let name = match e {
-        HandoffError::Refused(n) | HandoffError::Mismatch(n) => n.code.as_str(),
-        HandoffError::Timeout(_) => "handoff_timeout",
-        HandoffError::Connect { .. } => "handoff_unreachable",
-        _ => "handoff_failed",
-    };
-    status_with_code(
-        tonic::Code::Unavailable,
-        name,
-        format!("KV handoff failed: {e}"),
-    )
+/// One state to hand over once the first token went out.
+struct HandoffJob {
+    handoff: pb::Handoff,
+    request_id: String,
+    prompt_tokens: Vec<i32>,
+    export_ms: f64,
+}
+
+/// A state on its way: a V2 frame, or a V1 file (deleted when dropped).
+enum Outgoing {
+    Frame(StateFrame),
+    File(edgesplit_engine::StateFile),
+}
+
+/// What a handoff needs of the service, owned so that it runs in its own task.
+struct Sender {
+    info: edgesplit_engine::ModelInfo,
+    limits: Limits,
+    http: reqwest::Client,
+    metrics: Arc<metrics::NodeMetrics>,
+    secret: Option<Arc<Secret>>,
+}
+
+impl Sender {
+    /// Sends `state` (V2 frame or V1 file) and retries once when the failure was the bytes
+    /// or the link; every attempt is counted. Returns the event for the router.
+    async fn send(&self, job: HandoffJob, state: Exported) -> Result<pb::PrefillEvent, Status> {
+        let HandoffJob {
+            handoff: h,
+            request_id,
+            prompt_tokens,
+            export_ms,
+        } = job;
+        // The payload moves into the frame (no copy); retries share it.
+        let outgoing = match state {
+            Exported::Raw(bytes) => {
+                let layout = layout::describe(&bytes);
+                Outgoing::Frame(StateFrame {
+                    handoff_id: h.handoff_id.clone(),
+                    request_id: request_id.clone(),
+                    tokens: prompt_tokens,
+                    descriptors: layout.descriptors,
+                    payload: Bytes::from(bytes),
+                })
+            }
+            Exported::File { file, .. } => Outgoing::File(file),
+        };
+        let transport = match outgoing {
+            Outgoing::Frame(_) => "v2",
+            Outgoing::File(_) => "v1",
+        };
+        let attempt = || async {
+            match &outgoing {
+                Outgoing::File(file) => Ok(upload::upload(
+                    &self.http,
+                    &h.decode_addr,
+                    &h.handoff_id,
+                    &request_id,
+                    file.path(),
+                    &self.info,
+                    self.secret.as_deref(),
+                )
+                .await?),
+                Outgoing::Frame(frame) => Ok(handoff::send_state(
+                    &h.decode_addr,
+                    &self.info.identity(),
+                    frame.clone(),
+                    &self.limits,
+                    self.secret.as_deref(),
+                )
+                .await?
+                .payload_bytes),
+            }
+        };
+        let t0 = Instant::now();
+        let mut result: Result<u64, HandoffFailure> = attempt().await;
+        if let Err(e) = &result {
+            if e.retryable() {
+                tracing::warn!(%request_id, transport, error = %e, "handoff failed; retrying once");
+                self.metrics
+                    .handoff(transport, false, 0, t0.elapsed().as_secs_f64());
+                result = attempt().await;
+            }
+        }
+        // A V1 file is deleted here (its guard), sent or not.
+        drop(outgoing);
+        let secs = t0.elapsed().as_secs_f64();
+        let bytes = *result.as_ref().unwrap_or(&0);
+        self.metrics.handoff(transport, result.is_ok(), bytes, secs);
+        match result {
+            Ok(bytes) => {
+                let transfer_ms = secs * 1000.0;
+                tracing::info!(%request_id, handoff_id = %h.handoff_id, transport, bytes, transfer_ms, "handoff sent");
+                Ok(handoff_done(bytes, export_ms, transfer_ms))
+            }
+            Err(e) => {
+                tracing::warn!(%request_id, transport, error = %e, "handoff failed");
+                Err(e.status())
+            }
+        }
+    }
 }
 
 /// The prefill node's listeners.

@@ -1,0 +1,65 @@
+//! The messages async code sends to an engine's owner thread, and the in-flight counter
+//! each prefill or generation carries until the owner thread is done with it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::sampling::SamplingParams;
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Start};
+
+/// What async code asks of the owner thread.
+pub(crate) enum Command {
+    Tokenize {
+        input: Input,
+        reply: oneshot::Sender<Result<Vec<i32>, EngineError>>,
+    },
+    /// Needs a free sequence slot; runs to completion once it has one.
+    Prefill {
+        job: PrefillJob,
+        reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
+        in_flight: InFlight,
+    },
+    /// Needs a free sequence slot, which it holds until the answer ends.
+    Generate {
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<GenEvent>,
+        in_flight: InFlight,
+    },
+}
+
+/// A prefill: the prompt, how its first token is sampled, and how its state is exported.
+#[derive(Debug)]
+pub(crate) struct PrefillJob {
+    pub tokens: Vec<i32>,
+    pub params: SamplingParams,
+    pub max_tokens: u32,
+    pub export: Export,
+}
+
+/// A generation: where it starts, how it samples, and how many tokens it may emit.
+#[derive(Debug)]
+pub(crate) struct GenerateJob {
+    pub start: Start,
+    pub params: SamplingParams,
+    /// Tokens to emit at most.
+    pub max_tokens: u32,
+}
+
+/// Counts a prefill or generation from the moment it is queued until the owner thread is
+/// done with it (or drops it unrun).
+pub(crate) struct InFlight(Arc<AtomicU64>);
+
+impl InFlight {
+    pub(crate) fn new(count: &Arc<AtomicU64>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}

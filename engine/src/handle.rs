@@ -1,0 +1,154 @@
+//! [`Engine`]: the cheap, cloneable async handle to an engine's owner thread, and the gauges
+//! that thread publishes (tokens in KV, slots in use).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::command::{Command, GenerateJob, InFlight, PrefillJob};
+use crate::config::EngineConfig;
+use crate::info::ModelInfo;
+use crate::sampling::SamplingParams;
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Start};
+use crate::worker;
+
+/// Handle to an engine's owner thread. Cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Command>,
+    info: Arc<ModelInfo>,
+    /// Owner-thread gauges: tokens held in KV, slots in use.
+    gauges: Arc<Gauges>,
+    in_flight: Arc<AtomicU64>,
+}
+
+/// What the owner thread publishes about its slots.
+#[derive(Default)]
+pub(crate) struct Gauges {
+    /// Tokens in all slots' KV.
+    pub(crate) kv_tokens: AtomicU64,
+    /// Slots prefilling or writing an answer.
+    pub(crate) active: AtomicU64,
+}
+
+impl Engine {
+    /// Loads the model and creates its contexts on a new owner thread, and waits until it
+    /// is ready.
+    ///
+    /// # Errors
+    /// [`EngineError::Load`] if the file is missing, llama.cpp refuses it, or a context
+    /// cannot be allocated.
+    pub async fn start(config: EngineConfig) -> Result<Engine, EngineError> {
+        let (tx, rx) = mpsc::channel(64);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let gauges = Arc::new(Gauges::default());
+        let g = gauges.clone();
+        std::thread::Builder::new()
+            .name("llama-engine".into())
+            .spawn(move || worker::owner_thread(config, rx, ready_tx, g))
+            .map_err(|e| EngineError::Load {
+                path: String::new(),
+                reason: e.to_string(),
+            })?;
+        let info = ready_rx.await.map_err(|_| EngineError::Closed)??;
+        Ok(Engine {
+            tx,
+            info: Arc::new(info),
+            gauges,
+            in_flight: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// Prefills and generations queued or running now.
+    #[must_use]
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Tokens whose KV the contexts hold now, all sequences together (0 when idle).
+    #[must_use]
+    pub fn kv_tokens(&self) -> u64 {
+        self.gauges.kv_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Slots in use now: prefilling, or writing an answer (at most `info().parallel`).
+    #[must_use]
+    pub fn active(&self) -> u64 {
+        self.gauges.active.load(Ordering::Relaxed)
+    }
+
+    /// Facts about the loaded model and context.
+    #[must_use]
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Renders (chat) and tokenizes the input.
+    ///
+    /// # Errors
+    /// No chat template, template failure, empty prompt.
+    pub async fn tokenize(&self, input: Input) -> Result<Vec<i32>, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Tokenize { input, reply }).await?;
+        rx.await.map_err(|_| EngineError::Closed)?
+    }
+
+    /// Prefills `tokens`, samples the first token, and exports the state if asked and the
+    /// answer continues past the first token. Waits for a free sequence slot.
+    ///
+    /// # Errors
+    /// Context overflow, llama.cpp decode or export failure.
+    pub async fn prefill(
+        &self,
+        tokens: Vec<i32>,
+        params: SamplingParams,
+        max_tokens: u32,
+        export: Export,
+    ) -> Result<PrefillOutput, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Prefill {
+            job: PrefillJob {
+                tokens,
+                params,
+                max_tokens,
+                export,
+            },
+            reply,
+            in_flight: InFlight::new(&self.in_flight),
+        })
+        .await?;
+        rx.await.map_err(|_| EngineError::Closed)?
+    }
+
+    /// Starts a generation; events arrive on the returned channel (unbounded, so a slow
+    /// reader never holds up the other sequences; at most `max_tokens` + 2 events). It
+    /// waits for a free sequence slot. Dropping the receiver cancels the generation and
+    /// frees its slot.
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] if the owner thread is gone.
+    pub async fn generate(
+        &self,
+        start: Start,
+        params: SamplingParams,
+        max_tokens: u32,
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate {
+            job: GenerateJob {
+                start,
+                params,
+                max_tokens,
+            },
+            events,
+            in_flight: InFlight::new(&self.in_flight),
+        })
+        .await?;
+        Ok(rx)
+    }
+
+    async fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.tx.send(cmd).await.map_err(|_| EngineError::Closed)
+    }
+}

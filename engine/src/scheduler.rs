@@ -1,0 +1,625 @@
+//! The owner thread's loop: commands in, waiting work started in free sequence slots, one
+//! decode step per running answer per round. It drives any [`Slots`], so its rules are
+//! unit-tested with a scripted fake and no model file.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use crate::command::{Command, GenerateJob, InFlight, PrefillJob};
+use crate::exit_guard::{park_forever, register_exit_guard, Busy};
+use crate::types::{EngineError, Finish, GenEvent, GenSummary, Input, PrefillOutput, TokenOut};
+
+/// Most prefills and generations waiting for a free slot; beyond it a request is refused
+/// at once with [`EngineError::Busy`] (the router's own queue normally keeps it far lower).
+pub const MAX_WAITING: usize = 256;
+
+/// What the scheduler needs of the sequence slots: the llama.cpp worker in the engine, a
+/// scripted fake in the tests. Slots are numbered `0..count()`.
+pub(crate) trait Slots {
+    /// Where a running answer stands between two steps (its history, step index, budget).
+    type Answer;
+
+    fn count(&self) -> usize;
+    fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError>;
+    /// Runs a whole prefill in `slot` and leaves the slot empty.
+    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError>;
+    /// Sets an answer up in `slot` (prefill, import or rebuild) and emits what comes before
+    /// the first decode step. `None` when the answer already ended (`summary.finish` says
+    /// why). The scheduler clears the slot when this fails or ends.
+    fn begin(
+        &mut self,
+        slot: usize,
+        job: GenerateJob,
+        events: &mpsc::UnboundedSender<GenEvent>,
+        summary: &mut GenSummary,
+    ) -> Result<Option<Self::Answer>, EngineError>;
+    /// One decode step of the answer in `slot`: the token it samples, and whether the
+    /// answer's budget is now spent.
+    fn step(
+        &mut self,
+        slot: usize,
+        answer: &mut Self::Answer,
+    ) -> Result<(TokenOut, bool), EngineError>;
+    /// Empties `slot`'s sequence.
+    fn clear(&mut self, slot: usize);
+    /// Publishes how many slots are in use now.
+    fn publish_active(&self, n: usize);
+}
+
+/// An answer being written in a slot.
+struct Running<A> {
+    slot: usize,
+    answer: A,
+    events: mpsc::UnboundedSender<GenEvent>,
+    summary: GenSummary,
+    decoding_since: Instant,
+    /// Dropped before the final event is sent, so a reader that saw it sees the count
+    /// without this answer.
+    in_flight: InFlight,
+}
+
+/// Answers in different slots take turns, one token each, so a long answer does not hold
+/// up a short one; on a CPU node the turns share the cores rather than adding throughput
+/// (see `EngineConfig::n_parallel`). Prefills and answer starts run whole between rounds.
+pub(crate) struct Scheduler<S: Slots> {
+    slots: S,
+    rx: mpsc::Receiver<Command>,
+    /// Prefills and generations waiting for a free slot, oldest first.
+    waiting: VecDeque<Command>,
+    running: Vec<Running<S::Answer>>,
+    /// Every `Engine` handle is gone: finish what was accepted, then stop.
+    closed: bool,
+}
+
+impl<S: Slots> Scheduler<S> {
+    pub(crate) fn new(slots: S, rx: mpsc::Receiver<Command>) -> Self {
+        Scheduler {
+            slots,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            closed: false,
+        }
+    }
+
+    /// Runs until every handle is gone and nothing is left, then frees the slots. Every
+    /// round holds [`Busy`], so the process exit waits for it or parks this thread.
+    pub(crate) fn run(mut self) {
+        loop {
+            let mut next = None;
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if !self.closed {
+                    next = self.rx.blocking_recv();
+                }
+                if next.is_none() {
+                    // Every handle is gone and nothing is left: free the contexts.
+                    let Some(_busy) = Busy::enter() else {
+                        park_forever()
+                    };
+                    drop(self);
+                    return;
+                }
+            }
+            let Some(_busy) = Busy::enter() else {
+                park_forever()
+            };
+            if let Some(cmd) = next {
+                self.accept(cmd);
+            }
+            self.accept_queued();
+            self.start_waiting();
+            self.step_all();
+            register_exit_guard();
+        }
+    }
+
+    /// Takes every command already sent, without blocking.
+    fn accept_queued(&mut self) {
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => self.accept(cmd),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.closed = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn publish_active(&self, extra: usize) {
+        self.slots.publish_active(self.running.len() + extra);
+    }
+
+    fn accept(&mut self, cmd: Command) {
+        match cmd {
+            Command::Tokenize { input, reply } => {
+                let _ = reply.send(self.slots.tokenize(input));
+            }
+            other if self.waiting.len() >= MAX_WAITING => {
+                let busy = EngineError::Busy {
+                    waiting: self.waiting.len(),
+                };
+                // Dropping the command drops its job (and deletes a held state file).
+                match other {
+                    Command::Prefill { reply, .. } => {
+                        let _ = reply.send(Err(busy));
+                    }
+                    Command::Generate { events, .. } => {
+                        let _ = events.send(GenEvent::Error(busy));
+                    }
+                    Command::Tokenize { .. } => {}
+                }
+            }
+            other => self.waiting.push_back(other),
+        }
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        (0..self.slots.count()).find(|s| self.running.iter().all(|r| r.slot != *s))
+    }
+
+    fn start_waiting(&mut self) {
+        while let Some(slot) = self.free_slot() {
+            let Some(cmd) = self.waiting.pop_front() else {
+                return;
+            };
+            match cmd {
+                Command::Prefill {
+                    job,
+                    reply,
+                    in_flight,
+                } => {
+                    let out = if reply.is_closed() {
+                        Err(EngineError::Closed)
+                    } else {
+                        self.publish_active(1);
+                        let out = self.slots.prefill(slot, &job);
+                        self.publish_active(0);
+                        out
+                    };
+                    drop(in_flight);
+                    let _ = reply.send(out);
+                }
+                Command::Generate {
+                    job,
+                    events,
+                    in_flight,
+                } => {
+                    if events.is_closed() {
+                        // Its reader left while it waited: drop it unrun.
+                        continue;
+                    }
+                    self.begin(slot, job, events, in_flight);
+                }
+                Command::Tokenize { .. } => unreachable!("tokenize never waits for a slot"),
+            }
+        }
+    }
+
+    fn begin(
+        &mut self,
+        slot: usize,
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<GenEvent>,
+        in_flight: InFlight,
+    ) {
+        let mut summary = GenSummary::default();
+        self.publish_active(1);
+        match self.slots.begin(slot, job, &events, &mut summary) {
+            Ok(Some(answer)) => self.running.push(Running {
+                slot,
+                answer,
+                events,
+                summary,
+                decoding_since: Instant::now(),
+                in_flight,
+            }),
+            Ok(None) => {
+                self.slots.clear(slot);
+                drop(in_flight);
+                let _ = events.send(GenEvent::Done(summary));
+            }
+            Err(e) => {
+                self.slots.clear(slot);
+                drop(in_flight);
+                let _ = events.send(GenEvent::Error(e));
+            }
+        }
+        self.publish_active(0);
+    }
+
+    /// One step of every running answer, in slot order of their start.
+    fn step_all(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            match self.step(i) {
+                Ok(false) => i += 1,
+                done => {
+                    let Running {
+                        slot,
+                        events,
+                        mut summary,
+                        decoding_since,
+                        in_flight,
+                        ..
+                    } = self.running.remove(i);
+                    self.slots.clear(slot);
+                    self.publish_active(0);
+                    summary.decode_ms = decoding_since.elapsed().as_secs_f64() * 1000.0;
+                    drop(in_flight);
+                    let _ = events.send(match done {
+                        Err(e) => GenEvent::Error(e),
+                        Ok(_) => GenEvent::Done(summary),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Steps running answer `i`; `Ok(true)` when it has ended (`summary.finish` says why).
+    fn step(&mut self, i: usize) -> Result<bool, EngineError> {
+        let r = &mut self.running[i];
+        if r.events.is_closed() {
+            r.summary.finish = Finish::Cancelled;
+            return Ok(true);
+        }
+        let (out, spent) = self.slots.step(r.slot, &mut r.answer)?;
+        r.summary.generated += 1;
+        let eog = out.eog;
+        if r.events.send(GenEvent::Token(out)).is_err() {
+            r.summary.finish = Finish::Cancelled;
+            return Ok(true);
+        }
+        if eog {
+            r.summary.finish = Finish::Stop;
+            return Ok(true);
+        }
+        Ok(spent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::{Arc, Mutex};
+
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::sampling::SamplingParams;
+    use crate::types::{Export, Start, StateFile};
+
+    /// A scripted slot set: an answer emits `max_tokens` tokens numbered by slot and step,
+    /// every call is logged, and a prompt token of -1 makes `begin` fail.
+    struct Fake {
+        n: usize,
+        log: Arc<Mutex<Vec<String>>>,
+        active: Arc<AtomicU64>,
+    }
+
+    struct FakeAnswer {
+        step: u32,
+        budget: u32,
+    }
+
+    impl Slots for Fake {
+        type Answer = FakeAnswer;
+        fn count(&self) -> usize {
+            self.n
+        }
+        fn tokenize(&mut self, _: Input) -> Result<Vec<i32>, EngineError> {
+            Ok(vec![1, 2, 3])
+        }
+        fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
+            self.log.lock().unwrap().push(format!("prefill {slot}"));
+            Ok(PrefillOutput {
+                prompt_tokens: job.tokens.clone(),
+                first: token(0, false),
+                prefill_ms: 0.0,
+                state: None,
+                export_ms: 0.0,
+            })
+        }
+        fn begin(
+            &mut self,
+            slot: usize,
+            job: GenerateJob,
+            _: &mpsc::UnboundedSender<GenEvent>,
+            _: &mut GenSummary,
+        ) -> Result<Option<FakeAnswer>, EngineError> {
+            self.log.lock().unwrap().push(format!("begin {slot}"));
+            if matches!(&job.start, Start::Prompt(p) if p == &[-1]) {
+                return Err(EngineError::Decode("scripted".into()));
+            }
+            Ok(Some(FakeAnswer {
+                step: 0,
+                budget: job.max_tokens,
+            }))
+        }
+        fn step(
+            &mut self,
+            slot: usize,
+            a: &mut FakeAnswer,
+        ) -> Result<(TokenOut, bool), EngineError> {
+            self.log.lock().unwrap().push(format!("step {slot}"));
+            a.step += 1;
+            a.budget -= 1;
+            Ok((
+                token(slot as i32 * 100 + a.step as i32, false),
+                a.budget == 0,
+            ))
+        }
+        fn clear(&mut self, slot: usize) {
+            self.log.lock().unwrap().push(format!("clear {slot}"));
+        }
+        fn publish_active(&self, n: usize) {
+            self.active
+                .store(n as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn token(id: i32, eog: bool) -> TokenOut {
+        TokenOut {
+            id,
+            piece: Vec::new(),
+            eog,
+        }
+    }
+
+    struct Harness {
+        sched: Scheduler<Fake>,
+        log: Arc<Mutex<Vec<String>>>,
+        in_flight: Arc<AtomicU64>,
+        _tx: mpsc::Sender<Command>,
+    }
+
+    fn harness(n: usize) -> Harness {
+        let (tx, rx) = mpsc::channel(8);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake {
+            n,
+            log: log.clone(),
+            active: Arc::default(),
+        };
+        Harness {
+            sched: Scheduler::new(fake, rx),
+            log,
+            in_flight: Arc::default(),
+            _tx: tx,
+        }
+    }
+
+    impl Harness {
+        fn generate_from(
+            &mut self,
+            start: Start,
+            max_tokens: u32,
+        ) -> mpsc::UnboundedReceiver<GenEvent> {
+            let (events, rx) = mpsc::unbounded_channel();
+            self.sched.accept(Command::Generate {
+                job: GenerateJob {
+                    start,
+                    params: SamplingParams::default(),
+                    max_tokens,
+                },
+                events,
+                in_flight: InFlight::new(&self.in_flight),
+            });
+            rx
+        }
+
+        fn generate(&mut self, max_tokens: u32) -> mpsc::UnboundedReceiver<GenEvent> {
+            self.generate_from(Start::Prompt(vec![1]), max_tokens)
+        }
+
+        fn prefill(&mut self) -> oneshot::Receiver<Result<PrefillOutput, EngineError>> {
+            let (reply, rx) = oneshot::channel();
+            self.sched.accept(Command::Prefill {
+                job: PrefillJob {
+                    tokens: vec![1, 2],
+                    params: SamplingParams::default(),
+                    max_tokens: 4,
+                    export: Export::None,
+                },
+                reply,
+                in_flight: InFlight::new(&self.in_flight),
+            });
+            rx
+        }
+
+        /// One round of the run loop, without the channel.
+        fn round(&mut self) {
+            self.sched.start_waiting();
+            self.sched.step_all();
+        }
+
+        fn steps(&self) -> Vec<String> {
+            let log = self.log.lock().unwrap();
+            log.iter()
+                .filter(|l| l.starts_with("step"))
+                .cloned()
+                .collect()
+        }
+
+        fn in_flight(&self) -> u64 {
+            self.in_flight.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    fn drain(rx: &mut mpsc::UnboundedReceiver<GenEvent>) -> Vec<GenEvent> {
+        let mut out = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            out.push(e);
+        }
+        out
+    }
+
+    fn ids(events: &[GenEvent]) -> Vec<i32> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                GenEvent::Token(t) => Some(t.id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn running_answers_take_turns_one_step_each() {
+        let mut h = harness(2);
+        let mut a = h.generate(3);
+        let mut b = h.generate(2);
+        for _ in 0..3 {
+            h.round();
+        }
+        assert_eq!(
+            h.steps(),
+            ["step 0", "step 1", "step 0", "step 1", "step 0"],
+            "one step per answer per round, in order"
+        );
+        let (ea, eb) = (drain(&mut a), drain(&mut b));
+        assert_eq!(ids(&ea), [1, 2, 3]);
+        assert_eq!(ids(&eb), [101, 102]);
+        assert!(
+            matches!(ea.last(), Some(GenEvent::Done(s)) if s.generated == 3 && s.finish == Finish::Length)
+        );
+        assert!(matches!(eb.last(), Some(GenEvent::Done(s)) if s.generated == 2));
+        assert_eq!(h.in_flight(), 0);
+        assert_eq!(
+            h.sched
+                .slots
+                .active
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+    }
+
+    #[test]
+    fn a_third_answer_waits_for_a_free_slot() {
+        let mut h = harness(2);
+        let _a = h.generate(1);
+        let _b = h.generate(5);
+        let mut c = h.generate(1);
+        h.round();
+        assert_eq!(h.sched.waiting.len(), 1, "no third slot");
+        assert!(drain(&mut c).is_empty());
+        // `a` ended in round 1 and freed slot 0: `c` starts there in round 2.
+        h.round();
+        assert_eq!(ids(&drain(&mut c)), [1]);
+        assert!(h.sched.waiting.is_empty());
+    }
+
+    #[test]
+    fn more_than_max_waiting_is_refused_at_once() {
+        let mut h = harness(1);
+        let _running = h.generate(100);
+        h.round();
+        let mut queued: Vec<_> = (0..MAX_WAITING).map(|_| h.generate(1)).collect();
+        assert_eq!(h.sched.waiting.len(), MAX_WAITING);
+        let mut refused = h.generate(1);
+        assert_eq!(
+            drain(&mut refused),
+            [GenEvent::Error(EngineError::Busy {
+                waiting: MAX_WAITING
+            })]
+        );
+        let mut refused_prefill = h.prefill();
+        assert_eq!(
+            refused_prefill.try_recv().unwrap().unwrap_err(),
+            EngineError::Busy {
+                waiting: MAX_WAITING
+            }
+        );
+        assert_eq!(
+            h.sched.waiting.len(),
+            MAX_WAITING,
+            "nothing refused was queued"
+        );
+        assert!(drain(&mut queued[0]).is_empty());
+        assert_eq!(h.in_flight(), 1 + MAX_WAITING as u64);
+    }
+
+    #[test]
+    fn a_dropped_reader_frees_its_slot() {
+        let mut h = harness(1);
+        let a = h.generate(100);
+        let mut b = h.generate(2);
+        h.round();
+        assert_eq!(h.steps(), ["step 0"]);
+        drop(a);
+        // The next round sees `a`'s reader gone, ends it without a step and frees the slot.
+        h.round();
+        assert_eq!(h.steps(), ["step 0"], "no step for an answer nobody reads");
+        assert!(h.log.lock().unwrap().contains(&"clear 0".to_string()));
+        h.round();
+        assert_eq!(ids(&drain(&mut b)), [1]);
+        h.round();
+        assert_eq!(h.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_waiting_answer_whose_reader_left_never_runs_and_its_file_is_deleted() {
+        let dir = std::env::temp_dir().join(format!("edgesplit-sched-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("held.ggsq");
+        std::fs::write(&path, b"state").unwrap();
+        let mut h = harness(1);
+        let _a = h.generate(3);
+        let b = h.generate_from(
+            Start::ImportedFile {
+                file: StateFile::new(path.clone()),
+                first: 7,
+            },
+            3,
+        );
+        h.round();
+        drop(b);
+        for _ in 0..4 {
+            h.round();
+        }
+        let begins = h
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with("begin"))
+            .count();
+        assert_eq!(begins, 1, "only the first answer began");
+        assert!(
+            !path.exists(),
+            "the held file went with the dropped command"
+        );
+        assert_eq!(h.in_flight(), 0);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_failed_start_frees_the_slot_and_reports_the_error() {
+        let mut h = harness(1);
+        let mut a = h.generate_from(Start::Prompt(vec![-1]), 3);
+        let mut b = h.generate(1);
+        h.round();
+        assert_eq!(
+            drain(&mut a),
+            [GenEvent::Error(EngineError::Decode("scripted".into()))]
+        );
+        assert_eq!(
+            ids(&drain(&mut b)),
+            [1],
+            "the slot was free again in the same round"
+        );
+    }
+
+    #[test]
+    fn prefills_run_whole_between_rounds() {
+        let mut h = harness(1);
+        let mut p = h.prefill();
+        h.round();
+        let out = p.try_recv().unwrap().unwrap();
+        assert_eq!(out.prompt_tokens, [1, 2]);
+        assert_eq!(h.in_flight(), 0);
+    }
+}

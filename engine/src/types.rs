@@ -1,0 +1,186 @@
+//! What goes in and out of an engine: inputs, tokens, prefill results, generation events,
+//! where an answer starts, and the errors. Plain data; no llama.cpp handle in here.
+
+use std::path::PathBuf;
+
+/// What went wrong in the engine. `PartialEq` so tests compare errors directly.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("failed to load model {path}: {reason}")]
+    Load { path: String, reason: String },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("this model has no chat template; send a raw prompt to /v1/completions")]
+    NoChatTemplate,
+    #[error("chat template failed: {0}")]
+    Template(String),
+    #[error("this model's maximum context length is {n_ctx} tokens; the request needs {needed} ({prompt} prompt + {max_tokens} completion)")]
+    ContextOverflow {
+        n_ctx: u32,
+        needed: u64,
+        prompt: u32,
+        max_tokens: u32,
+    },
+    #[error("llama.cpp decode failed: {0}")]
+    Decode(String),
+    #[error("state export failed: {0}")]
+    Export(String),
+    #[error("state import failed: {0}")]
+    Import(String),
+    #[error("the engine thread has stopped")]
+    Closed,
+    #[error("{waiting} requests are already waiting for a free sequence; try again later")]
+    Busy { waiting: usize },
+}
+
+/// The input of a request.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// OpenAI chat messages (role, content), rendered with the model's own template.
+    Chat(Vec<(String, String)>),
+    /// A raw prompt, tokenized as is (with BOS if the model wants one).
+    Raw(String),
+}
+
+/// A token and its text bytes (may be part of a UTF-8 character).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenOut {
+    pub id: i32,
+    pub piece: Vec<u8>,
+    /// End-of-generation token (not part of the answer's text).
+    pub eog: bool,
+}
+
+/// Result of a prefill.
+#[derive(Debug)]
+pub struct PrefillOutput {
+    pub prompt_tokens: Vec<i32>,
+    pub first: TokenOut,
+    pub prefill_ms: f64,
+    /// The exported state, when an export was asked for and the answer continues.
+    pub state: Option<Exported>,
+    pub export_ms: f64,
+}
+
+/// How a prefill exports its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Export {
+    None,
+    /// Raw sequence state bytes (V2).
+    Raw,
+    /// llama.cpp's sequence-state file at this path (V1).
+    File(PathBuf),
+}
+
+/// An exported state.
+#[derive(Debug)]
+pub enum Exported {
+    Raw(Vec<u8>),
+    /// The file written (deleted when dropped), and its size.
+    File {
+        file: StateFile,
+        bytes: u64,
+    },
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Finish {
+    /// End-of-generation token.
+    Stop,
+    /// Token budget spent.
+    #[default]
+    Length,
+    /// The consumer went away.
+    Cancelled,
+}
+
+/// Streamed out of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// Colocated runs: the prompt was prefilled (sent before the first token).
+    Prefilled {
+        prompt_tokens: u32,
+        prefill_ms: f64,
+    },
+    Token(TokenOut),
+    Done(GenSummary),
+    Error(EngineError),
+}
+
+/// Totals of one generation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GenSummary {
+    pub finish: Finish,
+    /// Tokens produced by decode steps (the EOG token included if there was one). The
+    /// first answer token comes from the prefill's logits and is not counted here, so
+    /// `generated / decode_ms` is the decode speed on either path.
+    pub generated: u32,
+    pub prompt_tokens: u32,
+    pub prefill_ms: f64,
+    pub import_ms: f64,
+    pub decode_ms: f64,
+}
+
+/// Where a generation starts from.
+#[derive(Debug)]
+pub enum Start {
+    /// Prefill these tokens here, then continue (the colocated run).
+    Prompt(Vec<i32>),
+    /// Load a verified sequence-state file (V1), then continue from `first`. The file is
+    /// deleted once loaded, or when the command is dropped unrun.
+    ImportedFile { file: StateFile, first: i32 },
+    /// Import a verified state covering `tokens`, then continue from `first`.
+    Imported {
+        state: Vec<u8>,
+        tokens: Vec<i32>,
+        first: i32,
+    },
+    /// Take over an answer another node was writing (it failed): rebuild the KV of
+    /// `prompt` + `answer` the way the uninterrupted run built it - the prompt in batches,
+    /// then each answer token one at a time - and continue after the last answer token
+    /// with the next step's sampler, so the text goes on exactly as it would have.
+    Resume { prompt: Vec<i32>, answer: Vec<i32> },
+}
+
+/// A state file on disk that is deleted when this guard is dropped, unless [`kept`]: a V1
+/// file being written, uploaded, held or loaded. One guard for every such file, so no path
+/// (an error, a refusal, a dropped command) can leave one behind.
+///
+/// [`kept`]: StateFile::keep
+#[derive(Debug)]
+pub struct StateFile {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl StateFile {
+    /// Takes charge of the file at `path` (which need not exist yet).
+    #[must_use]
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        StateFile {
+            path: path.into(),
+            keep: false,
+        }
+    }
+
+    #[must_use]
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Lets the file outlive the guard (it was renamed or handed on); returns its path.
+    #[must_use]
+    pub fn keep(mut self) -> PathBuf {
+        self.keep = true;
+        std::mem::take(&mut self.path)
+    }
+}
+
+impl Drop for StateFile {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}

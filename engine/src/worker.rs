@@ -1,0 +1,563 @@
+//! The llama.cpp side of an engine: the owner thread that loads the model and creates one
+//! context per sequence slot, and the [`Worker`] that prefills, imports, exports and steps.
+
+use std::num::NonZeroU32;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::context::session::LlamaStateSeqFlags;
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
+use llama_cpp_2::token::LlamaToken;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::command::{Command, GenerateJob, PrefillJob};
+use crate::config::{EngineConfig, FlashAttn};
+use crate::exit_guard::{park_forever, Busy};
+use crate::handle::Gauges;
+use crate::info::{self, ModelInfo};
+use crate::sampling::{self, SamplingParams};
+use crate::scheduler::{Scheduler, Slots};
+use crate::types::{
+    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Start,
+    StateFile, TokenOut,
+};
+
+fn backend() -> &'static LlamaBackend {
+    static BACKEND: OnceLock<LlamaBackend> = OnceLock::new();
+    BACKEND.get_or_init(|| {
+        llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default());
+        LlamaBackend::init().expect("llama.cpp backend initialises once per process")
+    })
+}
+
+pub(crate) fn owner_thread(
+    config: EngineConfig,
+    rx: mpsc::Receiver<Command>,
+    ready: oneshot::Sender<Result<ModelInfo, EngineError>>,
+    gauges: Arc<Gauges>,
+) {
+    let load_err = |reason: String| EngineError::Load {
+        path: config.model_path.display().to_string(),
+        reason,
+    };
+    if !config.model_path.is_file() {
+        let _ = ready.send(Err(load_err("no such file".into())));
+        return;
+    }
+    let fingerprint = match info::fingerprint(&config.model_path) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = ready.send(Err(load_err(e.to_string())));
+            return;
+        }
+    };
+    let backend = backend();
+    let mparams = LlamaModelParams::default().with_n_gpu_layers(config.n_gpu_layers);
+    let model = match LlamaModel::load_from_file(backend, &config.model_path, &mparams) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = ready.send(Err(load_err(e.to_string())));
+            return;
+        }
+    };
+    let flash_on = match config.flash_attn {
+        FlashAttn::On => true,
+        FlashAttn::Off => false,
+        FlashAttn::Auto => !info::has_sliding_window(&model),
+    };
+    let flash = if flash_on {
+        llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED
+    } else {
+        llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED
+    };
+    // One context per slot, each with one sequence: a sequence computes exactly what it
+    // computes alone (see `EngineConfig::n_parallel`).
+    let cparams = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(config.n_ctx))
+        .with_n_batch(config.n_batch)
+        .with_n_ubatch(config.n_batch)
+        .with_n_seq_max(1)
+        .with_n_threads(config.n_threads)
+        .with_n_threads_batch(config.n_threads)
+        .with_type_k(KvCacheType::F16)
+        .with_type_v(KvCacheType::F16)
+        .with_flash_attention_policy(flash);
+    let mut slots = Vec::new();
+    for _ in 0..config.n_parallel.max(1) {
+        match model.new_context(backend, cparams.clone()) {
+            Ok(ctx) => slots.push(Slot { ctx, kv: 0 }),
+            Err(e) => {
+                let _ = ready.send(Err(load_err(format!(
+                    "context {} of {}: {e}",
+                    slots.len() + 1,
+                    config.n_parallel
+                ))));
+                return;
+            }
+        }
+    }
+    let n_ctx = slots[0].ctx.n_ctx();
+    let info = ModelInfo::read(&model, &config, fingerprint, n_ctx, flash_on);
+    tracing::info!(
+        model = %info.model_id,
+        fingerprint = %info.fingerprint_hex(),
+        n_ctx = info.n_ctx,
+        parallel = slots.len(),
+        threads = config.n_threads,
+        kv_bytes_per_token = info.kv_bytes_per_token,
+        "model loaded"
+    );
+    let n_batch = config.n_batch as usize;
+    let worker = Worker {
+        model: &model,
+        slots,
+        batch: LlamaBatch::new(n_batch, 1),
+        n_batch,
+        n_ctx,
+        n_vocab: model.n_vocab(),
+        gauges,
+    };
+    if ready.send(Ok(info)).is_err() {
+        return;
+    }
+    Scheduler::new(worker, rx).run();
+    let Some(_busy) = Busy::enter() else {
+        park_forever()
+    };
+    drop(model);
+}
+
+/// One context and what its sequence holds.
+struct Slot<'m> {
+    ctx: LlamaContext<'m>,
+    /// Tokens in the sequence's KV.
+    kv: usize,
+}
+
+/// An answer being written in a slot, between two steps.
+pub(crate) struct Answer {
+    params: SamplingParams,
+    /// Every token whose KV is in the slot (prompt and answer so far).
+    history: Vec<i32>,
+    /// The newest answer token, decoded by the next step.
+    last: i32,
+    /// Index of the next sampling step (the RNG seed depends on it).
+    step: u32,
+    /// Tokens this node may still emit.
+    budget: u32,
+}
+
+struct Worker<'m> {
+    model: &'m LlamaModel,
+    slots: Vec<Slot<'m>>,
+    /// Shared by the slots: only one decodes at a time.
+    batch: LlamaBatch<'static>,
+    n_batch: usize,
+    n_ctx: u32,
+    n_vocab: i32,
+    gauges: Arc<Gauges>,
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}
+
+impl Worker<'_> {
+    fn tokenize(&self, input: Input) -> Result<Vec<i32>, EngineError> {
+        let text = match input {
+            Input::Raw(p) => {
+                if p.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                return self.tokenize_text(&p);
+            }
+            Input::Chat(messages) => {
+                let tmpl = self
+                    .model
+                    .chat_template(None)
+                    .map_err(|_| EngineError::NoChatTemplate)?;
+                let msgs = messages
+                    .into_iter()
+                    .map(|(r, c)| LlamaChatMessage::new(r, c))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| EngineError::Template(e.to_string()))?;
+                self.model
+                    .apply_chat_template(&tmpl, &msgs, true)
+                    .map_err(|e| EngineError::Template(e.to_string()))?
+            }
+        };
+        self.tokenize_text(&text)
+    }
+
+    /// As llama-server does: special tokens added where the model wants them (BOS) and
+    /// special-token text parsed (the chat template writes `<|im_start|>` as text).
+    fn tokenize_text(&self, text: &str) -> Result<Vec<i32>, EngineError> {
+        let toks = self.model.vocab().tokenize(text.as_bytes(), true, true);
+        if toks.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        Ok(toks.into_iter().map(|t| t.0).collect())
+    }
+
+    fn check_fits(&self, prompt: usize, max_tokens: u32) -> Result<(), EngineError> {
+        let n_ctx = self.n_ctx;
+        let needed = prompt as u64 + u64::from(max_tokens);
+        if prompt == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if needed > u64::from(n_ctx) {
+            return Err(EngineError::ContextOverflow {
+                n_ctx,
+                needed,
+                prompt: u32::try_from(prompt).unwrap_or(u32::MAX),
+                max_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    fn token_out(&self, id: LlamaToken) -> TokenOut {
+        let eog = self.model.vocab().is_eog(id);
+        let piece = if eog {
+            Vec::new()
+        } else {
+            self.model.vocab().token_to_piece(id, false, None)
+        };
+        TokenOut {
+            id: id.0,
+            piece,
+            eog,
+        }
+    }
+
+    /// Clears the slot, prefills `tokens` and samples the first answer token (step 0).
+    fn prefill(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        params: &SamplingParams,
+    ) -> Result<TokenOut, EngineError> {
+        self.clear(slot);
+        let last_chunk = (tokens.len() - 1) / self.n_batch;
+        let ctx = &mut self.slots[slot].ctx;
+        for (c, chunk) in tokens.chunks(self.n_batch).enumerate() {
+            self.batch.clear();
+            for (i, t) in chunk.iter().enumerate() {
+                let pos = (c * self.n_batch + i) as i32;
+                let logits = c == last_chunk && i == chunk.len() - 1;
+                self.batch
+                    .add(LlamaToken(*t), pos, &[0], logits)
+                    .map_err(|e| EngineError::Decode(e.to_string()))?;
+            }
+            ctx.decode(&mut self.batch)
+                .map_err(|e| EngineError::Decode(e.to_string()))?;
+        }
+        let idx = self.batch.n_tokens() - 1;
+        let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
+        self.set_kv(slot, tokens.len());
+        Ok(self.token_out(id))
+    }
+
+    /// Appends `token` to the slot's sequence at the next position: one single-token
+    /// decode, as every generated token is decoded.
+    fn decode_one(
+        &mut self,
+        slot: usize,
+        token: i32,
+        history: &mut Vec<i32>,
+    ) -> Result<(), EngineError> {
+        let pos = history.len() as i32;
+        history.push(token);
+        self.batch.clear();
+        self.batch
+            .add(LlamaToken(token), pos, &[0], true)
+            .map_err(|e| EngineError::Decode(e.to_string()))?;
+        self.slots[slot]
+            .ctx
+            .decode(&mut self.batch)
+            .map_err(|e| EngineError::Decode(e.to_string()))?;
+        self.set_kv(slot, history.len());
+        Ok(())
+    }
+
+    fn clear(&mut self, slot: usize) {
+        // Seq id 0 always fits in an i32; this cannot fail.
+        let _ = self.slots[slot].ctx.clear_kv_cache_seq(Some(0), None, None);
+        self.set_kv(slot, 0);
+    }
+
+    fn set_kv(&mut self, slot: usize, n: usize) {
+        self.slots[slot].kv = n;
+        let total: usize = self.slots.iter().map(|s| s.kv).sum();
+        self.gauges.kv_tokens.store(total as u64, Ordering::Relaxed);
+    }
+
+    fn prefill_cmd(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
+        let PrefillJob {
+            tokens,
+            params,
+            max_tokens,
+            export,
+        } = job;
+        self.check_fits(tokens.len(), *max_tokens)?;
+        let out = self.prefill_export(slot, tokens, params, *max_tokens, export);
+        self.clear(slot);
+        let (first, state, prefill_ms, export_ms) = out?;
+        Ok(PrefillOutput {
+            prompt_tokens: tokens.to_vec(),
+            first,
+            prefill_ms,
+            state,
+            export_ms,
+        })
+    }
+
+    fn prefill_export(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        params: &SamplingParams,
+        max_tokens: u32,
+        export: &Export,
+    ) -> Result<(TokenOut, Option<Exported>, f64, f64), EngineError> {
+        let t0 = Instant::now();
+        let first = self.prefill(slot, tokens, params)?;
+        let prefill_ms = ms(t0);
+        let t1 = Instant::now();
+        let continues = !first.eog && max_tokens > 1;
+        let state = match export {
+            _ if !continues => None,
+            Export::None => None,
+            Export::Raw => Some(Exported::Raw(self.export(slot)?)),
+            Export::File(path) => Some(self.export_file(slot, path, tokens)?),
+        };
+        Ok((first, state, prefill_ms, ms(t1)))
+    }
+
+    fn export(&self, slot: usize) -> Result<Vec<u8>, EngineError> {
+        let ctx = &self.slots[slot].ctx;
+        let flags = LlamaStateSeqFlags::empty();
+        let size = ctx.state_seq_get_size_ext(0, flags);
+        if size == 0 {
+            return Err(EngineError::Export(
+                "llama.cpp reported an empty state".into(),
+            ));
+        }
+        let mut buf = vec![0u8; size];
+        // SAFETY: `buf` holds exactly the size llama.cpp reported for this sequence, and the
+        // context is not modified between the size query and the copy (same thread).
+        let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
+        if n != size {
+            return Err(EngineError::Export(format!(
+                "llama.cpp wrote {n} bytes, expected {size}"
+            )));
+        }
+        Ok(buf)
+    }
+
+    fn export_file(
+        &self,
+        slot: usize,
+        path: &std::path::Path,
+        tokens: &[i32],
+    ) -> Result<Exported, EngineError> {
+        // In charge of the file from before it exists: a failed save leaves nothing.
+        let file = StateFile::new(path);
+        let toks: Vec<LlamaToken> = tokens.iter().map(|t| LlamaToken(*t)).collect();
+        let bytes = self.slots[slot]
+            .ctx
+            .state_seq_save_file(file.path(), 0, &toks)
+            .map_err(|e| EngineError::Export(e.to_string()))?;
+        Ok(Exported::File {
+            file,
+            bytes: bytes as u64,
+        })
+    }
+
+    /// Loads a sequence-state file into the slot; returns the tokens it covers. The file
+    /// is deleted whatever happens (its guard is dropped here).
+    fn import_file(&mut self, slot: usize, file: StateFile) -> Result<Vec<i32>, EngineError> {
+        self.clear(slot);
+        let n_ctx = self.n_ctx as usize;
+        let res = self.slots[slot]
+            .ctx
+            .state_seq_load_file(file.path(), 0, n_ctx);
+        drop(file);
+        match res {
+            Ok((toks, _)) => {
+                self.set_kv(slot, toks.len());
+                Ok(toks.into_iter().map(|t| t.0).collect())
+            }
+            Err(e) => Err(EngineError::Import(format!(
+                "llama.cpp refused the state file: {e}"
+            ))),
+        }
+    }
+
+    fn import(&mut self, slot: usize, state: &[u8]) -> Result<(), EngineError> {
+        self.clear(slot);
+        let ctx = &mut self.slots[slot].ctx;
+        // SAFETY: the bytes were produced by `state_seq_get_data_ext` of the same llama.cpp
+        // build and model (the V2 handshake compared build id and model fingerprint), their
+        // SHA-256 passed and their tensor layout was re-derived and compared before we got
+        // here. llama.cpp's reader is bounds-checked against `state.len()` and rejects
+        // shape mismatches.
+        let ok = unsafe { ctx.state_seq_set_data_ext(state, 0, LlamaStateSeqFlags::empty()) };
+        if !ok {
+            return Err(EngineError::Import(
+                "llama.cpp refused the state (shape or type mismatch)".into(),
+            ));
+        }
+        let held = ctx.kv_cache_seq_pos_max(0) + 1;
+        self.set_kv(slot, usize::try_from(held).unwrap_or(0));
+        Ok(())
+    }
+
+    /// See [`Slots::begin`].
+    fn begin(
+        &mut self,
+        slot: usize,
+        job: GenerateJob,
+        events: &mpsc::UnboundedSender<GenEvent>,
+        summary: &mut GenSummary,
+    ) -> Result<Option<Answer>, EngineError> {
+        let GenerateJob {
+            start,
+            params,
+            max_tokens,
+        } = job;
+        let params = &params;
+        // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
+        // continues at the step after its last token.
+        let mut step = 1u32;
+        let (history, first, budget) = match start {
+            Start::Prompt(tokens) => {
+                self.check_fits(tokens.len(), max_tokens)?;
+                summary.prompt_tokens = tokens.len() as u32;
+                let t0 = Instant::now();
+                let first = self.prefill(slot, &tokens, params)?;
+                summary.prefill_ms = ms(t0);
+                let prefilled = GenEvent::Prefilled {
+                    prompt_tokens: summary.prompt_tokens,
+                    prefill_ms: summary.prefill_ms,
+                };
+                if events.send(prefilled).is_err()
+                    || events.send(GenEvent::Token(first.clone())).is_err()
+                {
+                    summary.finish = Finish::Cancelled;
+                    return Ok(None);
+                }
+                (tokens, first, max_tokens.saturating_sub(1))
+            }
+            Start::ImportedFile { file, first } => {
+                let t0 = Instant::now();
+                let tokens = self.import_file(slot, file)?;
+                summary.import_ms = ms(t0);
+                self.check_fits(tokens.len(), max_tokens + 1)?;
+                summary.prompt_tokens = tokens.len() as u32;
+                (tokens, self.token_out(LlamaToken(first)), max_tokens)
+            }
+            Start::Imported {
+                state,
+                tokens,
+                first,
+            } => {
+                // The first token was emitted by the prefill node; it counts there.
+                self.check_fits(tokens.len(), max_tokens + 1)?;
+                summary.prompt_tokens = tokens.len() as u32;
+                let t0 = Instant::now();
+                self.import(slot, &state)?;
+                summary.import_ms = ms(t0);
+                (tokens, self.token_out(LlamaToken(first)), max_tokens)
+            }
+            Start::Resume { prompt, answer } => {
+                let Some((&last, before)) = answer.split_last() else {
+                    return Err(EngineError::Decode(
+                        "resume needs at least the first token of the answer".into(),
+                    ));
+                };
+                self.check_fits(prompt.len() + answer.len(), max_tokens)?;
+                summary.prompt_tokens = prompt.len() as u32;
+                let t0 = Instant::now();
+                // The same batches as the original prefill (its sampled token is not used).
+                self.prefill(slot, &prompt, params)?;
+                let mut history = prompt;
+                for &t in before {
+                    self.decode_one(slot, t, &mut history)?;
+                }
+                summary.prefill_ms = ms(t0);
+                step = u32::try_from(answer.len()).unwrap_or(u32::MAX);
+                (history, self.token_out(LlamaToken(last)), max_tokens)
+            }
+        };
+        if first.eog {
+            summary.finish = Finish::Stop;
+            return Ok(None);
+        }
+        if budget == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Answer {
+            params: params.clone(),
+            history,
+            last: first.id,
+            step,
+            budget,
+        }))
+    }
+
+    /// See [`Slots::step`].
+    fn step(&mut self, slot: usize, a: &mut Answer) -> Result<(TokenOut, bool), EngineError> {
+        self.decode_one(slot, a.last, &mut a.history)?;
+        let ctx = &self.slots[slot].ctx;
+        let id = sampling::sample(ctx, 0, self.n_vocab, &a.params, &a.history, a.step);
+        a.step += 1;
+        a.budget -= 1;
+        a.last = id.0;
+        Ok((self.token_out(id), a.budget == 0))
+    }
+}
+
+impl Slots for Worker<'_> {
+    type Answer = Answer;
+
+    fn count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError> {
+        Worker::tokenize(self, input)
+    }
+
+    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
+        self.prefill_cmd(slot, job)
+    }
+
+    fn begin(
+        &mut self,
+        slot: usize,
+        job: GenerateJob,
+        events: &mpsc::UnboundedSender<GenEvent>,
+        summary: &mut GenSummary,
+    ) -> Result<Option<Answer>, EngineError> {
+        Worker::begin(self, slot, job, events, summary)
+    }
+
+    fn step(&mut self, slot: usize, answer: &mut Answer) -> Result<(TokenOut, bool), EngineError> {
+        Worker::step(self, slot, answer)
+    }
+
+    fn clear(&mut self, slot: usize) {
+        Worker::clear(self, slot);
+    }
+
+    fn publish_active(&self, n: usize) {
+        self.gauges.active.store(n as u64, Ordering::Relaxed);
+    }
+}
