@@ -19,7 +19,7 @@ use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
-use edgesplit_proto::service::Drain;
+use edgesplit_proto::service::NodeArgs;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::Stream;
@@ -31,14 +31,10 @@ pub use store::{Held, Store, StoreLimits};
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "edgesplit-decode", version, about)]
 pub struct Config {
-    /// GGUF model file (the same file as the prefill node's: fingerprints are compared).
-    #[arg(long, env = "EDGESPLIT_MODEL")]
-    pub model: PathBuf,
-    /// File holding the secret shared by the router and both nodes (V2 handshake, V1
-    /// uploads and gRPC calls are then authenticated). Also `EDGESPLIT_SECRET_FILE`, or the
-    /// secret itself in `EDGESPLIT_SECRET`; never a flag with the secret in it.
-    #[arg(long)]
-    pub secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: edgesplit_engine::EngineArgs,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// gRPC listen address.
     #[arg(
         long,
@@ -65,21 +61,11 @@ pub struct Config {
     /// Folder for V1 state files between upload and import.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Context size in tokens; must equal the prefill node's.
-    #[arg(long, default_value_t = 4096)]
-    pub n_ctx: u32,
-    /// Threads (default: physical cores).
-    #[arg(long)]
-    pub threads: Option<i32>,
     /// Answers written at once, each in its own context (`n_ctx` tokens of KV each:
     /// `--plan` counts them). They take turns token by token, so a short answer is not
     /// stuck behind a long one; more wait for a free slot.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub parallel: u32,
-    /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
-    /// Both nodes must resolve to the same setting (the handoff handshake checks).
-    #[arg(long, default_value = "auto")]
-    pub flash_attn: edgesplit_engine::FlashAttn,
     /// KV memory one sequence may use, in bytes (0 = no budget). The router refuses
     /// requests whose prompt + max_tokens would need more, before they are prefilled, and
     /// the receiver refuses states that would. Size it from `--plan`.
@@ -97,38 +83,21 @@ pub struct Config {
     /// Most bytes of unclaimed states held at once.
     #[arg(long, default_value_t = 2 * 1024 * 1024 * 1024)]
     pub max_pending_bytes: u64,
-    /// Seconds allowed for the state transfer: the STATE frame, from its first byte to
-    /// its last.
-    #[arg(long, default_value_t = 60)]
-    pub handoff_frame_timeout_s: u64,
-    /// Seconds allowed for each handshake frame (HELLO, AUTH) of a handoff connection.
-    #[arg(long, default_value_t = 10)]
-    pub handoff_handshake_timeout_s: u64,
     /// Seconds allowed for a whole V1 upload body; past it, 408 `upload_timeout` and the
     /// partial file is deleted.
     #[arg(long, default_value_t = 120)]
     pub upload_timeout_s: u64,
-    /// On SIGTERM: seconds the answers in flight may take to finish before the node exits
-    /// anyway (new calls and handoffs are refused meanwhile).
-    #[arg(long, default_value_t = 30)]
-    pub drain_timeout_s: u64,
     /// Largest handoff frame accepted, in bytes.
     #[arg(long, default_value_t = edgesplit_proto::frame::DEFAULT_MAX_FRAME)]
     pub max_frame_bytes: usize,
 }
 
 impl Config {
-    /// The engine configuration this node config asks for.
+    /// The engine configuration this node config asks for (CPU only).
     #[must_use]
     pub fn engine(&self) -> EngineConfig {
-        let mut e = EngineConfig::new(&self.model);
-        e.n_ctx = self.n_ctx;
-        e.flash_attn = self.flash_attn;
+        let mut e = self.engine.config(self.parallel);
         e.n_gpu_layers = 0;
-        e.n_parallel = self.parallel;
-        if let Some(t) = self.threads {
-            e.n_threads = t;
-        }
         e
     }
 }
@@ -215,7 +184,7 @@ impl pb::decode_server::Decode for DecodeService {
 /// # Errors
 /// The model cannot be read or loaded.
 pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
-    let model_bytes = std::fs::metadata(&config.model)?.len();
+    let model_bytes = std::fs::metadata(&config.engine.model)?.len();
     // A small context: only the model's metadata matters here.
     let mut ecfg = config.engine();
     ecfg.n_ctx = 256;
@@ -227,7 +196,7 @@ pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(
         "model            {} ({:.1} MiB, mapped)",
-        config.model.display(),
+        config.engine.model.display(),
         mib(p.model_bytes)
     );
     println!(
@@ -307,10 +276,7 @@ pub async fn run(
         std::env::temp_dir().join(format!("edgesplit-decode-{}", std::process::id()))
     });
     std::fs::create_dir_all(&state_dir)?;
-    let secret = edgesplit_proto::auth::Secret::load(config.secret_file.as_deref())?.map(Arc::new);
-    if secret.is_none() {
-        tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
-    }
+    let secret = config.node.secret()?;
     let upload_cfg = Arc::new(upload::UploadConfig {
         secret: secret.clone(),
         seen: Arc::default(),
@@ -323,16 +289,14 @@ pub async fn run(
         timeout: Duration::from_secs(config.upload_timeout_s),
     });
     let limits = Limits {
-        frame: Duration::from_secs(config.handoff_frame_timeout_s),
-        handshake: Duration::from_secs(config.handoff_handshake_timeout_s),
         max_frame: config.max_frame_bytes,
-        ..Limits::default()
+        ..config.node.handoff_limits()
     };
     // The drain: gRPC takes no new calls and lets the answers it has finish. The handoff
     // and upload listeners stay open until then, but the store takes only the states a
     // `Generate` call is already waiting for (their clients have a first token); any other
     // could only be claimed by a call the draining node refuses.
-    let drain = Drain::new(shutdown, Duration::from_secs(config.drain_timeout_s));
+    let drain = config.node.drain(shutdown);
     tokio::spawn({
         let (store, started) = (store.clone(), drain.started());
         async move {
@@ -376,10 +340,7 @@ pub async fn run(
     let grpc = tonic::transport::Server::builder()
         .add_service(pb::decode_server::DecodeServer::with_interceptor(
             svc,
-            edgesplit_proto::auth::GrpcGuard {
-                secret,
-                seen: Arc::default(),
-            },
+            NodeArgs::guard(secret),
         ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), drain.started());
     let all = async {

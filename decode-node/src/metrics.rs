@@ -13,13 +13,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
-use axum::routing::get;
 use axum::Router;
 use edgesplit_engine::Engine;
-use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -34,9 +29,7 @@ pub struct Sources {
 
 /// The `/metrics` route.
 pub fn router(src: Arc<Sources>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .with_state(src)
+    edgesplit_proto::metrics::route(src, render)
 }
 
 fn counter(r: &mut Registry, name: &str, help: &str, v: u64) {
@@ -93,17 +86,5 @@ pub fn render(src: &Sources) -> String {
         "MemAvailable",
         edgesplit_engine::mem_available_bytes().unwrap_or(0),
     );
-    let mut out = String::new();
-    let _ = encode(&mut out, &r);
-    out
-}
-
-async fn metrics(State(src): State<Arc<Sources>>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        render(&src),
-    )
+    edgesplit_proto::metrics::render(&r)
 }

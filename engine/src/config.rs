@@ -84,3 +84,54 @@ impl std::str::FromStr for FlashAttn {
 pub fn default_threads() -> i32 {
     i32::try_from(num_cpus::get_physical().max(1)).unwrap_or(1)
 }
+
+/// The engine flags both nodes take. The handoff handshake compares what they decide
+/// (model fingerprint, context size, flash attention), so the two nodes must be started
+/// with the same values; one definition keeps their names, defaults and help the same.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// GGUF model file (the same file on both nodes: their fingerprints are compared).
+    #[arg(long, env = "EDGESPLIT_MODEL")]
+    pub model: PathBuf,
+    /// Context size in tokens; must be equal on both nodes.
+    #[arg(long, default_value_t = 4096)]
+    pub n_ctx: u32,
+    /// Threads (default: physical cores).
+    #[arg(long)]
+    pub threads: Option<i32>,
+    /// Prefill batch size (a resumed or colocated answer is prefilled in batches of it).
+    #[arg(long, default_value_t = 512)]
+    pub batch: u32,
+    /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
+    /// Both nodes must resolve to the same setting (the handoff handshake checks).
+    #[arg(long, default_value = "auto")]
+    pub flash_attn: FlashAttn,
+}
+
+impl EngineArgs {
+    /// Flags with their defaults for `model`.
+    #[must_use]
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        EngineArgs {
+            model: model.into(),
+            n_ctx: 4096,
+            threads: None,
+            batch: 512,
+            flash_attn: FlashAttn::Auto,
+        }
+    }
+
+    /// The engine configuration these flags ask for, serving `parallel` sequences.
+    #[must_use]
+    pub fn config(&self, parallel: u32) -> EngineConfig {
+        let mut e = EngineConfig::new(&self.model);
+        e.n_ctx = self.n_ctx;
+        e.n_batch = self.batch;
+        e.flash_attn = self.flash_attn;
+        e.n_parallel = parallel;
+        if let Some(t) = self.threads {
+            e.n_threads = t;
+        }
+        e
+    }
+}

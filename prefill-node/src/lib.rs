@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, Export, Exported, Input, SamplingParams, Start};
-use edgesplit_proto::auth::{GrpcGuard, Secret};
+use edgesplit_proto::auth::Secret;
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
-use edgesplit_proto::service::Drain;
+use edgesplit_proto::service::NodeArgs;
 use edgesplit_proto::{layout, pb};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -30,14 +30,10 @@ use tonic::{Request, Response, Status};
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "edgesplit-prefill", version, about)]
 pub struct Config {
-    /// GGUF model file.
-    #[arg(long, env = "EDGESPLIT_MODEL")]
-    pub model: PathBuf,
-    /// File holding the secret shared by the router and both nodes (V2 handshake, V1
-    /// uploads and gRPC calls are then authenticated). Also `EDGESPLIT_SECRET_FILE`, or the
-    /// secret itself in `EDGESPLIT_SECRET`; never a flag with the secret in it.
-    #[arg(long)]
-    pub secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: edgesplit_engine::EngineArgs,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// gRPC listen address.
     #[arg(
         long,
@@ -45,41 +41,17 @@ pub struct Config {
         default_value = "127.0.0.1:50051"
     )]
     pub listen: String,
-    /// Context size in tokens; must equal the decode node's.
-    #[arg(long, default_value_t = 4096)]
-    pub n_ctx: u32,
-    /// Threads (default: physical cores).
-    #[arg(long)]
-    pub threads: Option<i32>,
-    /// Prefill batch size.
-    #[arg(long, default_value_t = 512)]
-    pub batch: u32,
     /// Sequences served at once, each in its own context (`n_ctx` tokens of KV each).
     /// Prefills take one while they run; a local or fallback answer holds one until it
     /// ends, so with 2 a local answer does not stop the prefills of split ones.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub parallel: u32,
-    /// Flash attention: auto (on unless the model uses sliding-window attention), on, off.
-    /// Both nodes must resolve to the same setting (the handoff handshake checks).
-    #[arg(long, default_value = "auto")]
-    pub flash_attn: edgesplit_engine::FlashAttn,
     /// Layers offloaded to the GPU (cuda builds; default all).
     #[arg(long)]
     pub gpu_layers: Option<u32>,
     /// Seconds allowed for the handoff connect.
     #[arg(long, default_value_t = 5)]
     pub handoff_connect_timeout_s: u64,
-    /// Seconds allowed for the state transfer: sending the STATE frame (V2) or the whole
-    /// upload (V1), and the receiver's answer.
-    #[arg(long, default_value_t = 60)]
-    pub handoff_frame_timeout_s: u64,
-    /// Seconds allowed for each handshake frame of a V2 handoff (HELLO, AUTH and replies).
-    #[arg(long, default_value_t = 10)]
-    pub handoff_handshake_timeout_s: u64,
-    /// On SIGTERM: seconds the prefills and answers in flight may take to finish before
-    /// the node exits anyway (new calls are refused meanwhile).
-    #[arg(long, default_value_t = 30)]
-    pub drain_timeout_s: u64,
     /// HTTP listen address of `GET /metrics`.
     #[arg(
         long,
@@ -96,14 +68,7 @@ impl Config {
     /// The engine configuration this node config asks for.
     #[must_use]
     pub fn engine(&self) -> EngineConfig {
-        let mut e = EngineConfig::new(&self.model);
-        e.n_ctx = self.n_ctx;
-        e.n_batch = self.batch;
-        e.n_parallel = self.parallel;
-        e.flash_attn = self.flash_attn;
-        if let Some(t) = self.threads {
-            e.n_threads = t;
-        }
+        let mut e = self.engine.config(self.parallel);
         if let Some(g) = self.gpu_layers {
             e.n_gpu_layers = g;
         }
@@ -113,9 +78,7 @@ impl Config {
     fn limits(&self) -> Limits {
         Limits {
             connect: Duration::from_secs(self.handoff_connect_timeout_s),
-            frame: Duration::from_secs(self.handoff_frame_timeout_s),
-            handshake: Duration::from_secs(self.handoff_handshake_timeout_s),
-            ..Limits::default()
+            ..self.node.handoff_limits()
         }
     }
 }
@@ -534,14 +497,11 @@ pub async fn run(
         .state_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("edgesplit-prefill"));
-    let secret = Secret::load(config.secret_file.as_deref())?.map(Arc::new);
-    if secret.is_none() {
-        tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
-    }
+    let secret = config.node.secret()?;
     let svc = PrefillService::new(engine, config.limits(), state_dir)
         .map_err(|e| anyhow::anyhow!("state folder: {e}"))?
         .with_secret(secret.clone());
-    let drain = Drain::new(shutdown, Duration::from_secs(config.drain_timeout_s));
+    let drain = config.node.drain(shutdown);
     let app = metrics::router(svc.metrics.clone());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     // Metrics stay up while the node drains.
@@ -555,10 +515,7 @@ pub async fn run(
     let grpc = tonic::transport::Server::builder()
         .add_service(pb::prefill_server::PrefillServer::with_interceptor(
             svc,
-            GrpcGuard {
-                secret,
-                seen: Arc::default(),
-            },
+            NodeArgs::guard(secret),
         ))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), drain.started());
     let result = tokio::select! {

@@ -10,32 +10,17 @@
 //!
 //! Colocated (`local`) runs are counted by the router only.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
-use axum::routing::get;
 use axum::Router;
-use prometheus_client::encoding::text::encode;
+use edgesplit_proto::metrics::{label, phase_histogram, Labels, Metrics};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
-
-type Labels = Vec<(String, String)>;
-
-const SECONDS: [f64; 16] = [
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0,
-];
-
-fn seconds() -> Histogram {
-    Histogram::new(SECONDS)
-}
 
 /// The prefill node's series.
 pub struct NodeMetrics {
-    registry: Mutex<Registry>,
+    metrics: Metrics,
     pub prefill: Histogram,
     pub prompt_tokens: Counter,
     pub handoff_bytes: Family<Labels, Counter>,
@@ -45,17 +30,14 @@ pub struct NodeMetrics {
 impl Default for NodeMetrics {
     fn default() -> Self {
         let m = NodeMetrics {
-            registry: Mutex::new(Registry::default()),
-            prefill: seconds(),
+            metrics: Metrics::default(),
+            prefill: phase_histogram(),
             prompt_tokens: Counter::default(),
             handoff_bytes: Family::default(),
-            handoff_seconds: Family::new_with_constructor(seconds),
+            handoff_seconds: Family::new_with_constructor(phase_histogram),
         };
         {
-            let mut r = m
-                .registry
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut r = m.metrics.registry();
             r.register(
                 "edgesplit:request_prefill_time_seconds",
                 "Prefill time",
@@ -87,41 +69,22 @@ impl NodeMetrics {
         let outcome = if ok { "ok" } else { "error" };
         if ok {
             self.handoff_bytes
-                .get_or_create(&vec![("transport".into(), transport.into())])
+                .get_or_create(&label("transport", transport))
                 .inc_by(bytes);
         }
-        self.handoff_seconds
-            .get_or_create(&vec![
-                ("transport".into(), transport.into()),
-                ("outcome".into(), outcome.into()),
-            ])
-            .observe(seconds);
+        let mut labels = label("transport", transport);
+        labels.push(("outcome".into(), outcome.into()));
+        self.handoff_seconds.get_or_create(&labels).observe(seconds);
     }
 
     /// The OpenMetrics text.
     #[must_use]
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let r = self
-            .registry
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = encode(&mut out, &r);
-        out
+        self.metrics.render()
     }
 }
 
 /// The `/metrics` route.
 pub fn router(m: Arc<NodeMetrics>) -> Router {
-    Router::new().route("/metrics", get(metrics)).with_state(m)
-}
-
-async fn metrics(State(m): State<Arc<NodeMetrics>>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        m.render(),
-    )
+    edgesplit_proto::metrics::route(m, NodeMetrics::render)
 }

@@ -9,6 +9,7 @@ pub mod codec;
 pub mod frame;
 pub mod handoff;
 pub mod layout;
+pub mod metrics;
 pub mod service;
 pub mod v1;
 

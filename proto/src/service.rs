@@ -1,4 +1,5 @@
-//! What every EdgeSplit binary does the same way: logging set-up and the shutdown signal.
+//! What every EdgeSplit binary does the same way: logging set-up, the shutdown signal and the
+//! drain, and the service flags and set-up both nodes share ([`NodeArgs`]).
 
 /// Installs the tracing subscriber on stderr (stdout stays for output such as `--plan`):
 /// `RUST_LOG` if set, else `default_filter`; one JSON object per line when
@@ -80,6 +81,71 @@ impl Drain {
             started.await;
             tokio::time::sleep(deadline).await;
             tracing::warn!("drain deadline passed; exiting with work unfinished");
+        }
+    }
+}
+
+/// The flags both nodes take for their service, and the set-up they do the same way:
+/// the shared secret (and the warning without one), the gRPC guard, the drain.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeArgs {
+    /// File holding the secret shared by the router and both nodes (V2 handshake, V1
+    /// uploads and gRPC calls are then authenticated). Also `EDGESPLIT_SECRET_FILE`, or the
+    /// secret itself in `EDGESPLIT_SECRET`; never a flag with the secret in it.
+    #[arg(long)]
+    pub secret_file: Option<std::path::PathBuf>,
+    /// Seconds allowed for the state transfer: the STATE frame (V2) from its first byte to
+    /// its last, or the whole upload (V1), and the receiver's answer.
+    #[arg(long, default_value_t = 60)]
+    pub handoff_frame_timeout_s: u64,
+    /// Seconds allowed for each handshake frame of a V2 handoff (HELLO, AUTH and replies).
+    #[arg(long, default_value_t = 10)]
+    pub handoff_handshake_timeout_s: u64,
+    /// On SIGTERM: seconds the work in flight may take to finish before the node exits
+    /// anyway (new calls and handoffs are refused meanwhile).
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}
+
+impl NodeArgs {
+    /// The shared secret, if one is configured; warns when none is.
+    ///
+    /// # Errors
+    /// The secret file or variable is unreadable or too short.
+    pub fn secret(
+        &self,
+    ) -> Result<Option<std::sync::Arc<crate::auth::Secret>>, crate::auth::SecretError> {
+        let secret = crate::auth::Secret::load(self.secret_file.as_deref())?;
+        if secret.is_none() {
+            tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
+        }
+        Ok(secret.map(std::sync::Arc::new))
+    }
+
+    /// The interceptor that checks every gRPC call's credential (none without a secret).
+    #[must_use]
+    pub fn guard(secret: Option<std::sync::Arc<crate::auth::Secret>>) -> crate::auth::GrpcGuard {
+        crate::auth::GrpcGuard {
+            secret,
+            seen: std::sync::Arc::default(),
+        }
+    }
+
+    /// The node's drain, started by `shutdown`, bounded by `--drain-timeout-s`.
+    pub fn drain(&self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Drain {
+        Drain::new(
+            shutdown,
+            std::time::Duration::from_secs(self.drain_timeout_s),
+        )
+    }
+
+    /// Handoff limits with this node's timeouts (the rest at their defaults).
+    #[must_use]
+    pub fn handoff_limits(&self) -> crate::handoff::Limits {
+        crate::handoff::Limits {
+            frame: std::time::Duration::from_secs(self.handoff_frame_timeout_s),
+            handshake: std::time::Duration::from_secs(self.handoff_handshake_timeout_s),
+            ..crate::handoff::Limits::default()
         }
     }
 }

@@ -18,16 +18,12 @@
 //! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time (connect to ACK) |
 //! | `edgesplit:fallbacks_total{cause}` | counter | requests finished on another node than planned |
 
-use std::sync::Mutex;
-
-use prometheus_client::encoding::text::encode;
+pub use edgesplit_proto::metrics::label;
+use edgesplit_proto::metrics::{phase_histogram, Labels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
-
-type Labels = Vec<(String, String)>;
 
 const LATENCY: [f64; 18] = [
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -36,17 +32,13 @@ const LATENCY: [f64; 18] = [
 const ITL: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
 ];
-const REQUEST: [f64; 17] = [
-    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
-];
-
 fn latency() -> Histogram {
     Histogram::new(LATENCY)
 }
 
 /// All router series.
 pub struct Metrics {
-    registry: Mutex<Registry>,
+    metrics: edgesplit_proto::metrics::Metrics,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
@@ -76,12 +68,12 @@ impl Metrics {
     #[must_use]
     pub fn new() -> Self {
         let m = Metrics {
-            registry: Mutex::new(Registry::default()),
+            metrics: edgesplit_proto::metrics::Metrics::default(),
             ttft: latency(),
             itl: Histogram::new(ITL),
-            e2e: Histogram::new(REQUEST),
-            prefill: Histogram::new(REQUEST),
-            decode: Histogram::new(REQUEST),
+            e2e: phase_histogram(),
+            prefill: phase_histogram(),
+            decode: phase_histogram(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             success: Family::default(),
@@ -89,15 +81,13 @@ impl Metrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             handoff_bytes: Family::default(),
-            handoff_seconds: Family::new_with_constructor(latency),
+            // Same buckets as the prefill node's series of the same name.
+            handoff_seconds: Family::new_with_constructor(phase_histogram),
             fallbacks: Family::default(),
             recent: crate::dashboard::Recent::default(),
         };
         {
-            let mut r = m
-                .registry
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut r = m.metrics.registry();
             r.register(
                 "edgesplit:time_to_first_token_seconds",
                 "Time to first token",
@@ -180,14 +170,7 @@ impl Metrics {
     /// The Prometheus (OpenMetrics) text of every series.
     #[must_use]
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let r = self
-            .registry
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Writing into a String cannot fail.
-        let _ = encode(&mut out, &r);
-        out
+        self.metrics.render()
     }
 }
 
@@ -239,12 +222,6 @@ impl Drop for RequestObserver {
             self.metrics.waiting.dec();
         }
     }
-}
-
-/// One label pair.
-#[must_use]
-pub fn label(k: &str, v: &str) -> Labels {
-    vec![(k.to_string(), v.to_string())]
 }
 
 #[cfg(test)]

@@ -407,7 +407,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            edgesplit_proto::metrics::OPENMETRICS,
         )],
         s.metrics.render(),
     )

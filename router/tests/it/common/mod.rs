@@ -174,44 +174,45 @@ async fn serve(opts: StackOptions) -> Stack {
         &opts.decode_secret.clone().or(opts.secret.clone()),
     );
     let api_key_file = write("api-key", &opts.api_key);
+    let engine_args = edgesplit_engine::EngineArgs {
+        n_ctx: opts.n_ctx,
+        ..edgesplit_engine::EngineArgs::new(opts.model.clone())
+    };
     let dcfg = edgesplit_decode::Config {
-        secret_file: decode_secret_file,
-        model: opts.model.clone(),
+        engine: engine_args.clone(),
+        node: edgesplit_proto::service::NodeArgs {
+            secret_file: decode_secret_file,
+            handoff_frame_timeout_s: 30,
+            handoff_handshake_timeout_s: opts.handoff_handshake_timeout_s,
+            drain_timeout_s: 30,
+        },
         listen: String::new(),
         handoff_listen: String::new(),
         handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),
         v1_listen: String::new(),
         v1_advertise: None,
         state_dir: Some(decode_state_dir),
-        n_ctx: opts.n_ctx,
-        threads: None,
         parallel: opts.parallel,
-        flash_attn: edgesplit_engine::FlashAttn::Auto,
         handoff_wait_s: 5,
         kv_budget_bytes: opts.kv_budget_bytes,
         plan: false,
         pending_ttl_s: 120,
         max_pending_bytes: 1 << 30,
-        handoff_frame_timeout_s: 30,
-        handoff_handshake_timeout_s: opts.handoff_handshake_timeout_s,
         upload_timeout_s: opts.upload_timeout_s,
-        drain_timeout_s: 30,
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
     };
     let pcfg = edgesplit_prefill::Config {
-        secret_file: secret_file.clone(),
-        model: opts.model.clone(),
+        engine: engine_args,
+        node: edgesplit_proto::service::NodeArgs {
+            secret_file: secret_file.clone(),
+            handoff_frame_timeout_s: 30,
+            handoff_handshake_timeout_s: 10,
+            drain_timeout_s: 30,
+        },
         listen: String::new(),
-        n_ctx: opts.n_ctx,
-        threads: None,
-        batch: 512,
         parallel: opts.parallel,
-        flash_attn: edgesplit_engine::FlashAttn::Auto,
         gpu_layers: None,
         handoff_connect_timeout_s: 5,
-        handoff_frame_timeout_s: 30,
-        handoff_handshake_timeout_s: 10,
-        drain_timeout_s: 30,
         state_dir: Some(base.join("prefill")),
         metrics_listen: String::new(),
     };

@@ -1,0 +1,82 @@
+//! The Prometheus plumbing the router and both nodes share: a registry behind a lock, the
+//! OpenMetrics `/metrics` route, label sets, and one bucket table per kind of duration, so
+//! that series of the same name on different services can be combined.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A series' labels, as `prometheus_client` families take them.
+pub type Labels = Vec<(String, String)>;
+
+/// One label.
+#[must_use]
+pub fn label(name: &str, value: &str) -> Labels {
+    vec![(name.into(), value.into())]
+}
+
+/// The content type of the OpenMetrics text.
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Buckets (seconds) of whole phases of a request: prefill, decode, end to end, handoffs.
+/// Used by every service for them: `edgesplit:request_prefill_time_seconds` exists on the
+/// router and on the prefill node with the same buckets.
+pub const PHASE_SECONDS: [f64; 19] = [
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+    120.0, 300.0,
+];
+
+/// A histogram over [`PHASE_SECONDS`].
+#[must_use]
+pub fn phase_histogram() -> Histogram {
+    Histogram::new(PHASE_SECONDS)
+}
+
+/// A registry that series are registered into once and rendered from on every scrape.
+#[derive(Default)]
+pub struct Metrics {
+    registry: Mutex<Registry>,
+}
+
+impl Metrics {
+    /// The registry, to register series (a poisoned lock is still usable: it holds no
+    /// invariant of its own).
+    pub fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The OpenMetrics text of every series.
+    #[must_use]
+    pub fn render(&self) -> String {
+        render(&self.registry())
+    }
+}
+
+/// The OpenMetrics text of `registry`.
+#[must_use]
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut out, registry);
+    out
+}
+
+/// `GET /metrics`, answered with `text(&state)` as OpenMetrics.
+pub fn route<S: Send + Sync + 'static>(state: Arc<S>, text: fn(&S) -> String) -> Router {
+    Router::new().route(
+        "/metrics",
+        get(move |State(s): State<Arc<S>>| async move {
+            ([(header::CONTENT_TYPE, OPENMETRICS)], text(&s)).into_response()
+        })
+        .with_state(state),
+    )
+}
