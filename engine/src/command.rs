@@ -1,5 +1,5 @@
-//! The messages async code sends to an engine's owner thread, and the in-flight counter
-//! each prefill or generation carries until the owner thread is done with it.
+//! Between async code and an engine's owner thread: the commands sent to it, the in-flight
+//! counter each prefill or generation carries, and the gauges the thread publishes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -62,4 +62,13 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// What the owner thread publishes about its slots.
+#[derive(Default)]
+pub(crate) struct Gauges {
+    /// Tokens in all slots' KV.
+    pub(crate) kv_tokens: AtomicU64,
+    /// Slots prefilling or writing an answer.
+    pub(crate) active: AtomicU64,
 }

@@ -1,12 +1,11 @@
-//! [`Engine`]: the cheap, cloneable async handle to an engine's owner thread, and the gauges
-//! that thread publishes (tokens in KV, slots in use).
+//! [`Engine`]: the cheap, cloneable async handle to an engine's owner thread.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::command::{Command, GenerateJob, InFlight, PrefillJob};
+use crate::command::{Command, Gauges, GenerateJob, InFlight, PrefillJob};
 use crate::config::EngineConfig;
 use crate::info::ModelInfo;
 use crate::sampling::SamplingParams;
@@ -21,15 +20,6 @@ pub struct Engine {
     /// Owner-thread gauges: tokens held in KV, slots in use.
     gauges: Arc<Gauges>,
     in_flight: Arc<AtomicU64>,
-}
-
-/// What the owner thread publishes about its slots.
-#[derive(Default)]
-pub(crate) struct Gauges {
-    /// Tokens in all slots' KV.
-    pub(crate) kv_tokens: AtomicU64,
-    /// Slots prefilling or writing an answer.
-    pub(crate) active: AtomicU64,
 }
 
 impl Engine {

@@ -16,10 +16,9 @@ use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::command::{Command, GenerateJob, PrefillJob};
+use crate::command::{Command, Gauges, GenerateJob, PrefillJob};
 use crate::config::{EngineConfig, FlashAttn};
 use crate::exit_guard::{park_forever, Busy};
-use crate::handle::Gauges;
 use crate::info::{self, ModelInfo};
 use crate::sampling::{self, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};

@@ -9,10 +9,9 @@
 //!
 //! The page runs requests through the public `/v1/chat/completions` API, as any client.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
@@ -22,10 +21,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use crate::server::AppState;
-
-/// Answers kept for the recent-requests table.
-pub const RECENT: usize = 50;
+use crate::recent::RECENT;
+use crate::state::AppState;
 
 const INDEX: &str = include_str!("dashboard/index.html");
 const SCRIPT: &str = include_str!("dashboard/app.js");
@@ -33,39 +30,6 @@ const STYLE: &str = include_str!("dashboard/style.css");
 
 /// The plots the bench writes, the only files served from its output folder.
 const PLOTS: [&str; 3] = ["ttft_vs_prompt.png", "decode_tps.png", "handoff_bytes.png"];
-
-/// The last answers, newest first, and counts since start.
-#[derive(Default)]
-pub struct Recent {
-    entries: Mutex<VecDeque<Value>>,
-    pub answered: AtomicU64,
-    pub failed: AtomicU64,
-}
-
-impl Recent {
-    pub fn push(&self, entry: Value) {
-        if entry["status"] == "ok" {
-            self.answered.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.failed.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut e = self
-            .entries
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        e.push_front(entry);
-        e.truncate(RECENT);
-    }
-
-    pub fn list(&self) -> Vec<Value> {
-        self.entries
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect()
-    }
-}
 
 /// The page and its assets (open: the page asks for the API key when one is needed).
 pub fn page_routes() -> Router<Arc<AppState>> {
@@ -165,8 +129,8 @@ async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
             "version": env!("CARGO_PKG_VERSION"),
             "default_transport": s.default_transport.as_str(),
             "requests_in_flight": m.running.get() + m.waiting.get(),
-            "answered": m.recent.answered.load(Ordering::Relaxed),
-            "failed": m.recent.failed.load(Ordering::Relaxed),
+            "answered": m.recent.answered(),
+            "failed": m.recent.failed(),
             "uptime_s": s.started.elapsed().as_secs(),
             "bench_db": s.bench_db.as_ref().map(|p| p.display().to_string()),
         },
@@ -296,19 +260,6 @@ async fn plot(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Respo
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn recent_keeps_the_newest_and_counts_all() {
-        let r = Recent::default();
-        for i in 0..(RECENT + 5) {
-            r.push(json!({"status": if i % 5 == 0 { "error" } else { "ok" }, "i": i}));
-        }
-        let l = r.list();
-        assert_eq!(l.len(), RECENT);
-        assert_eq!(l[0]["i"], RECENT + 4);
-        assert_eq!(r.failed.load(Ordering::Relaxed), 11);
-        assert_eq!(r.answered.load(Ordering::Relaxed), (RECENT + 5 - 11) as u64);
-    }
 
     #[test]
     fn host_port_of_urls() {

@@ -11,8 +11,10 @@ pub mod backend;
 pub mod dashboard;
 pub mod error;
 pub mod metrics;
+pub mod recent;
 pub mod respond;
 pub mod server;
+pub mod state;
 pub mod text;
 
 use std::future::Future;
@@ -174,7 +176,7 @@ pub async fn run(
         }
     };
     let follow_decode = config.max_in_flight.is_none();
-    let state = Arc::new(server::AppState {
+    let state = Arc::new(state::AppState {
         backend,
         metrics: Arc::new(metrics::Metrics::new()),
         default_transport: config.transport,
@@ -183,7 +185,7 @@ pub async fn run(
         bench_db: config.bench_db.clone(),
         api_key,
         draining: std::sync::atomic::AtomicBool::new(false),
-        admission: server::Admission::new(
+        admission: state::Admission::new(
             max_in_flight,
             config.max_queue,
             Duration::from_secs(config.queue_timeout_s),
@@ -238,7 +240,7 @@ pub async fn run(
 }
 
 /// Refuses new requests and waits, up to `deadline`, for the answers in flight.
-async fn drain_in_flight(state: &server::AppState, deadline: Duration) {
+async fn drain_in_flight(state: &state::AppState, deadline: Duration) {
     use std::sync::atomic::Ordering;
     state.draining.store(true, Ordering::SeqCst);
     let in_flight = || state.metrics.running.get() + state.metrics.waiting.get();

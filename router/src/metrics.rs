@@ -20,6 +20,8 @@
 
 pub use edgesplit_proto::metrics::label;
 use edgesplit_proto::metrics::{phase_histogram, Labels};
+
+use crate::recent::{Recent, RecentAnswer, Status};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -54,7 +56,7 @@ pub struct Metrics {
     pub handoff_seconds: Family<Labels, Histogram>,
     pub fallbacks: Family<Labels, Counter>,
     /// The last answers, for the dashboard.
-    pub recent: crate::dashboard::Recent,
+    pub recent: Recent,
 }
 
 impl Default for Metrics {
@@ -84,7 +86,7 @@ impl Metrics {
             // Same buckets as the prefill node's series of the same name.
             handoff_seconds: Family::new_with_constructor(phase_histogram),
             fallbacks: Family::default(),
-            recent: crate::dashboard::Recent::default(),
+            recent: Recent::default(),
         };
         {
             let mut r = m.metrics.registry();
@@ -165,6 +167,53 @@ impl Metrics {
     /// Counts a failed request.
     pub fn failed(&self, code: &str) {
         self.failure.get_or_create(&label("code", code)).inc();
+    }
+
+    /// Records how one answer ended: every series it counts in, and the recent-answers
+    /// list. The one place an outcome is recorded (refusals before the first token too).
+    pub fn record(&self, a: &RecentAnswer) {
+        match a.status {
+            Status::Ok => {
+                if let Some(ms) = a.ttft_ms {
+                    self.ttft.observe(ms / 1000.0);
+                }
+                if let Some(ms) = a.e2e_ms {
+                    self.e2e.observe(ms / 1000.0);
+                }
+                if let Some(ms) = a.prefill_ms {
+                    self.prefill.observe(ms / 1000.0);
+                }
+                if let Some(ms) = a.decode_ms {
+                    self.decode.observe(ms / 1000.0);
+                }
+                self.prompt_tokens.inc_by(u64::from(a.prompt_tokens));
+                self.generation_tokens
+                    .inc_by(u64::from(a.completion_tokens));
+                self.success
+                    .get_or_create(&label(
+                        "finished_reason",
+                        a.finish_reason.unwrap_or("length"),
+                    ))
+                    .inc();
+                if let Some(cause) = &a.fallback {
+                    self.fallbacks.get_or_create(&label("cause", cause)).inc();
+                }
+                if let (Some(b), Some(ms), Some(transport)) =
+                    (a.handoff_bytes, a.handoff_ms, a.transport)
+                {
+                    self.handoff_bytes
+                        .get_or_create(&label("transport", transport))
+                        .inc_by(b);
+                    let mut labels = label("transport", transport);
+                    labels.push(("outcome".into(), "ok".into()));
+                    self.handoff_seconds
+                        .get_or_create(&labels)
+                        .observe(ms / 1000.0);
+                }
+            }
+            Status::Error => self.failed(a.code.as_deref().unwrap_or("error")),
+        }
+        self.recent.push(a.clone());
     }
 
     /// The Prometheus (OpenMetrics) text of every series.

@@ -9,7 +9,8 @@ use serde_json::{json, Value};
 use crate::api::{Endpoint, Transport};
 use crate::backend::{Event, FinishReason};
 use crate::error::ApiError;
-use crate::metrics::{label, RequestObserver};
+use crate::metrics::RequestObserver;
+use crate::recent::{RecentAnswer, Status};
 use crate::text::TextAssembler;
 
 /// Fixed facts of one response.
@@ -101,84 +102,70 @@ impl Answer {
         self
     }
 
-    /// Folds one backend event in (and records metrics when observed).
+    /// Folds one backend event in; when observed, times the token and records the
+    /// answer's outcome once it ends.
     pub fn on_event(&mut self, ev: Event) -> Step {
         let is_token = matches!(ev, Event::Token { .. });
         let step = self.fold(ev);
         let Some(obs) = &self.observer else {
             return step;
         };
-        let m = &obs.metrics;
         if is_token {
             let now = Instant::now();
             if let Some(prev) = self.last_token_at.replace(now) {
-                m.itl.observe((now - prev).as_secs_f64());
+                obs.metrics.itl.observe((now - prev).as_secs_f64());
             }
         }
-        match &step {
-            Step::Done(_) => {
-                let t = &self.timing;
-                if let Some(ms) = t.ttft_ms {
-                    m.ttft.observe(ms / 1000.0);
-                }
-                m.e2e.observe(self.meta.received.elapsed().as_secs_f64());
-                if let Some(ms) = t.prefill_ms {
-                    m.prefill.observe(ms / 1000.0);
-                }
-                if let Some(ms) = t.decode_ms {
-                    m.decode.observe(ms / 1000.0);
-                }
-                m.prompt_tokens.inc_by(u64::from(self.prompt_tokens));
-                m.generation_tokens
-                    .inc_by(u64::from(self.completion_tokens));
-                m.success
-                    .get_or_create(&label("finished_reason", self.finish_str()))
-                    .inc();
-                let transport = self.meta.transport.as_str();
-                if let Some(cause) = &t.fallback {
-                    m.fallbacks.get_or_create(&label("cause", cause)).inc();
-                }
-                if let (Some(b), Some(ms)) = (t.handoff_bytes, t.handoff_ms) {
-                    m.handoff_bytes
-                        .get_or_create(&label("transport", transport))
-                        .inc_by(b);
-                    m.handoff_seconds
-                        .get_or_create(&vec![
-                            ("transport".to_string(), transport.to_string()),
-                            ("outcome".to_string(), "ok".to_string()),
-                        ])
-                        .observe(ms / 1000.0);
-                }
-            }
-            Step::Failed(e) => m.failed(e.code.as_deref().unwrap_or(e.kind)),
-            Step::Nothing | Step::Text(_) => {}
-        }
-        match &step {
-            Step::Done(_) => {
-                let mut v = self.timing_json();
-                v["at"] = json!(self.meta.created);
-                v["status"] = json!("ok");
-                v["finish_reason"] = json!(self.finish_str());
-                v["prompt_tokens"] = json!(self.prompt_tokens);
-                v["completion_tokens"] = json!(self.completion_tokens);
-                if let Some(o) = v.as_object_mut() {
-                    o.remove("token_ids");
-                }
-                m.recent.push(v);
-            }
-            Step::Failed(e) => m.recent.push(json!({
-                "at": self.meta.created,
-                "status": "error",
-                "request_id": self.meta.request_id,
-                "transport": self.meta.transport.as_str(),
-                "code": e.code.as_deref().unwrap_or(e.kind),
-                "message": e.message,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-            })),
-            Step::Nothing | Step::Text(_) => {}
+        let outcome = match &step {
+            Step::Done(_) => Some(self.record(None)),
+            Step::Failed(e) => Some(self.record(Some(e))),
+            Step::Nothing | Step::Text(_) => None,
+        };
+        if let Some(a) = outcome {
+            obs.metrics.record(&a);
         }
         step
+    }
+
+    /// This answer as recorded: ended well, or failed with `error`.
+    fn record(&self, error: Option<&ApiError>) -> RecentAnswer {
+        let t = &self.timing;
+        RecentAnswer {
+            at: self.meta.created,
+            status: if error.is_some() {
+                Status::Error
+            } else {
+                Status::Ok
+            },
+            request_id: Some(self.meta.request_id.clone()),
+            transport: Some(self.meta.transport.as_str()),
+            finish_reason: error.is_none().then(|| self.finish_str()),
+            code: error.map(|e| e.code.as_deref().unwrap_or(e.kind).to_string()),
+            message: error.map(|e| e.message.clone()),
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            ttft_ms: t.ttft_ms,
+            e2e_ms: Some(self.meta.received.elapsed().as_secs_f64() * 1000.0),
+            prefill_ms: t.prefill_ms,
+            handoff_bytes: t.handoff_bytes,
+            handoff_ms: t.handoff_ms,
+            export_ms: t.export_ms,
+            import_ms: t.import_ms,
+            decode_ms: t.decode_ms,
+            decode_tokens: t.decode_tokens,
+            decode_tokens_per_s: self.decode_tps(),
+            fallback: t.fallback.clone(),
+        }
+    }
+
+    fn decode_tps(&self) -> Option<f64> {
+        let t = &self.timing;
+        match t.decode_ms {
+            Some(ms) if ms > 0.0 && t.decode_tokens > 0 => {
+                Some(f64::from(t.decode_tokens) / (ms / 1000.0))
+            }
+            _ => None,
+        }
     }
 
     fn fold(&mut self, ev: Event) -> Step {
@@ -261,12 +248,7 @@ impl Answer {
     #[must_use]
     pub fn timing_json(&self) -> Value {
         let t = &self.timing;
-        let tps = match t.decode_ms {
-            Some(ms) if ms > 0.0 && t.decode_tokens > 0 => {
-                Some(f64::from(t.decode_tokens) / (ms / 1000.0))
-            }
-            _ => None,
-        };
+        let tps = self.decode_tps();
         let mut v = json!({
             "request_id": self.meta.request_id,
             "transport": self.meta.transport.as_str(),

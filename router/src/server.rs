@@ -1,4 +1,5 @@
-//! HTTP routes and handlers.
+//! HTTP routes and handlers: the OpenAI endpoints, models, health and metrics, with the
+//! API-key check; the dashboard's routes are merged in from `dashboard`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,113 +18,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{self, Endpoint, Transport};
-use crate::backend::Backend;
 use crate::error::ApiError;
+use crate::recent::RecentAnswer;
 use crate::respond::{Answer, Meta, Step};
-
-/// Shared state of the handlers.
-pub struct AppState {
-    pub backend: Backend,
-    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
-    pub default_transport: Transport,
-    /// Largest request body accepted.
-    pub max_body_bytes: usize,
-    pub started: Instant,
-    /// The bench record the dashboard reads (`--bench-db`).
-    pub bench_db: Option<std::path::PathBuf>,
-    /// Clients must send `Authorization: Bearer <key>` when set.
-    pub api_key: Option<String>,
-    /// Shutting down: new requests are refused, `/health` says `draining`.
-    pub draining: std::sync::atomic::AtomicBool,
-    pub admission: Admission,
-}
-
-/// Back-pressure: at most `slots` answers at once, at most `max_queue` requests waiting
-/// for one (each up to `timeout`); beyond either, 503 with Retry-After.
-pub struct Admission {
-    slots: Option<Arc<tokio::sync::Semaphore>>,
-    /// The current number of slots (changed by [`Admission::resize`]).
-    limit: std::sync::atomic::AtomicUsize,
-    waiting: std::sync::atomic::AtomicUsize,
-    max_queue: usize,
-    timeout: std::time::Duration,
-}
-
-impl Admission {
-    #[must_use]
-    pub fn new(max_in_flight: usize, max_queue: usize, timeout: std::time::Duration) -> Self {
-        Self {
-            slots: (max_in_flight > 0)
-                .then(|| Arc::new(tokio::sync::Semaphore::new(max_in_flight))),
-            limit: std::sync::atomic::AtomicUsize::new(max_in_flight),
-            waiting: std::sync::atomic::AtomicUsize::new(0),
-            max_queue,
-            timeout,
-        }
-    }
-
-    /// The current number of slots (0: unlimited).
-    #[must_use]
-    pub fn limit(&self) -> usize {
-        self.limit.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Changes the number of slots to `to` (at least 1; no effect when unlimited). Growing
-    /// frees slots at once; shrinking takes the surplus back as answers end (the taker
-    /// queues like a request, so new requests wait meanwhile).
-    pub fn resize(&self, to: usize) {
-        use std::sync::atomic::Ordering;
-        let Some(slots) = &self.slots else {
-            return;
-        };
-        let to = to.max(1);
-        let from = self.limit.swap(to, Ordering::SeqCst);
-        if to > from {
-            slots.add_permits(to - from);
-        } else if from > to {
-            let (slots, n) = (slots.clone(), from - to);
-            let n = u32::try_from(n).unwrap_or(u32::MAX);
-            tokio::spawn(async move {
-                if let Ok(p) = slots.acquire_many_owned(n).await {
-                    p.forget();
-                }
-            });
-        }
-    }
-
-    /// A slot for one answer (`None` when unlimited), after a bounded wait.
-    ///
-    /// # Errors
-    /// 503 `queue_full` or `queue_timeout`.
-    pub async fn admit(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ApiError> {
-        use std::sync::atomic::Ordering;
-        let Some(slots) = &self.slots else {
-            return Ok(None);
-        };
-        if let Ok(p) = slots.clone().try_acquire_owned() {
-            return Ok(Some(p));
-        }
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::unavailable(
-                "queue_full",
-                format!(
-                    "the router is at capacity ({} requests waiting); retry shortly",
-                    self.max_queue
-                ),
-            ));
-        }
-        let got = tokio::time::timeout(self.timeout, slots.clone().acquire_owned()).await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        match got {
-            Ok(Ok(p)) => Ok(Some(p)),
-            _ => Err(ApiError::unavailable(
-                "queue_timeout",
-                format!("no capacity within {:?}; retry shortly", self.timeout),
-            )),
-        }
-    }
-}
+use crate::state::AppState;
 
 /// The router's HTTP API.
 pub fn app(state: Arc<AppState>) -> Router {
@@ -214,10 +112,10 @@ async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: B
     serve(s, Endpoint::Completion, &headers, body).await
 }
 
-fn unix_now() -> f64 {
+fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+        .map_or(0, |d| d.as_secs())
 }
 
 fn random_seed() -> u32 {
@@ -248,13 +146,11 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
         Ok(r) => r,
         Err(e) => {
             // Failures before the first token; later ones are counted by the answer.
-            metrics.failed(e.code.as_deref().unwrap_or(e.kind));
-            metrics.recent.push(json!({
-                "at": unix_now(),
-                "status": "error",
-                "code": e.code.as_deref().unwrap_or(e.kind),
-                "message": e.message,
-            }));
+            metrics.record(&RecentAnswer::refused(
+                unix_now(),
+                e.code.as_deref().unwrap_or(e.kind),
+                &e.message,
+            ));
             e.into_response()
         }
     }
@@ -298,9 +194,7 @@ async fn serve_inner(
             Endpoint::Chat => format!("chatcmpl-{}", &request_id[4..]),
             Endpoint::Completion => format!("cmpl-{}", &request_id[4..]),
         },
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created: unix_now(),
         model: info.model_id,
         endpoint,
         include_usage: req.include_usage,
@@ -475,27 +369,4 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(body)).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Admission;
-    use std::time::Duration;
-
-    #[tokio::test]
-    async fn admission_resizes_both_ways() {
-        let a = Admission::new(2, 8, Duration::from_millis(50));
-        let p1 = a.admit().await.unwrap();
-        let _p2 = a.admit().await.unwrap();
-        assert!(a.admit().await.is_err(), "two slots, both taken");
-        a.resize(3);
-        assert_eq!(a.limit(), 3);
-        let _p3 = a.admit().await.unwrap();
-        assert!(a.admit().await.is_err(), "three slots, all taken");
-        // Down to 1: the surplus comes back as answers end.
-        a.resize(1);
-        drop(p1);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        assert!(a.admit().await.is_err(), "one slot, still taken");
-    }
 }

@@ -1,0 +1,159 @@
+//! The last answers the router wrote, typed, newest first, with counts since start: what
+//! the dashboard's recent-requests table and status read. Filled by `Metrics::record`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+/// Answers kept for the recent-requests table.
+pub const RECENT: usize = 50;
+
+/// How an answer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Error,
+}
+
+/// One answer as the dashboard lists it (and as the metrics count it). A request refused
+/// before its first token has only `at`, `status`, `code` and `message`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RecentAnswer {
+    /// Unix seconds when the answer was created (or refused).
+    pub at: u64,
+    pub status: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transport: Option<&'static str>,
+    /// `stop` or `length` when `status` is ok.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<&'static str>,
+    /// The error code when `status` is error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+    pub prefill_ms: Option<f64>,
+    pub handoff_bytes: Option<u64>,
+    pub handoff_ms: Option<f64>,
+    pub export_ms: Option<f64>,
+    pub import_ms: Option<f64>,
+    pub decode_ms: Option<f64>,
+    pub decode_tokens: u32,
+    pub decode_tokens_per_s: Option<f64>,
+    /// The split failed and the prefill node finished the answer: why.
+    pub fallback: Option<String>,
+}
+
+impl RecentAnswer {
+    /// A request that failed before it had an answer (no transport, no tokens).
+    #[must_use]
+    pub fn refused(at: u64, code: &str, message: &str) -> Self {
+        RecentAnswer {
+            at,
+            status: Status::Error,
+            request_id: None,
+            transport: None,
+            finish_reason: None,
+            code: Some(code.to_string()),
+            message: Some(message.to_string()),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            ttft_ms: None,
+            e2e_ms: None,
+            prefill_ms: None,
+            handoff_bytes: None,
+            handoff_ms: None,
+            export_ms: None,
+            import_ms: None,
+            decode_ms: None,
+            decode_tokens: 0,
+            decode_tokens_per_s: None,
+            fallback: None,
+        }
+    }
+}
+
+/// The last [`RECENT`] answers, newest first, and counts since start.
+#[derive(Default)]
+pub struct Recent {
+    entries: Mutex<VecDeque<RecentAnswer>>,
+    answered: AtomicU64,
+    failed: AtomicU64,
+}
+
+impl Recent {
+    pub fn push(&self, entry: RecentAnswer) {
+        match entry.status {
+            Status::Ok => self.answered.fetch_add(1, Ordering::Relaxed),
+            Status::Error => self.failed.fetch_add(1, Ordering::Relaxed),
+        };
+        let mut e = self
+            .entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        e.push_front(entry);
+        e.truncate(RECENT);
+    }
+
+    #[must_use]
+    pub fn list(&self) -> Vec<RecentAnswer> {
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    /// Answers that ended well since start.
+    #[must_use]
+    pub fn answered(&self) -> u64 {
+        self.answered.load(Ordering::Relaxed)
+    }
+
+    /// Answers and requests that failed since start.
+    #[must_use]
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_keeps_the_newest_and_counts_all() {
+        let r = Recent::default();
+        for i in 0..(RECENT + 5) {
+            let mut a = RecentAnswer::refused(i as u64, "x", "y");
+            if i % 5 != 0 {
+                a.status = Status::Ok;
+            }
+            r.push(a);
+        }
+        let l = r.list();
+        assert_eq!(l.len(), RECENT);
+        assert_eq!(l[0].at, (RECENT + 4) as u64);
+        assert_eq!(r.failed(), 11);
+        assert_eq!(r.answered(), (RECENT + 5 - 11) as u64);
+    }
+
+    #[test]
+    fn a_refusal_serializes_without_answer_fields() {
+        let v = serde_json::to_value(RecentAnswer::refused(7, "queue_full", "busy")).unwrap();
+        assert_eq!(v["status"], "error");
+        assert_eq!(v["code"], "queue_full");
+        assert!(v.get("transport").is_none());
+        assert!(v.get("finish_reason").is_none());
+    }
+}
