@@ -26,15 +26,35 @@ pub const MAX_RANK: usize = 4;
 /// Descriptor dtype for a payload we could not break into tensors (described as raw bytes).
 pub const DTYPE_OPAQUE: u32 = u32::MAX;
 
-/// Frame type codes (byte 5 of the header).
-mod kind {
-    pub const HELLO: u8 = 1;
-    pub const HELLO_OK: u8 = 2;
-    pub const STATE: u8 = 3;
-    pub const ACK: u8 = 4;
-    pub const NACK: u8 = 5;
-    pub const CHALLENGE: u8 = 6;
-    pub const AUTH: u8 = 7;
+/// Frame types (byte 5 of the header): the one table of their wire values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Kind {
+    Hello = 1,
+    HelloOk = 2,
+    State = 3,
+    Ack = 4,
+    Nack = 5,
+    Challenge = 6,
+    Auth = 7,
+}
+
+impl TryFrom<u8> for Kind {
+    type Error = FrameError;
+    fn try_from(v: u8) -> Result<Self, FrameError> {
+        const ALL: [Kind; 7] = [
+            Kind::Hello,
+            Kind::HelloOk,
+            Kind::State,
+            Kind::Ack,
+            Kind::Nack,
+            Kind::Challenge,
+            Kind::Auth,
+        ];
+        ALL.into_iter()
+            .find(|k| *k as u8 == v)
+            .ok_or(FrameError::UnknownType(v))
+    }
 }
 
 /// What a node must agree on before any KV byte moves.
@@ -171,80 +191,54 @@ impl NackCode {
     #[must_use]
     pub fn to_u16(self) -> u16 {
         match self {
-            NackCode::BadMagic => 1,
-            NackCode::UnsupportedVersion => 2,
-            NackCode::Malformed => 3,
-            NackCode::FrameTooLarge => 4,
-            NackCode::ChecksumMismatch => 5,
-            NackCode::UnexpectedFrame => 6,
-            NackCode::ModelMismatch => 7,
-            NackCode::BuildMismatch => 8,
-            NackCode::KvTypeMismatch => 9,
-            NackCode::FlashAttnMismatch => 10,
-            NackCode::ContextMismatch => 11,
-            NackCode::DescriptorMismatch => 12,
-            NackCode::SequenceTooLong => 13,
-            NackCode::DuplicateHandoff => 14,
-            NackCode::Capacity => 15,
-            NackCode::Timeout => 16,
-            NackCode::Internal => 17,
-            NackCode::AuthFailed => 18,
             NackCode::Other(v) => v,
+            known => NACK_CODES
+                .iter()
+                .find(|(c, _, _)| *c == known)
+                .map_or(0, |(_, v, _)| *v),
         }
     }
 
     /// From the wire value.
     #[must_use]
     pub fn from_u16(v: u16) -> Self {
-        match v {
-            1 => NackCode::BadMagic,
-            2 => NackCode::UnsupportedVersion,
-            3 => NackCode::Malformed,
-            4 => NackCode::FrameTooLarge,
-            5 => NackCode::ChecksumMismatch,
-            6 => NackCode::UnexpectedFrame,
-            7 => NackCode::ModelMismatch,
-            8 => NackCode::BuildMismatch,
-            9 => NackCode::KvTypeMismatch,
-            10 => NackCode::FlashAttnMismatch,
-            11 => NackCode::ContextMismatch,
-            12 => NackCode::DescriptorMismatch,
-            13 => NackCode::SequenceTooLong,
-            14 => NackCode::DuplicateHandoff,
-            15 => NackCode::Capacity,
-            16 => NackCode::Timeout,
-            17 => NackCode::Internal,
-            18 => NackCode::AuthFailed,
-            other => NackCode::Other(other),
-        }
+        NACK_CODES
+            .iter()
+            .find(|(_, w, _)| *w == v)
+            .map_or(NackCode::Other(v), |(c, _, _)| *c)
     }
 
     /// Stable snake_case name for logs and errors.
     #[must_use]
     pub fn as_str(self) -> &'static str {
-        match self {
-            NackCode::BadMagic => "bad_magic",
-            NackCode::UnsupportedVersion => "unsupported_version",
-            NackCode::Malformed => "malformed",
-            NackCode::FrameTooLarge => "frame_too_large",
-            NackCode::ChecksumMismatch => "checksum_mismatch",
-            NackCode::UnexpectedFrame => "unexpected_frame",
-            NackCode::ModelMismatch => "model_mismatch",
-            NackCode::BuildMismatch => "build_mismatch",
-            NackCode::KvTypeMismatch => "kv_type_mismatch",
-            NackCode::FlashAttnMismatch => "flash_attn_mismatch",
-            NackCode::ContextMismatch => "context_mismatch",
-            NackCode::DescriptorMismatch => "descriptor_mismatch",
-            NackCode::SequenceTooLong => "sequence_too_long",
-            NackCode::DuplicateHandoff => "duplicate_handoff",
-            NackCode::Capacity => "capacity",
-            NackCode::Timeout => "timeout",
-            NackCode::Internal => "internal",
-            NackCode::AuthFailed => "auth_failed",
-            NackCode::Other(_) => "other",
-        }
+        NACK_CODES
+            .iter()
+            .find(|(c, _, _)| *c == self)
+            .map_or("other", |(_, _, name)| name)
     }
 }
+
+/// The one table of NACK codes: code, wire value, name.
+const NACK_CODES: [(NackCode, u16, &str); 18] = [
+    (NackCode::BadMagic, 1, "bad_magic"),
+    (NackCode::UnsupportedVersion, 2, "unsupported_version"),
+    (NackCode::Malformed, 3, "malformed"),
+    (NackCode::FrameTooLarge, 4, "frame_too_large"),
+    (NackCode::ChecksumMismatch, 5, "checksum_mismatch"),
+    (NackCode::UnexpectedFrame, 6, "unexpected_frame"),
+    (NackCode::ModelMismatch, 7, "model_mismatch"),
+    (NackCode::BuildMismatch, 8, "build_mismatch"),
+    (NackCode::KvTypeMismatch, 9, "kv_type_mismatch"),
+    (NackCode::FlashAttnMismatch, 10, "flash_attn_mismatch"),
+    (NackCode::ContextMismatch, 11, "context_mismatch"),
+    (NackCode::DescriptorMismatch, 12, "descriptor_mismatch"),
+    (NackCode::SequenceTooLong, 13, "sequence_too_long"),
+    (NackCode::DuplicateHandoff, 14, "duplicate_handoff"),
+    (NackCode::Capacity, 15, "capacity"),
+    (NackCode::Timeout, 16, "timeout"),
+    (NackCode::Internal, 17, "internal"),
+    (NackCode::AuthFailed, 18, "auth_failed"),
+];
 
 /// A refusal, with a human reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -362,18 +356,7 @@ pub fn decode_keyed(
             max: max_frame as u64,
         });
     }
-    if !matches!(
-        ty,
-        kind::HELLO
-            | kind::HELLO_OK
-            | kind::STATE
-            | kind::ACK
-            | kind::NACK
-            | kind::CHALLENGE
-            | kind::AUTH
-    ) {
-        return Err(FrameError::UnknownType(ty));
-    }
+    Kind::try_from(ty)?;
     let total = HEADER_LEN + len;
     if buf.len() < total {
         buf.reserve(total - buf.len());
@@ -405,24 +388,40 @@ fn state_digest(covered: &[u8], key: Option<&[u8; 32]>) -> [u8; 32] {
     }
 }
 
+/// Checks the STATE frame's trailer: SHA-256 of `covered`, or on an authenticated link
+/// its HMAC, compared in constant time by the `hmac` crate (`verify_slice`).
+fn state_digest_matches(covered: &[u8], sum: &[u8], key: Option<&[u8; 32]>) -> bool {
+    match key {
+        None => Sha256::digest(covered).as_slice() == sum,
+        Some(k) => {
+            use hmac::Mac;
+            let mut m =
+                hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length");
+            m.update(covered);
+            m.verify_slice(sum).is_ok()
+        }
+    }
+}
+
 fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, FrameError> {
-    let frame = match ty {
-        kind::HELLO => Frame::Hello(get_identity(&mut body)?),
-        kind::HELLO_OK => Frame::HelloOk(get_identity(&mut body)?),
-        kind::STATE => Frame::State(get_state(body.clone(), key)?),
-        kind::CHALLENGE => Frame::Challenge {
+    let kind = Kind::try_from(ty)?;
+    let frame = match kind {
+        Kind::Hello => Frame::Hello(get_identity(&mut body)?),
+        Kind::HelloOk => Frame::HelloOk(get_identity(&mut body)?),
+        Kind::State => Frame::State(get_state(body.clone(), key)?),
+        Kind::Challenge => Frame::Challenge {
             nonce: get_32(&mut body)?,
         },
-        kind::AUTH => Frame::Auth {
+        Kind::Auth => Frame::Auth {
             nonce: get_32(&mut body)?,
             mac: get_32(&mut body)?,
         },
-        kind::ACK => {
+        Kind::Ack => {
             let handoff_id = get_str(&mut body, MAX_ID_LEN)?;
             let bytes = get_u64(&mut body)?;
             Frame::Ack { handoff_id, bytes }
         }
-        kind::NACK => {
+        Kind::Nack => {
             let code = NackCode::from_u16(get_u16(&mut body)?);
             let handoff_id = get_str(&mut body, MAX_ID_LEN)?;
             let reason = get_str(&mut body, MAX_TEXT_LEN)?;
@@ -432,9 +431,8 @@ fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, 
                 reason,
             })
         }
-        other => return Err(FrameError::UnknownType(other)),
     };
-    if ty != kind::STATE && body.has_remaining() {
+    if kind != Kind::State && body.has_remaining() {
         return Err(malformed("trailing bytes after the frame's fields"));
     }
     Ok(frame)
@@ -532,13 +530,7 @@ fn get_state(body: Bytes, key: Option<&[u8; 32]>) -> Result<StateFrame, FrameErr
         return Err(malformed("state frame shorter than its checksum"));
     }
     let (covered, sum) = body.split_at(body.len() - 32);
-    let digest = state_digest(covered, key);
-    // Constant time: on an authenticated link this is a MAC check.
-    let diff = digest
-        .iter()
-        .zip(sum)
-        .fold(0u8, |acc, (a, b)| acc | (a ^ b));
-    if diff != 0 {
+    if !state_digest_matches(covered, sum, key) {
         return Err(FrameError::Checksum);
     }
     let mut b = body.slice(..body.len() - 32);
@@ -649,16 +641,16 @@ pub fn encode_keyed(
     let start = out.len();
     out.put_slice(&MAGIC);
     out.put_u8(VERSION);
-    let ty = match frame {
-        Frame::Hello(_) => kind::HELLO,
-        Frame::HelloOk(_) => kind::HELLO_OK,
-        Frame::State(_) => kind::STATE,
-        Frame::Ack { .. } => kind::ACK,
-        Frame::Nack(_) => kind::NACK,
-        Frame::Challenge { .. } => kind::CHALLENGE,
-        Frame::Auth { .. } => kind::AUTH,
+    let kind = match frame {
+        Frame::Hello(_) => Kind::Hello,
+        Frame::HelloOk(_) => Kind::HelloOk,
+        Frame::State(_) => Kind::State,
+        Frame::Ack { .. } => Kind::Ack,
+        Frame::Nack(_) => Kind::Nack,
+        Frame::Challenge { .. } => Kind::Challenge,
+        Frame::Auth { .. } => Kind::Auth,
     };
-    out.put_u8(ty);
+    out.put_u8(kind as u8);
     out.put_u16_le(0);
     out.put_u32_le(0); // length, patched below
     let body_start = out.len();
@@ -757,6 +749,26 @@ fn encode_body(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_nack_table_round_trips_and_names_each_code_once() {
+        let mut names = std::collections::HashSet::new();
+        let mut values = std::collections::HashSet::new();
+        for (code, value, name) in NACK_CODES {
+            assert_eq!(code.to_u16(), value);
+            assert_eq!(NackCode::from_u16(value), code);
+            assert_eq!(code.as_str(), name);
+            assert!(names.insert(name) && values.insert(value), "{name} twice");
+        }
+        assert_eq!(NackCode::from_u16(999), NackCode::Other(999));
+        assert_eq!(NackCode::Other(999).to_u16(), 999);
+        for v in 0..=u8::MAX {
+            match Kind::try_from(v) {
+                Ok(k) => assert_eq!(k as u8, v),
+                Err(e) => assert!(matches!(e, FrameError::UnknownType(t) if t == v)),
+            }
+        }
+    }
     use proptest::prelude::*;
 
     fn identity() -> Identity {
@@ -849,7 +861,7 @@ mod tests {
         let mut b = BytesMut::new();
         b.put_slice(&MAGIC);
         b.put_u8(VERSION);
-        b.put_u8(kind::STATE);
+        b.put_u8(Kind::State as u8);
         b.put_u16_le(0);
         b.put_u32_le(u32::MAX);
         let cap_before = b.capacity();
@@ -896,7 +908,7 @@ mod tests {
         let mut b = BytesMut::new();
         b.put_slice(&MAGIC);
         b.put_u8(VERSION);
-        b.put_u8(kind::STATE);
+        b.put_u8(Kind::State as u8);
         b.put_u16_le(0);
         b.put_u32_le(body.len() as u32);
         b.put_slice(&body);
@@ -1017,7 +1029,7 @@ mod tests {
             DEFAULT_MAX_FRAME,
         )
         .unwrap();
-        buf[5] = kind::AUTH;
+        buf[5] = Kind::Auth as u8;
         assert!(matches!(
             decode(&mut buf, DEFAULT_MAX_FRAME),
             Err(FrameError::Malformed(_))

@@ -37,6 +37,12 @@ pub struct BackendConfig {
     pub fallback: bool,
     /// Longest wait for the next token of a streaming answer.
     pub token_idle_timeout: Duration,
+    /// When the decode node fails while the handoff's outcome is still unknown: how long
+    /// to wait for that outcome, whose error explains the failure better.
+    pub handoff_error_grace: Duration,
+    /// When the decode node ends the answer before the prefill node reported the handoff:
+    /// how long to wait for that report (its figures go into the response).
+    pub handoff_report_wait: Duration,
     /// The shared secret the nodes require (gRPC credentials on every call).
     pub secret: Option<std::sync::Arc<Secret>>,
 }
@@ -389,7 +395,6 @@ impl Backend {
             prefill_ms: Some(first.prefill_ms),
             events: rx,
         };
-        let decode = self.decode.clone();
         let greq = pb::GenerateRequest {
             request_id: request_id.to_string(),
             handoff_id,
@@ -402,8 +407,19 @@ impl Backend {
             request: Self::prefill_request(req, request_id, None, 0),
             first_token_timeout: self.config.first_token_timeout,
         });
-        let idle = self.config.token_idle_timeout;
-        tokio::spawn(drive_v2(first, pstream, decode, greq, tx, fallback, idle));
+        let split = SplitAnswer {
+            // Every token the client has been sent, the first included.
+            sent: vec![first.token],
+            first,
+            decode: self.decode.clone(),
+            generate: greq,
+            tx,
+            idle: self.config.token_idle_timeout,
+            handoff_error_grace: self.config.handoff_error_grace,
+            handoff_report_wait: self.config.handoff_report_wait,
+            param,
+        };
+        tokio::spawn(split.run(pstream, fallback));
         Ok(started)
     }
 }
@@ -451,83 +467,251 @@ enum Split {
     Failed(ApiError),
 }
 
-/// The split request after its first token: forward it, run the decode stream while the
-/// handoff result comes in, and when the handoff or the decode node fails, finish on the
-/// prefill node (`fallback`) or end with the error.
-async fn drive_v2(
+/// The handoff's report: the prefill node's `Prefill` stream after its first token, read
+/// in a task of its own.
+type HandoffReport = tokio::task::JoinHandle<Result<Option<pb::PrefillEvent>, tonic::Status>>;
+
+/// One split answer after its first token: it forwards that token, then the decode node's
+/// tokens, while the handoff report comes in; when the handoff or the decode node fails it
+/// finishes on the prefill node (`fallback`) or ends with the error.
+struct SplitAnswer {
     first: pb::FirstToken,
-    pstream: tonic::Streaming<pb::PrefillEvent>,
     decode: DecodeClient<Authed>,
-    greq: pb::GenerateRequest,
+    generate: pb::GenerateRequest,
     tx: mpsc::Sender<Event>,
-    fallback: Option<Fallback>,
+    /// Every token the client has been sent, the first included.
+    sent: Vec<i32>,
     idle: Duration,
-) {
-    // Every token the client has been sent, the first included.
-    let mut sent = vec![first.token];
-    let total = first.max_tokens;
-    let outcome = split_part(first, pstream, decode, greq, &tx, &mut sent, idle).await;
-    let Split::Failed(e) = outcome else {
-        return;
-    };
-    match fallback {
-        Some(fb) => resume_locally(fb, e, sent, total, &tx, idle).await,
-        None => {
-            let _ = tx.send(Event::Error(e)).await;
+    handoff_error_grace: Duration,
+    handoff_report_wait: Duration,
+    /// The request field an upstream refusal names (`messages` or `prompt`).
+    param: &'static str,
+}
+
+impl SplitAnswer {
+    async fn run(
+        mut self,
+        pstream: tonic::Streaming<pb::PrefillEvent>,
+        fallback: Option<Fallback>,
+    ) {
+        let total = self.first.max_tokens;
+        let Split::Failed(e) = self.split_part(pstream).await else {
+            return;
+        };
+        match fallback {
+            Some(fb) => {
+                fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
+                    .await
+            }
+            None => {
+                let _ = self.tx.send(Event::Error(e)).await;
+            }
+        }
+    }
+
+    /// Forwards the first token, the handoff report and the decode node's tokens.
+    async fn split_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+        let first = Event::Token {
+            id: self.first.token,
+            bytes: self.first.piece.clone(),
+        };
+        if self.tx.send(first).await.is_err() {
+            return Split::Over;
+        }
+        if self.first.last {
+            let reason = if self.first.eog {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            let _ = self.tx.send(finished_here(reason)).await;
+            return Split::Over;
+        }
+        let mut handoff: HandoffReport = tokio::spawn(async move { pstream.message().await });
+        let mut handoff_pending = true;
+        let stream = match self.decode_stream(&mut handoff, &mut handoff_pending).await {
+            Ok(s) => s,
+            Err(split) => return split,
+        };
+        self.forward_decode(stream, &mut handoff, &mut handoff_pending)
+            .await
+    }
+
+    /// The handoff's outcome: its figures, or why it failed.
+    fn on_handoff(
+        &self,
+        r: Result<Result<Option<pb::PrefillEvent>, tonic::Status>, tokio::task::JoinError>,
+    ) -> Result<Event, ApiError> {
+        match r {
+            Ok(Ok(Some(pb::PrefillEvent {
+                event: Some(pb::prefill_event::Event::Handoff(h)),
+            }))) => Ok(Event::Handoff {
+                bytes: h.bytes,
+                export_ms: h.export_ms,
+                transfer_ms: h.transfer_ms,
+            }),
+            Ok(Err(st)) => Err(ApiError::from_status(&st, self.param)),
+            _ => Err(ApiError::upstream(
+                "protocol_error",
+                "the prefill node ended without reporting the handoff",
+            )),
+        }
+    }
+
+    /// Calls the decode node's `Generate` and waits for its stream. Until the handoff is
+    /// done, its own deadlines bound this wait (the prefill node reports a failed one);
+    /// once the state is there, the decode node must start the answer within the idle
+    /// bound (a frozen phone answers nothing, not even an error).
+    async fn decode_stream(
+        &mut self,
+        handoff: &mut HandoffReport,
+        handoff_pending: &mut bool,
+    ) -> Result<tonic::Streaming<pb::TokenEvent>, Split> {
+        let mut decode = self.decode.clone();
+        let call = decode.generate(self.generate.clone());
+        tokio::pin!(call);
+        let idle = self.idle;
+        let mut answer_by: Option<tokio::time::Instant> = None;
+        loop {
+            let started = async {
+                match answer_by {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = started => {
+                    return Err(Split::Failed(ApiError::upstream(
+                        "timeout",
+                        format!("the decode node did not take the answer within {idle:?} of the handoff"),
+                    )));
+                }
+                r = &mut call => match r {
+                    Ok(s) => return Ok(s.into_inner()),
+                    Err(st) => {
+                        if *handoff_pending {
+                            // A handoff error explains a decode failure better than the decode does.
+                            let report = tokio::time::timeout(self.handoff_error_grace, &mut *handoff).await;
+                            if let Ok(Err(e)) = report.map(|r| self.on_handoff(r)) {
+                                return Err(Split::Failed(e));
+                            }
+                        }
+                        return Err(Split::Failed(ApiError::from_status(&st, self.param)));
+                    }
+                },
+                h = &mut *handoff, if *handoff_pending => {
+                    *handoff_pending = false;
+                    answer_by = Some(tokio::time::Instant::now() + idle);
+                    match self.on_handoff(h) {
+                        Ok(ev) => if self.tx.send(ev).await.is_err() { return Err(Split::Over) },
+                        Err(e) => return Err(Split::Failed(e)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forwards the decode node's tokens until the answer ends or the node fails.
+    async fn forward_decode(
+        &mut self,
+        mut stream: tonic::Streaming<pb::TokenEvent>,
+        handoff: &mut HandoffReport,
+        handoff_pending: &mut bool,
+    ) -> Split {
+        let idle = self.idle;
+        loop {
+            tokio::select! {
+                m = tokio::time::timeout(idle, stream.message()) => {
+                    let ev = match m {
+                        Ok(Ok(Some(ev))) => token_event(ev, false),
+                        Ok(Ok(None)) => return Split::Failed(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
+                        Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+                        Err(_) => return Split::Failed(ApiError::upstream("timeout", format!("no token from the decode node within {idle:?}"))),
+                    };
+                    if let Event::Error(e) = ev {
+                        return Split::Failed(e);
+                    }
+                    let end = matches!(ev, Event::Finished { .. });
+                    if end && *handoff_pending {
+                        // Report the handoff figures before the end of the answer.
+                        let report = tokio::time::timeout(self.handoff_report_wait, &mut *handoff).await;
+                        if let Ok(Ok(hev)) = report.map(|r| self.on_handoff(r)) {
+                            let _ = self.tx.send(hev).await;
+                        }
+                    }
+                    if let Event::Token { id, .. } = &ev {
+                        self.sent.push(*id);
+                    }
+                    if self.tx.send(ev).await.is_err() || end {
+                        return Split::Over;
+                    }
+                }
+                h = &mut *handoff, if *handoff_pending => {
+                    *handoff_pending = false;
+                    match self.on_handoff(h) {
+                        Ok(ev) => if self.tx.send(ev).await.is_err() { return Split::Over },
+                        Err(e) => return Split::Failed(e),
+                    }
+                }
+            }
         }
     }
 }
 
-async fn resume_locally(
-    fb: Fallback,
-    cause: ApiError,
-    sent: Vec<i32>,
-    total: u32,
-    tx: &mpsc::Sender<Event>,
-    idle: Duration,
-) {
-    let why = cause.code.clone().unwrap_or_else(|| cause.kind.to_string());
-    tracing::warn!(
-        request_id = %fb.request.request_id,
-        cause = %why,
-        reason = %cause.message,
-        tokens_sent = sent.len(),
-        "the split failed; finishing the answer on the prefill node"
-    );
-    if tx.send(Event::Fallback { cause: why }).await.is_err() {
-        return;
-    }
-    let remaining = total.saturating_sub(sent.len() as u32);
-    if remaining == 0 {
-        // Every token was sent; only the end was lost.
-        let _ = tx.send(finished_here(FinishReason::Length)).await;
-        return;
-    }
-    let mut request = fb.request;
-    request.resume_tokens = sent;
-    request.max_tokens = remaining;
-    let mut prefill = fb.prefill;
-    let call = tokio::time::timeout(fb.first_token_timeout, prefill.generate(request)).await;
-    let stream = match call {
-        Ok(Ok(s)) => s.into_inner(),
-        Ok(Err(st)) => {
-            let _ = tx
-                .send(Event::Error(ApiError::from_status(&st, "messages")))
-                .await;
+impl Fallback {
+    /// Finishes the answer on the prefill node after the `sent` tokens (of `total`).
+    async fn resume(
+        self,
+        cause: ApiError,
+        sent: Vec<i32>,
+        total: u32,
+        tx: &mpsc::Sender<Event>,
+        idle: Duration,
+        param: &'static str,
+    ) {
+        let why = cause.code.clone().unwrap_or_else(|| cause.kind.to_string());
+        tracing::warn!(
+            request_id = %self.request.request_id,
+            cause = %why,
+            reason = %cause.message,
+            tokens_sent = sent.len(),
+            "the split failed; finishing the answer on the prefill node"
+        );
+        if tx.send(Event::Fallback { cause: why }).await.is_err() {
             return;
         }
-        Err(_) => {
-            let _ = tx
-                .send(Event::Error(ApiError::upstream(
-                    "timeout",
-                    "the prefill node did not take over the answer in time",
-                )))
-                .await;
+        let remaining = total.saturating_sub(sent.len() as u32);
+        if remaining == 0 {
+            // Every token was sent; only the end was lost.
+            let _ = tx.send(finished_here(FinishReason::Length)).await;
             return;
         }
-    };
-    let wait = idle.max(fb.first_token_timeout);
-    forward_prefill_node(stream, tx, true, wait, "messages").await;
+        let mut request = self.request;
+        request.resume_tokens = sent;
+        request.max_tokens = remaining;
+        let mut prefill = self.prefill;
+        let call = tokio::time::timeout(self.first_token_timeout, prefill.generate(request)).await;
+        let stream = match call {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(st)) => {
+                let _ = tx
+                    .send(Event::Error(ApiError::from_status(&st, param)))
+                    .await;
+                return;
+            }
+            Err(_) => {
+                let _ = tx
+                    .send(Event::Error(ApiError::upstream(
+                        "timeout",
+                        "the prefill node did not take over the answer in time",
+                    )))
+                    .await;
+                return;
+            }
+        };
+        let wait = idle.max(self.first_token_timeout);
+        forward_prefill_node(stream, tx, true, wait, param).await;
+    }
 }
 
 /// Forwards the prefill node's `Generate` stream (a colocated or a resumed answer) to the
@@ -572,135 +756,5 @@ fn finished_here(reason: FinishReason) -> Event {
         import_ms: 0.0,
         prompt_tokens: None,
         prefill_ms: None,
-    }
-}
-
-/// Forwards the first token, the handoff report and the decode node's tokens.
-async fn split_part(
-    first: pb::FirstToken,
-    mut pstream: tonic::Streaming<pb::PrefillEvent>,
-    mut decode: DecodeClient<Authed>,
-    greq: pb::GenerateRequest,
-    tx: &mpsc::Sender<Event>,
-    sent: &mut Vec<i32>,
-    idle: Duration,
-) -> Split {
-    if tx
-        .send(Event::Token {
-            id: first.token,
-            bytes: first.piece.clone(),
-        })
-        .await
-        .is_err()
-    {
-        return Split::Over;
-    }
-    if first.last {
-        let reason = if first.eog {
-            FinishReason::Stop
-        } else {
-            FinishReason::Length
-        };
-        let _ = tx.send(finished_here(reason)).await;
-        return Split::Over;
-    }
-    let mut handoff = tokio::spawn(async move { pstream.message().await });
-    let mut handoff_pending = true;
-    // The handoff's outcome.
-    let on_handoff = |r: Result<
-        Result<Option<pb::PrefillEvent>, tonic::Status>,
-        tokio::task::JoinError,
-    >| {
-        match r {
-            Ok(Ok(Some(pb::PrefillEvent {
-                event: Some(pb::prefill_event::Event::Handoff(h)),
-            }))) => Ok(Event::Handoff {
-                bytes: h.bytes,
-                export_ms: h.export_ms,
-                transfer_ms: h.transfer_ms,
-            }),
-            Ok(Err(st)) => Err(ApiError::from_status(&st, "messages")),
-            _ => Err(ApiError::upstream(
-                "protocol_error",
-                "the prefill node ended without reporting the handoff",
-            )),
-        }
-    };
-    let call = decode.generate(greq);
-    tokio::pin!(call);
-    // Until the handoff is done, its own deadlines bound this wait (the prefill node
-    // reports a failed one); once the state is there, the decode node must start the
-    // answer within the idle bound (a frozen phone answers nothing, not even an error).
-    let mut answer_by: Option<tokio::time::Instant> = None;
-    let mut stream = loop {
-        let started = async {
-            match answer_by {
-                Some(t) => tokio::time::sleep_until(t).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            () = started => {
-                return Split::Failed(ApiError::upstream(
-                    "timeout",
-                    format!("the decode node did not take the answer within {idle:?} of the handoff"),
-                ));
-            }
-            r = &mut call => match r {
-                Ok(s) => break s.into_inner(),
-                Err(st) => {
-                    if handoff_pending {
-                        // A handoff error explains a decode failure better than the decode does.
-                        if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(1), &mut handoff).await.map(on_handoff) {
-                            return Split::Failed(e);
-                        }
-                    }
-                    return Split::Failed(ApiError::from_status(&st, "messages"));
-                }
-            },
-            h = &mut handoff, if handoff_pending => {
-                handoff_pending = false;
-                answer_by = Some(tokio::time::Instant::now() + idle);
-                match on_handoff(h) {
-                    Ok(ev) => { if tx.send(ev).await.is_err() { return Split::Over; } }
-                    Err(e) => return Split::Failed(e),
-                }
-            }
-        }
-    };
-    loop {
-        tokio::select! {
-            m = tokio::time::timeout(idle, stream.message()) => {
-                let ev = match m {
-                    Ok(Ok(Some(ev))) => token_event(ev, false),
-                    Ok(Ok(None)) => return Split::Failed(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
-                    Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, "messages")),
-                    Err(_) => return Split::Failed(ApiError::upstream("timeout", format!("no token from the decode node within {idle:?}"))),
-                };
-                if let Event::Error(e) = ev {
-                    return Split::Failed(e);
-                }
-                let end = matches!(ev, Event::Finished { .. });
-                if end && handoff_pending {
-                    // Report the handoff figures before the end of the answer.
-                    if let Ok(Ok(hev)) = tokio::time::timeout(Duration::from_secs(5), &mut handoff).await.map(on_handoff) {
-                        let _ = tx.send(hev).await;
-                    }
-                }
-                if let Event::Token { id, .. } = &ev {
-                    sent.push(*id);
-                }
-                if tx.send(ev).await.is_err() || end {
-                    return Split::Over;
-                }
-            }
-            h = &mut handoff, if handoff_pending => {
-                handoff_pending = false;
-                match on_handoff(h) {
-                    Ok(ev) => { if tx.send(ev).await.is_err() { return Split::Over; } }
-                    Err(e) => return Split::Failed(e),
-                }
-            }
-        }
     }
 }

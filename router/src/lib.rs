@@ -68,12 +68,20 @@ pub struct Config {
     /// mid-answer: `fallback` finishes the answer on the prefill node, continuing after the
     /// tokens already sent (the client sees one uninterrupted answer); `fail` ends it with
     /// an error.
-    #[arg(long, default_value = "fallback", value_parser = ["fallback", "fail"])]
-    pub on_split_failure: String,
+    #[arg(long, value_enum, default_value_t = OnSplitFailure::Fallback)]
+    pub on_split_failure: OnSplitFailure,
     /// Longest wait, in milliseconds, for the next token of an answer before the node
     /// writing it counts as failed.
     #[arg(long, default_value_t = 15_000)]
     pub token_idle_timeout_ms: u64,
+    /// When the decode node fails while the handoff's outcome is not known yet:
+    /// milliseconds to wait for that outcome, whose error names the cause better.
+    #[arg(long, default_value_t = 1_000)]
+    pub handoff_error_grace_ms: u64,
+    /// When the decode node ends an answer before the prefill node reported the handoff:
+    /// milliseconds to wait for that report (its figures go into the response).
+    #[arg(long, default_value_t = 5_000)]
+    pub handoff_report_wait_ms: u64,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -107,29 +115,30 @@ pub struct Config {
     pub bench_db: Option<std::path::PathBuf>,
 }
 
+/// What the router does when a split answer's handoff or decode node fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnSplitFailure {
+    /// Finish the answer on the prefill node, after the tokens already sent.
+    Fallback,
+    /// End the answer with an in-band error.
+    Fail,
+}
+
 impl Config {
-    /// Defaults pointing at the given node URLs.
+    /// The flags' defaults (as `--help` states them, the only place they are written),
+    /// pointing at the given node URLs and listening on an ephemeral loopback port.
     #[must_use]
     pub fn new(prefill_url: String, decode_url: String) -> Self {
-        Self {
-            listen: "127.0.0.1:0".into(),
-            prefill_url,
-            decode_url,
-            transport: Transport::V2,
-            connect_timeout_ms: 2000,
-            info_timeout_ms: 3000,
-            first_token_timeout_s: 300,
-            max_body_bytes: 8 * 1024 * 1024,
-            on_split_failure: "fallback".into(),
-            token_idle_timeout_ms: 15_000,
-            bench_db: None,
-            drain_timeout_s: 30,
-            max_in_flight: None,
-            max_queue: 64,
-            queue_timeout_s: 60,
-            secret_file: None,
-            api_key_file: None,
-        }
+        use clap::Parser;
+        Self::parse_from([
+            "edgesplit-router",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill-url",
+            &prefill_url,
+            "--decode-url",
+            &decode_url,
+        ])
     }
 }
 
@@ -157,8 +166,10 @@ pub async fn run(
         connect_timeout: Duration::from_millis(config.connect_timeout_ms),
         info_timeout: Duration::from_millis(config.info_timeout_ms),
         first_token_timeout: Duration::from_secs(config.first_token_timeout_s),
-        fallback: config.on_split_failure != "fail",
+        fallback: config.on_split_failure == OnSplitFailure::Fallback,
         token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
+        handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
+        handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
         secret,
     })?;
     let max_in_flight = match config.max_in_flight {

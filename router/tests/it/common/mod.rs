@@ -253,7 +253,7 @@ async fn serve(opts: StackOptions) -> Stack {
     rcfg.max_in_flight = opts.max_in_flight;
     rcfg.max_queue = opts.max_queue;
     if opts.fail_on_split_failure {
-        rcfg.on_split_failure = "fail".into();
+        rcfg.on_split_failure = edgesplit_router::OnSplitFailure::Fail;
     }
     rcfg.bench_db = opts.bench_db;
     rcfg.secret_file = secret_file;
