@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use crate::client::{self, Ask, Target};
 use crate::link::Profile;
-use crate::record::percentile;
 use crate::stack::{Stack, StackConfig};
+use crate::stats::percentile;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {

@@ -30,6 +30,7 @@ mod power;
 mod record;
 mod report;
 mod stack;
+mod stats;
 mod stock;
 
 use client::{Ask, Target};

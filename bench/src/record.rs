@@ -9,57 +9,10 @@ use rusqlite::{params, Connection};
 use serde_json::{Map, Value};
 
 use crate::client::Measure;
-use crate::report::Line;
+use crate::stats::{percentile, Line};
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS runs (
-    id INTEGER PRIMARY KEY,
-    started_at REAL NOT NULL,      -- unix seconds
-    finished_at REAL,
-    command TEXT NOT NULL,
-    git_rev TEXT,
-    threads INTEGER,
-    n_ctx INTEGER,
-    out_dir TEXT                   -- where the run wrote summary.md, JSON, CSV and plots
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    id INTEGER PRIMARY KEY,
-    run_id INTEGER NOT NULL REFERENCES runs(id),
-    mode TEXT NOT NULL,            -- 'pair' or 'concurrency'
-    model TEXT NOT NULL,
-    profile TEXT NOT NULL,
-    transport TEXT NOT NULL,       -- local, v1, v2 or stock
-    target_prompt_tokens INTEGER NOT NULL,
-    max_tokens INTEGER NOT NULL,
-    pair INTEGER NOT NULL,         -- pair index (0 = warm-up); concurrency: request index
-    position INTEGER NOT NULL,     -- order within the pair; concurrency: client index
-    excluded INTEGER NOT NULL,     -- 1 = warm-up
-    started_at REAL NOT NULL,
-    finished_at REAL,
-    status TEXT NOT NULL,          -- started, ok, failed
-    error TEXT,
-    ttft_ms REAL, tpot_ms REAL, itl_mean_ms REAL, itl_p90_ms REAL, itl_max_ms REAL,
-    itl_ms TEXT,                   -- JSON array, every gap
-    e2e_ms REAL,
-    prompt_tokens INTEGER, completion_tokens INTEGER,
-    prefill_ms REAL, handoff_bytes INTEGER, handoff_ms REAL, decode_tps REAL,
-    energy_j REAL,
-    energy_note TEXT,              -- why energy_j is NULL
-    text_sha256 TEXT,
-    same_as_reference INTEGER      -- answer equals the pair's first EdgeSplit transport's
-);
-CREATE TABLE IF NOT EXISTS summaries (
-    id INTEGER PRIMARY KEY,
-    run_id INTEGER NOT NULL REFERENCES runs(id),
-    model TEXT NOT NULL, profile TEXT NOT NULL,
-    target_prompt_tokens INTEGER NOT NULL, max_tokens INTEGER NOT NULL,
-    subject TEXT NOT NULL,         -- a transport, 'ratio A/B (pairwise)', or 'concurrency N'
-    metric TEXT NOT NULL,
-    n INTEGER NOT NULL,
-    mean REAL, median REAL, stddev REAL, min REAL, max REAL, p90 REAL,
-    attempt_ids TEXT NOT NULL      -- JSON array of attempts.id
-);
-";
+/// The record's tables; the router's dashboard test reads the same file.
+const SCHEMA: &str = include_str!("../schema.sql");
 
 pub fn now() -> f64 {
     std::time::SystemTime::now()
@@ -84,58 +37,6 @@ pub struct Slot<'a> {
     pub pair: usize,
     pub position: usize,
     pub excluded: bool,
-}
-
-/// Statistics of one metric.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Stats {
-    pub n: usize,
-    pub mean: f64,
-    pub median: f64,
-    pub stddev: f64,
-    pub min: f64,
-    pub max: f64,
-    pub p90: f64,
-}
-
-impl Stats {
-    pub fn of(xs: &[f64]) -> Option<Stats> {
-        if xs.is_empty() {
-            return None;
-        }
-        let n = xs.len();
-        let mean = xs.iter().sum::<f64>() / n as f64;
-        let var = if n > 1 {
-            xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64
-        } else {
-            0.0
-        };
-        let mut s = xs.to_vec();
-        s.sort_by(f64::total_cmp);
-        let median = if n % 2 == 1 {
-            s[n / 2]
-        } else {
-            (s[n / 2 - 1] + s[n / 2]) / 2.0
-        };
-        Some(Stats {
-            n,
-            mean,
-            median,
-            stddev: var.sqrt(),
-            min: s[0],
-            max: s[n - 1],
-            p90: percentile(&s, 0.90),
-        })
-    }
-}
-
-/// Nearest-rank percentile of sorted values.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (p * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 impl Record {
@@ -334,21 +235,6 @@ fn hex_sha256(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stats_and_percentiles() {
-        let s = Stats::of(&[4.0, 1.0, 3.0, 2.0]).unwrap();
-        assert_eq!(
-            (s.n, s.mean, s.median, s.min, s.max),
-            (4, 2.5, 2.5, 1.0, 4.0)
-        );
-        assert!((s.stddev - 1.290_994).abs() < 1e-6);
-        assert_eq!(s.p90, 4.0);
-        let xs: Vec<f64> = (1..=10).map(f64::from).collect();
-        assert_eq!(percentile(&xs, 0.9), 9.0);
-        assert_eq!(percentile(&xs, 0.5), 5.0);
-        assert!(Stats::of(&[]).is_none());
-    }
 
     #[test]
     fn a_started_row_stays_visible_until_finished() {

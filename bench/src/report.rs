@@ -9,7 +9,8 @@ use plotters::prelude::*;
 use serde_json::Value;
 
 use crate::client::Measure;
-use crate::record::{percentile, Record, Stats};
+use crate::record::Record;
+use crate::stats::{percentile, Line, Stats};
 
 /// One attempt as the run loop saw it.
 #[derive(Clone, Debug)]
@@ -42,19 +43,6 @@ pub struct Concurrency {
     pub max_tokens: u32,
     pub wall_s: f64,
     pub attempts: Vec<Attempt>,
-}
-
-/// A summary line, as stored in the `summaries` table.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Line {
-    pub model: String,
-    pub profile: String,
-    pub target_prompt_tokens: usize,
-    pub max_tokens: u32,
-    pub subject: String,
-    pub metric: String,
-    pub stats: Stats,
-    pub attempt_ids: Vec<i64>,
 }
 
 type Metric = (&'static str, fn(&Measure) -> Option<f64>);

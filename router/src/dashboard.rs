@@ -261,6 +261,38 @@ async fn plot(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Respo
 mod tests {
     use super::*;
 
+    /// The dashboard reads the bench's record with its own SQL: run it against the
+    /// bench's own schema file, so that a renamed column fails here, not on a user's page.
+    #[test]
+    fn reads_a_record_made_with_the_bench_schema() {
+        let dir = std::env::temp_dir().join(format!("edgesplit-dash-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = dir.join("bench.sqlite");
+        let _ = std::fs::remove_file(&db);
+        {
+            let c = rusqlite::Connection::open(&db).unwrap();
+            c.execute_batch(include_str!("../../bench/schema.sql"))
+                .unwrap();
+            c.execute_batch(
+                "INSERT INTO runs (id, started_at, finished_at, command, git_rev, threads, n_ctx, out_dir)
+                     VALUES (1, 10.0, 20.0, 'edgesplit-bench run', 'abc', 2, 4096, NULL);
+                 INSERT INTO summaries (run_id, model, profile, target_prompt_tokens, max_tokens,
+                     subject, metric, n, mean, median, stddev, min, max, p90, attempt_ids)
+                     VALUES (1, 'm', 'loopback', 500, 32, 'v2', 'ttft_ms', 5, 1.5, 1.0, 0.1, 0.5, 3.0, 2.5, '[1]');",
+            )
+            .unwrap();
+        }
+        let v = read_bench(&db).unwrap();
+        assert_eq!(v["run"]["id"], 1);
+        assert_eq!(v["run"]["command"], "edgesplit-bench run");
+        let row = &v["summaries"][0];
+        assert_eq!(row["subject"], "v2");
+        assert_eq!(row["metric"], "ttft_ms");
+        assert_eq!(row["median"], 1.0);
+        assert_eq!(row["p90"], 2.5);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[test]
     fn host_port_of_urls() {
         assert_eq!(
