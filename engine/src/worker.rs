@@ -417,8 +417,23 @@ impl Worker<'_> {
         self.set_kv(slot, usize::try_from(held).unwrap_or(0));
         Ok(())
     }
+}
 
-    /// See [`Slots::begin`].
+impl Slots for Worker<'_> {
+    type Answer = Answer;
+
+    fn count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError> {
+        Worker::tokenize(self, input)
+    }
+
+    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
+        self.prefill_cmd(slot, job)
+    }
+
     fn begin(
         &mut self,
         slot: usize,
@@ -511,7 +526,6 @@ impl Worker<'_> {
         }))
     }
 
-    /// See [`Slots::step`].
     fn step(&mut self, slot: usize, a: &mut Answer) -> Result<(TokenOut, bool), EngineError> {
         self.decode_one(slot, a.last, &mut a.history)?;
         let ctx = &self.slots[slot].ctx;
@@ -520,36 +534,6 @@ impl Worker<'_> {
         a.budget -= 1;
         a.last = id.0;
         Ok((self.token_out(id), a.budget == 0))
-    }
-}
-
-impl Slots for Worker<'_> {
-    type Answer = Answer;
-
-    fn count(&self) -> usize {
-        self.slots.len()
-    }
-
-    fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError> {
-        Worker::tokenize(self, input)
-    }
-
-    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
-        self.prefill_cmd(slot, job)
-    }
-
-    fn begin(
-        &mut self,
-        slot: usize,
-        job: GenerateJob,
-        events: &mpsc::UnboundedSender<GenEvent>,
-        summary: &mut GenSummary,
-    ) -> Result<Option<Answer>, EngineError> {
-        Worker::begin(self, slot, job, events, summary)
-    }
-
-    fn step(&mut self, slot: usize, answer: &mut Answer) -> Result<(TokenOut, bool), EngineError> {
-        Worker::step(self, slot, answer)
     }
 
     fn clear(&mut self, slot: usize) {

@@ -13,9 +13,8 @@
 use std::sync::Arc;
 
 use axum::Router;
-use edgesplit_proto::metrics::{label, phase_histogram, Labels, Metrics};
+use edgesplit_proto::metrics::{phase_histogram, HandoffSeries, Metrics};
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 
 /// The prefill node's series.
@@ -23,58 +22,40 @@ pub struct NodeMetrics {
     metrics: Metrics,
     pub prefill: Histogram,
     pub prompt_tokens: Counter,
-    pub handoff_bytes: Family<Labels, Counter>,
-    pub handoff_seconds: Family<Labels, Histogram>,
+    handoffs: HandoffSeries,
 }
 
 impl Default for NodeMetrics {
     fn default() -> Self {
-        let m = NodeMetrics {
-            metrics: Metrics::default(),
-            prefill: phase_histogram(),
-            prompt_tokens: Counter::default(),
-            handoff_bytes: Family::default(),
-            handoff_seconds: Family::new_with_constructor(phase_histogram),
-        };
-        {
-            let mut r = m.metrics.registry();
+        let metrics = Metrics::default();
+        let (prefill, prompt_tokens) = (phase_histogram(), Counter::default());
+        let handoffs = {
+            let mut r = metrics.registry();
             r.register(
                 "edgesplit:request_prefill_time_seconds",
                 "Prefill time",
-                m.prefill.clone(),
+                prefill.clone(),
             );
             r.register(
                 "edgesplit:prompt_tokens",
                 "Prompt tokens prefilled",
-                m.prompt_tokens.clone(),
+                prompt_tokens.clone(),
             );
-            r.register(
-                "edgesplit:handoff_bytes",
-                "KV bytes handed over",
-                m.handoff_bytes.clone(),
-            );
-            r.register(
-                "edgesplit:handoff_seconds",
-                "KV handoff time",
-                m.handoff_seconds.clone(),
-            );
+            HandoffSeries::register(&mut r)
+        };
+        NodeMetrics {
+            metrics,
+            prefill,
+            prompt_tokens,
+            handoffs,
         }
-        m
     }
 }
 
 impl NodeMetrics {
-    /// Records one handoff.
+    /// Records one handoff attempt.
     pub fn handoff(&self, transport: &str, ok: bool, bytes: u64, seconds: f64) {
-        let outcome = if ok { "ok" } else { "error" };
-        if ok {
-            self.handoff_bytes
-                .get_or_create(&label("transport", transport))
-                .inc_by(bytes);
-        }
-        let mut labels = label("transport", transport);
-        labels.push(("outcome".into(), outcome.into()));
-        self.handoff_seconds.get_or_create(&labels).observe(seconds);
+        self.handoffs.record(transport, ok, bytes, seconds);
     }
 
     /// The OpenMetrics text.

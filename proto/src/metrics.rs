@@ -80,3 +80,49 @@ pub fn route<S: Send + Sync + 'static>(state: Arc<S>, text: fn(&S) -> String) ->
         .with_state(state),
     )
 }
+
+/// The handoff series the router and the prefill node both keep:
+/// `edgesplit:handoff_bytes_total{transport}` and
+/// `edgesplit:handoff_seconds{transport,outcome}`.
+pub struct HandoffSeries {
+    bytes: prometheus_client::metrics::family::Family<
+        Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    seconds: prometheus_client::metrics::family::Family<Labels, Histogram>,
+}
+
+impl HandoffSeries {
+    /// Creates the two series and registers them.
+    pub fn register(registry: &mut Registry) -> Self {
+        let s = HandoffSeries {
+            bytes: prometheus_client::metrics::family::Family::default(),
+            seconds: prometheus_client::metrics::family::Family::new_with_constructor(
+                phase_histogram,
+            ),
+        };
+        registry.register(
+            "edgesplit:handoff_bytes",
+            "KV bytes handed over",
+            s.bytes.clone(),
+        );
+        registry.register(
+            "edgesplit:handoff_seconds",
+            "KV handoff time",
+            s.seconds.clone(),
+        );
+        s
+    }
+
+    /// Records one handoff attempt (its bytes count only when it succeeded).
+    pub fn record(&self, transport: &str, ok: bool, bytes: u64, seconds: f64) {
+        if ok {
+            self.bytes
+                .get_or_create(&label("transport", transport))
+                .inc_by(bytes);
+        }
+        let mut labels = label("transport", transport);
+        labels.push(("outcome".into(), if ok { "ok" } else { "error" }.into()));
+        self.seconds.get_or_create(&labels).observe(seconds);
+    }
+}

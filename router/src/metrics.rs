@@ -19,7 +19,7 @@
 //! | `edgesplit:fallbacks_total{cause}` | counter | requests finished on another node than planned |
 
 pub use edgesplit_proto::metrics::label;
-use edgesplit_proto::metrics::{phase_histogram, Labels};
+use edgesplit_proto::metrics::{phase_histogram, HandoffSeries, Labels};
 
 use crate::recent::{Recent, RecentAnswer, Status};
 use prometheus_client::metrics::counter::Counter;
@@ -52,8 +52,8 @@ pub struct Metrics {
     pub failure: Family<Labels, Counter>,
     pub running: Gauge,
     pub waiting: Gauge,
-    pub handoff_bytes: Family<Labels, Counter>,
-    pub handoff_seconds: Family<Labels, Histogram>,
+    /// Same series (and buckets) as the prefill node's of the same names.
+    pub handoffs: HandoffSeries,
     pub fallbacks: Family<Labels, Counter>,
     /// The last answers, for the dashboard.
     pub recent: Recent,
@@ -69,8 +69,10 @@ impl Metrics {
     /// Creates and registers every series.
     #[must_use]
     pub fn new() -> Self {
+        let metrics = edgesplit_proto::metrics::Metrics::default();
+        let handoffs = HandoffSeries::register(&mut metrics.registry());
         let m = Metrics {
-            metrics: edgesplit_proto::metrics::Metrics::default(),
+            metrics,
             ttft: latency(),
             itl: Histogram::new(ITL),
             e2e: phase_histogram(),
@@ -82,9 +84,7 @@ impl Metrics {
             failure: Family::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
-            handoff_bytes: Family::default(),
-            // Same buckets as the prefill node's series of the same name.
-            handoff_seconds: Family::new_with_constructor(phase_histogram),
+            handoffs,
             fallbacks: Family::default(),
             recent: Recent::default(),
         };
@@ -146,16 +146,6 @@ impl Metrics {
                 m.waiting.clone(),
             );
             r.register(
-                "edgesplit:handoff_bytes",
-                "KV bytes handed over",
-                m.handoff_bytes.clone(),
-            );
-            r.register(
-                "edgesplit:handoff_seconds",
-                "KV handoff time",
-                m.handoff_seconds.clone(),
-            );
-            r.register(
                 "edgesplit:fallbacks",
                 "Requests that fell back to another node",
                 m.fallbacks.clone(),
@@ -174,16 +164,16 @@ impl Metrics {
     pub fn record(&self, a: &RecentAnswer) {
         match a.status {
             Status::Ok => {
-                if let Some(ms) = a.ttft_ms {
+                if let Some(ms) = a.timing.ttft_ms {
                     self.ttft.observe(ms / 1000.0);
                 }
                 if let Some(ms) = a.e2e_ms {
                     self.e2e.observe(ms / 1000.0);
                 }
-                if let Some(ms) = a.prefill_ms {
+                if let Some(ms) = a.timing.prefill_ms {
                     self.prefill.observe(ms / 1000.0);
                 }
-                if let Some(ms) = a.decode_ms {
+                if let Some(ms) = a.timing.decode_ms {
                     self.decode.observe(ms / 1000.0);
                 }
                 self.prompt_tokens.inc_by(u64::from(a.prompt_tokens));
@@ -195,20 +185,13 @@ impl Metrics {
                         a.finish_reason.unwrap_or("length"),
                     ))
                     .inc();
-                if let Some(cause) = &a.fallback {
+                if let Some(cause) = &a.timing.fallback {
                     self.fallbacks.get_or_create(&label("cause", cause)).inc();
                 }
                 if let (Some(b), Some(ms), Some(transport)) =
-                    (a.handoff_bytes, a.handoff_ms, a.transport)
+                    (a.timing.handoff_bytes, a.timing.handoff_ms, a.transport)
                 {
-                    self.handoff_bytes
-                        .get_or_create(&label("transport", transport))
-                        .inc_by(b);
-                    let mut labels = label("transport", transport);
-                    labels.push(("outcome".into(), "ok".into()));
-                    self.handoff_seconds
-                        .get_or_create(&labels)
-                        .observe(ms / 1000.0);
+                    self.handoffs.record(transport, true, b, ms / 1000.0);
                 }
             }
             Status::Error => self.failed(a.code.as_deref().unwrap_or("error")),
@@ -282,9 +265,7 @@ mod tests {
         let m = Metrics::new();
         m.prompt_tokens.inc_by(7);
         m.ttft.observe(0.2);
-        m.handoff_bytes
-            .get_or_create(&label("transport", "v2"))
-            .inc_by(100);
+        m.handoffs.record("v2", true, 100, 0.5);
         let text = m.render();
         assert!(text.contains("edgesplit:prompt_tokens_total 7"), "{text}");
         assert!(

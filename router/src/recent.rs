@@ -39,8 +39,17 @@ pub struct RecentAnswer {
     pub message: Option<String>,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
-    pub ttft_ms: Option<f64>,
     pub e2e_ms: Option<f64>,
+    pub decode_tokens_per_s: Option<f64>,
+    /// Where the time went (flattened: the same names as the `edgesplit` object's).
+    #[serde(flatten)]
+    pub timing: Timing,
+}
+
+/// Where the time went (the `edgesplit` extension object).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Timing {
+    pub ttft_ms: Option<f64>,
     pub prefill_ms: Option<f64>,
     pub handoff_bytes: Option<u64>,
     pub handoff_ms: Option<f64>,
@@ -48,7 +57,6 @@ pub struct RecentAnswer {
     pub import_ms: Option<f64>,
     pub decode_ms: Option<f64>,
     pub decode_tokens: u32,
-    pub decode_tokens_per_s: Option<f64>,
     /// The split failed and the prefill node finished the answer: why.
     pub fallback: Option<String>,
 }
@@ -67,17 +75,9 @@ impl RecentAnswer {
             message: Some(message.to_string()),
             prompt_tokens: 0,
             completion_tokens: 0,
-            ttft_ms: None,
             e2e_ms: None,
-            prefill_ms: None,
-            handoff_bytes: None,
-            handoff_ms: None,
-            export_ms: None,
-            import_ms: None,
-            decode_ms: None,
-            decode_tokens: 0,
             decode_tokens_per_s: None,
-            fallback: None,
+            timing: Timing::default(),
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::api::{Endpoint, Transport};
 use crate::backend::{Event, FinishReason};
 use crate::error::ApiError;
 use crate::metrics::RequestObserver;
+pub use crate::recent::Timing;
 use crate::recent::{RecentAnswer, Status};
 use crate::text::TextAssembler;
 
@@ -28,21 +29,6 @@ pub struct Meta {
     pub return_token_ids: bool,
     /// The sampling seed used (the router draws one when a sampled request has none).
     pub seed: u32,
-}
-
-/// Where the time went (the `edgesplit` extension object).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Timing {
-    pub ttft_ms: Option<f64>,
-    pub prefill_ms: Option<f64>,
-    pub handoff_bytes: Option<u64>,
-    pub handoff_ms: Option<f64>,
-    pub export_ms: Option<f64>,
-    pub import_ms: Option<f64>,
-    pub decode_ms: Option<f64>,
-    pub decode_tokens: u32,
-    /// The split failed and the prefill node finished the answer: why.
-    pub fallback: Option<String>,
 }
 
 /// What one event means for the client.
@@ -144,17 +130,9 @@ impl Answer {
             message: error.map(|e| e.message.clone()),
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
-            ttft_ms: t.ttft_ms,
             e2e_ms: Some(self.meta.received.elapsed().as_secs_f64() * 1000.0),
-            prefill_ms: t.prefill_ms,
-            handoff_bytes: t.handoff_bytes,
-            handoff_ms: t.handoff_ms,
-            export_ms: t.export_ms,
-            import_ms: t.import_ms,
-            decode_ms: t.decode_ms,
-            decode_tokens: t.decode_tokens,
             decode_tokens_per_s: self.decode_tps(),
-            fallback: t.fallback.clone(),
+            timing: t.clone(),
         }
     }
 
