@@ -1,4 +1,5 @@
-//! [`Engine`]: the cheap, cloneable async handle to an engine's owner thread.
+//! [`Engine`]: the cheap, cloneable async handle to an engine's owner thread, through which
+//! async code tokenizes, prefills and starts generations without touching llama.cpp.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -758,3 +758,47 @@ fn finished_here(reason: FinishReason) -> Event {
         prefill_ms: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(param: &'static str) -> SplitAnswer {
+        let channel = Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let (tx, _) = mpsc::channel(1);
+        SplitAnswer {
+            first: pb::FirstToken::default(),
+            decode: DecodeClient::with_interceptor(channel, GrpcCredentials(None)),
+            generate: pb::GenerateRequest::default(),
+            tx,
+            sent: Vec::new(),
+            idle: Duration::from_secs(1),
+            handoff_error_grace: Duration::from_secs(1),
+            handoff_report_wait: Duration::from_secs(1),
+            param,
+        }
+    }
+
+    /// An upstream refusal after the first token names the request's own input field:
+    /// `prompt` on /v1/completions, `messages` on chat (it said `messages` for both).
+    #[tokio::test]
+    async fn an_error_after_the_first_token_names_the_requests_field() {
+        let refusal = || {
+            edgesplit_engine::wire::status_with_code(
+                tonic::Code::InvalidArgument,
+                "context_length_exceeded",
+                "too long".to_string(),
+            )
+        };
+        for (input, param) in [
+            (Input::Prompt("p".into()), "prompt"),
+            (Input::Chat(vec![("user".into(), "m".into())]), "messages"),
+        ] {
+            let e = split(input_param(&input))
+                .on_handoff(Ok(Err(refusal())))
+                .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param));
+            assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
+        }
+    }
+}
