@@ -54,13 +54,11 @@ fn quick_run_writes_every_output() {
         assert!(s["energy_note"].as_str().is_some() || s["energy_j"].as_f64().is_some());
         if s["mode"] == "pair" {
             // Temperature 0: every EdgeSplit transport gives the same text. The stock
-            // server's agreement is recorded (it agreed on this machine) but is not our
-            // invariant: it is another llama.cpp version.
-            if s["transport"] == "stock" {
-                assert!(s["same_as_reference"].is_i64(), "{s}");
-            } else {
-                assert_eq!(s["same_as_reference"], 1, "{s}");
-            }
+            // server is another llama.cpp version (pinned: llama-cpp-python 0.3.36's
+            // tree), so its agreement is not our invariant in general; with both versions
+            // pinned it is deterministic, and on the bench's prompts (which carry a system
+            // message, see issue 22) it agrees: a change there is worth a look.
+            assert_eq!(s["same_as_reference"], 1, "{s}");
             assert_eq!(s["excluded"], i64::from(s["pair"] == 0));
         }
         if s["transport"] == "v1" || s["transport"] == "v2" {

@@ -137,9 +137,14 @@ mod tests {
     }
 
     #[test]
-    fn step_seeds_differ_and_repeat() {
-        assert_eq!(step_seed(42, 0), step_seed(42, 0));
-        assert_ne!(step_seed(42, 0), step_seed(42, 1));
-        assert_ne!(step_seed(42, 0), step_seed(43, 0));
+    fn step_seeds_are_pinned_splitmix64() {
+        // splitmix64's published first output for state 0 is 0xE220A8397B1DCDAF; the seed
+        // of step 0 of seed 0 is its low half. The others pin the (seed, step) packing, so
+        // a change of the derivation (which would change every seeded answer) fails here.
+        assert_eq!(step_seed(0, 0), 0x7b1d_cdaf);
+        assert_eq!(step_seed(42, 0), 0xbeab_dfbb);
+        assert_eq!(step_seed(42, 1), 0x6057_f63c);
+        assert_eq!(step_seed(43, 0), 0xb874_4274);
+        assert_eq!(step_seed(u32::MAX, 7), 0x4094_fbd5);
     }
 }

@@ -14,6 +14,7 @@
 //! | `edgesplit:request_failure_total{code}` | counter | failed requests, by error code |
 //! | `edgesplit:num_requests_running` | gauge | answers being streamed |
 //! | `edgesplit:num_requests_waiting` | gauge | requests not yet at their first token |
+//! | `edgesplit:num_requests_queued` | gauge | requests in the admission queue (`--max-queue`) |
 //! | `edgesplit:handoff_bytes_total{transport}` | counter | KV bytes handed over |
 //! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time (connect to ACK) |
 //! | `edgesplit:fallbacks_total{cause}` | counter | requests finished on another node than planned |
@@ -52,6 +53,8 @@ pub struct Metrics {
     pub failure: Family<Labels, Counter>,
     pub running: Gauge,
     pub waiting: Gauge,
+    /// Requests in the admission queue, set from `Admission::queued` at each scrape.
+    pub queued: Gauge,
     /// Same series (and buckets) as the prefill node's of the same names.
     pub handoffs: HandoffSeries,
     pub fallbacks: Family<Labels, Counter>,
@@ -84,6 +87,7 @@ impl Metrics {
             failure: Family::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            queued: Gauge::default(),
             handoffs,
             fallbacks: Family::default(),
             recent: Recent::default(),
@@ -139,6 +143,11 @@ impl Metrics {
                 "edgesplit:num_requests_running",
                 "Requests streaming",
                 m.running.clone(),
+            );
+            r.register(
+                "edgesplit:num_requests_queued",
+                "Requests waiting for a router slot",
+                m.queued.clone(),
             );
             r.register(
                 "edgesplit:num_requests_waiting",

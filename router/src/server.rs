@@ -295,6 +295,8 @@ fn stream_response(
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let queued = i64::try_from(s.admission.queued()).unwrap_or(i64::MAX);
+    s.metrics.queued.set(queued);
     (
         [(
             axum::http::header::CONTENT_TYPE,

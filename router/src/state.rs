@@ -50,6 +50,12 @@ impl Admission {
         }
     }
 
+    /// Requests waiting for a slot now.
+    #[must_use]
+    pub fn queued(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// The current number of slots (0: unlimited).
     #[must_use]
     pub fn limit(&self) -> usize {

@@ -321,16 +321,21 @@ async fn prompt_longer_than_the_context_is_400_naming_the_limit() {
     assert_error(st, &v, 400, Some("messages")).await;
 }
 
-fn dead_url() -> String {
-    // A port nobody listens on.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("http://{}", dead.local_addr().unwrap())
+/// A URL whose port is bound but not listening: connections to it are refused, and no
+/// other test can take the port while the returned socket lives (binding port 0 and
+/// dropping the listener left the port free for anyone).
+fn dead_url() -> (String, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = format!("http://{}", socket.local_addr().unwrap());
+    (url, socket)
 }
 
 #[tokio::test]
 async fn no_decode_node_is_503_with_retry_after_quickly_under_the_fail_policy() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
-    opts.decode_url_override = Some(dead_url());
+    let (dead, _held) = dead_url();
+    opts.decode_url_override = Some(dead);
     opts.fail_on_split_failure = true;
     let s = common::start(opts);
     let url = format!("{}/v1/chat/completions", s.router);
@@ -361,7 +366,8 @@ async fn no_decode_node_is_503_with_retry_after_quickly_under_the_fail_policy() 
 #[tokio::test]
 async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_policy() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
-    opts.decode_url_override = Some(dead_url());
+    let (dead, _held) = dead_url();
+    opts.decode_url_override = Some(dead);
     let s = common::start(opts);
     let url = format!("{}/v1/chat/completions", s.router);
     let body = |transport: &str| {
@@ -384,7 +390,9 @@ async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_polic
     // Streamed too: the same chunks as the local answer (text, ids, finish, usage).
     let body = chat_body(hi(), json!({"max_tokens": 12, "temperature": 0}));
     let local = common::run(&s, "/v1/chat/completions", &body, "local", true).await;
-    let split = common::run(&s, "/v1/chat/completions", &body, "v2", true).await;
+    let (split, edgesplit) =
+        common::run_reporting(&s, "/v1/chat/completions", &body, "v2", true).await;
+    assert_eq!(edgesplit["fallback"], "decode_unavailable", "{edgesplit}");
     assert_eq!(split, local);
     assert_eq!(
         common::fallbacks(&s).await,

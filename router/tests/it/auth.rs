@@ -75,7 +75,10 @@ async fn with_the_secret_every_transport_gives_the_one_device_answer() {
         let (st, v) = post_with_key(&url, &ask(t), Some(KEY)).await;
         assert_eq!(st, 200, "{t}: {v}");
         if t != "local" {
-            assert!(v["edgesplit"]["handoff_bytes"].as_u64().unwrap() > 0);
+            common::assert_split(
+                &v["edgesplit"],
+                v["usage"]["completion_tokens"].as_u64().unwrap(),
+            );
         }
         answers.push(v["choices"][0]["message"]["content"].clone());
     }

@@ -25,12 +25,14 @@ async fn beyond_the_queue_requests_get_503_with_retry_after() {
         let (url, long) = (url.clone(), long.clone());
         async move { common::post(&url, &long).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The order is made by polling the router's gauges, not by sleeping: the first holds
+    // the slot (it is streaming), then the second is in the queue.
+    common::wait_for_gauge(&s, "edgesplit:num_requests_running", 1).await;
     let second = tokio::spawn({
         let url = url.clone();
         async move { common::post(&url, &json!({"prompt": "Hello", "max_tokens": 4})).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::wait_for_gauge(&s, "edgesplit:num_requests_queued", 1).await;
     let t0 = Instant::now();
     let (st, headers, v) = common::post(&url, &json!({"prompt": "Hi", "max_tokens": 4})).await;
     assert_eq!(st, 503, "{v}");

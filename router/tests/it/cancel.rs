@@ -22,7 +22,10 @@ async fn in_flight(s: &common::Stack) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_frees_the_node() {
-    let s = common::smollm2();
+    // Its own stack: the in-flight counts it asserts are global to the nodes, and the
+    // shared stack serves other modules' tests at the same time.
+    let stack = common::start(common::StackOptions::new(common::SMOLLM2));
+    let s = &stack;
     let url = format!("{}/v1/completions", s.router);
     // A raw prompt the model keeps continuing: counting.
     let count = (1..=40)

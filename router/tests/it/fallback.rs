@@ -98,15 +98,32 @@ fn corrupting_proxy(target: String) -> String {
     addr
 }
 
-fn ask(transport: &str, stream: bool) -> Value {
+/// Greedy, and seeded with a frequency penalty: a resumed answer must continue at the
+/// right step index (the seed of each step depends on it) with the right penalty history.
+fn samplings() -> [Value; 2] {
+    [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.9, "top_p": 0.95, "seed": 7, "frequency_penalty": 0.5}),
+    ]
+}
+
+fn ask_with(transport: &str, stream: bool, sampling: &Value) -> Value {
+    let mut extra = json!({
+        "max_tokens": 96, "stream": stream,
+        "stream_options": {"include_usage": true},
+        "edgesplit": {"transport": transport, "return_token_ids": true},
+    });
+    for (k, v) in sampling.as_object().unwrap() {
+        extra[k] = v.clone();
+    }
     common::chat_body(
         json!([{"role":"user","content":"Write a short story about a lighthouse keeper and a storm."}]),
-        json!({
-            "temperature": 0, "max_tokens": 96, "stream": stream,
-            "stream_options": {"include_usage": true},
-            "edgesplit": {"transport": transport, "return_token_ids": true},
-        }),
+        extra,
     )
+}
+
+fn ask(transport: &str, stream: bool) -> Value {
+    ask_with(transport, stream, &samplings()[0])
 }
 
 /// Streams `body`; after `kill_after` content chunks sets [`DECODE_DEAD`]. Returns the
@@ -147,10 +164,10 @@ async fn stream_and_kill(
     (text, timing, error, done)
 }
 
-async fn local_answer(router: &str) -> Value {
+async fn local_answer(router: &str, sampling: &Value) -> Value {
     let (st, _, v) = common::post(
         &format!("{router}/v1/chat/completions"),
-        &ask("local", false),
+        &ask_with("local", false, sampling),
     )
     .await;
     assert_eq!(st, 200, "{v}");
@@ -165,35 +182,52 @@ async fn the_decode_node_dies_mid_answer() {
     o.decode_proxy = Some(killable_proxy);
     let s = common::start(o);
     let url = format!("{}/v1/chat/completions", s.router);
-    let expected = local_answer(&s.router).await;
+    for sampling in samplings() {
+        let expected = local_answer(&s.router, &sampling).await;
+        let expected_text = expected["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap();
+        assert!(
+            expected["usage"]["completion_tokens"].as_u64().unwrap() > 20,
+            "{expected}"
+        );
+        DECODE_DEAD.store(false, Ordering::SeqCst);
+        let (text, timing, error, done) =
+            stream_and_kill(&url, &ask_with("v2", true, &sampling), 8).await;
+        assert!(
+            DECODE_DEAD.load(Ordering::SeqCst),
+            "the decode node was cut mid-answer"
+        );
+        assert!(error.is_none(), "{error:?}");
+        assert!(done);
+        assert_eq!(
+            text, expected_text,
+            "the client's text is the uninterrupted answer ({sampling})"
+        );
+        assert_eq!(
+            timing["token_ids"], expected["edgesplit"]["token_ids"],
+            "{sampling}"
+        );
+        assert!(timing["fallback"].is_string(), "{timing}");
+    }
+    let expected = local_answer(&s.router, &samplings()[0]).await;
     let expected_text = expected["choices"][0]["message"]["content"]
         .as_str()
         .unwrap();
     assert!(
-        expected["usage"]["completion_tokens"].as_u64().unwrap() > 20,
-        "{expected}"
+        common::fallbacks(&s).await >= 2,
+        "the fallbacks are counted"
     );
-
-    DECODE_DEAD.store(false, Ordering::SeqCst);
-    let (text, timing, error, done) = stream_and_kill(&url, &ask("v2", true), 8).await;
-    assert!(
-        DECODE_DEAD.load(Ordering::SeqCst),
-        "the decode node was cut mid-answer"
-    );
-    assert!(error.is_none(), "{error:?}");
-    assert!(done);
-    assert_eq!(
-        text, expected_text,
-        "the client's text is the uninterrupted answer"
-    );
-    assert_eq!(timing["token_ids"], expected["edgesplit"]["token_ids"]);
-    assert!(timing["fallback"].is_string(), "{timing}");
-    assert!(common::fallbacks(&s).await > 0, "the fallback is counted");
-    // With the decode node gone, a new request still gets an answer (refused before
-    // prefill with a clear 503, or served, never a hang).
+    // With the decode node gone, a new request is answered on the prefill node from the
+    // start (the fallback policy), never a hang.
     let t0 = Instant::now();
     let (st, _, v) = common::post(&url, &ask("v2", false)).await;
-    assert!(st == 503 || st == 200, "{st} {v}");
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["edgesplit"]["fallback"], "decode_unavailable", "{v}");
+    assert_eq!(
+        v["edgesplit"]["token_ids"],
+        expected["edgesplit"]["token_ids"]
+    );
     assert!(t0.elapsed() < Duration::from_secs(30));
 
     // Fail mode: an in-band error, then [DONE], within the deadline.
@@ -222,7 +256,7 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
     o.handoff_proxy = Some(corrupting_proxy);
     let s = common::start(o);
     let url = format!("{}/v1/chat/completions", s.router);
-    let expected = local_answer(&s.router).await;
+    let expected = local_answer(&s.router, &samplings()[0]).await;
     let decode_refused = || async { common::decode_info(&s.decode_grpc).await.handoffs_refused };
 
     // One corrupted connection: refused, retried once, delivered; no fallback.
@@ -263,6 +297,19 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
         decode_refused().await - before,
         2,
         "100% of corrupted states detected"
+    );
+
+    // The same, seeded with a frequency penalty: the resume continues at the right step
+    // with the right penalty history.
+    let seeded = &samplings()[1];
+    let expected = local_answer(&s.router, seeded).await;
+    HANDOFFS.store(0, Ordering::SeqCst);
+    let (st, _, v) = common::post(&url, &ask_with("v2", false, seeded)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["edgesplit"]["fallback"], "checksum_mismatch", "{v}");
+    assert_eq!(
+        v["edgesplit"]["token_ids"],
+        expected["edgesplit"]["token_ids"]
     );
     CORRUPT_FIRST.store(0, Ordering::SeqCst);
 }

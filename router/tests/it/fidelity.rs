@@ -125,3 +125,38 @@ async fn document_over_a_thousand_tokens() {
     )
     .await;
 }
+
+/// The seeded identity checks above would pass trivially if the seed, or sampling itself,
+/// were ignored (every path greedy). The seeded sampling used there gives another answer
+/// than greedy, and another seed another answer again.
+#[tokio::test]
+async fn seeded_sampling_is_not_greedy_and_the_seed_matters() {
+    let stack = smollm2();
+    let messages = json!([{"role": "user", "content": "Write a short poem about the sea."}]);
+    let ask = |s: Value| common::chat_body(messages.clone(), s);
+    let greedy = run(
+        stack,
+        "/v1/chat/completions",
+        &ask(samplings()[0].clone()),
+        "local",
+        false,
+    )
+    .await;
+    let seeded = samplings()[1].clone();
+    let mut other_seed = seeded.clone();
+    other_seed["seed"] = json!(43);
+    let a = run(stack, "/v1/chat/completions", &ask(seeded), "local", false).await;
+    let b = run(
+        stack,
+        "/v1/chat/completions",
+        &ask(other_seed),
+        "local",
+        false,
+    )
+    .await;
+    assert_ne!(a.token_ids, greedy.token_ids, "seeded equals greedy");
+    assert_ne!(
+        a.token_ids, b.token_ids,
+        "seeds 42 and 43 gave the same answer"
+    );
+}

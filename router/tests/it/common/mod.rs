@@ -300,6 +300,32 @@ pub fn smollm2() -> &'static Stack {
     S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
 }
 
+/// A gauge (no labels) of the router's `/metrics`.
+pub async fn gauge(stack: &Stack, name: &str) -> Option<i64> {
+    let text = client()
+        .get(format!("{}/metrics", stack.router))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Polls the router's gauge `name` until it reads `value` (at most 60 s).
+pub async fn wait_for_gauge(stack: &Stack, name: &str, value: i64) {
+    let t0 = std::time::Instant::now();
+    while gauge(stack, name).await != Some(value) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{name} never reached {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// The router's `edgesplit:fallbacks_total`, all causes together.
 pub async fn fallbacks(stack: &Stack) -> u64 {
     let text = client()
@@ -402,7 +428,9 @@ fn ids(v: &Value) -> Vec<i64> {
         .unwrap_or_default()
 }
 
-/// Runs `body` (chat or completion, per `path`) on `transport`, streamed or not.
+/// Runs `body` (chat or completion, per `path`) on `transport`, streamed or not. On `v1`
+/// and `v2` it also asserts that the split really happened ([`assert_split`]): without
+/// it, a broken import finished by the fallback would look like a correct split answer.
 pub async fn run(
     stack: &Stack,
     path: &str,
@@ -410,6 +438,45 @@ pub async fn run(
     transport: &str,
     streamed: bool,
 ) -> Outcome {
+    let (outcome, edgesplit) = run_reporting(stack, path, body, transport, streamed).await;
+    if transport != "local" {
+        assert_split(&edgesplit, outcome.completion_tokens);
+    }
+    outcome
+}
+
+/// The decode node wrote the answer: no fallback, a handoff of some bytes, and every token
+/// after the first decoded there (when the answer went past its first token).
+pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
+    assert!(
+        edgesplit["fallback"].is_null(),
+        "the split fell back: {edgesplit}"
+    );
+    if completion_tokens > 1 {
+        assert!(
+            edgesplit["handoff_bytes"].as_u64().is_some_and(|b| b > 0),
+            "no handoff bytes: {edgesplit}"
+        );
+        // A stop string ends the answer at the router before the decode node reports.
+        if !edgesplit["decode_ms"].is_null() {
+            assert_eq!(
+                edgesplit["decode_tokens"].as_u64(),
+                Some(completion_tokens - 1),
+                "the decode node did not write every token after the first: {edgesplit}"
+            );
+        }
+    }
+}
+
+/// [`run`] without the split assertion (for answers that are meant to fall back), with the
+/// answer's `edgesplit` object.
+pub async fn run_reporting(
+    stack: &Stack,
+    path: &str,
+    body: &Value,
+    transport: &str,
+    streamed: bool,
+) -> (Outcome, Value) {
     let mut body = body.clone();
     body["edgesplit"] = json!({"transport": transport, "return_token_ids": true});
     body["stream"] = json!(streamed);
@@ -427,13 +494,14 @@ pub async fn run(
             .or(choice["text"].as_str())
             .unwrap()
             .to_string();
-        return Outcome {
+        let outcome = Outcome {
             text,
             token_ids: ids(&v),
             finish_reason: choice["finish_reason"].as_str().unwrap().to_string(),
             prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
             completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
         };
+        return (outcome, v["edgesplit"].clone());
     }
     let (status, datas) = stream(&url, &body).await;
     assert_eq!(status, 200);
@@ -442,11 +510,13 @@ pub async fn run(
     let mut finish = None;
     let mut usage = None;
     let mut token_ids = Vec::new();
+    let mut edgesplit = Value::Null;
     for c in &cs {
         assert!(c.get("error").is_none(), "in-band error: {c}");
         if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
             usage = Some(u.clone());
             token_ids = ids(c);
+            edgesplit = c["edgesplit"].clone();
             continue;
         }
         let ch = &c["choices"][0];
@@ -459,13 +529,14 @@ pub async fn run(
         }
     }
     let usage = usage.expect("usage chunk");
-    Outcome {
+    let outcome = Outcome {
         text,
         token_ids,
         finish_reason: finish.expect("finish chunk"),
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
-    }
+    };
+    (outcome, edgesplit)
 }
 
 /// The V2 identity a node reports in `Info`.
