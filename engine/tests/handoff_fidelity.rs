@@ -1,25 +1,12 @@
 //! Engine-level proof that export -> import into another engine continues exactly like the
 //! colocated run (greedy and seeded), on the real default model.
 
+mod common;
+
+use common::model_path;
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
 };
-
-fn model_path() -> std::path::PathBuf {
-    let p = std::env::var("EDGESPLIT_MODEL").map_or_else(
-        |_| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        Into::into,
-    );
-    assert!(
-        p.is_file(),
-        "model {} missing: run scripts/test.sh (it fetches the model)",
-        p.display()
-    );
-    p
-}
 
 async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> (Vec<i32>, GenEvent) {
     let mut ids = Vec::new();

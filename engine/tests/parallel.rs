@@ -2,22 +2,15 @@
 //! one the engine writes alone, the answers really overlap in time, a request beyond the
 //! slots waits and then runs, and a reader that leaves frees its slot.
 
+mod common;
+
+use common::model_path;
 use std::time::{Duration, Instant};
 
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
-
-fn model_path() -> std::path::PathBuf {
-    std::env::var("EDGESPLIT_MODEL").map_or_else(
-        |_| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        Into::into,
-    )
-}
 
 /// Token ids, the final event, and when the first and the last token arrived.
 struct Run {

@@ -3,18 +3,11 @@
 //! a seed (each step's RNG depends on the step index) and a frequency penalty (which reads
 //! the answer so far).
 
+mod common;
+
+use common::model_path;
 use edgesplit_engine::{Engine, EngineConfig, GenEvent, Input, SamplingParams, Start};
 use tokio::sync::mpsc::UnboundedReceiver;
-
-fn model_path() -> std::path::PathBuf {
-    std::env::var("EDGESPLIT_MODEL").map_or_else(
-        |_| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        Into::into,
-    )
-}
 
 async fn ids(mut rx: UnboundedReceiver<GenEvent>) -> Vec<i32> {
     let mut ids = Vec::new();

@@ -625,7 +625,7 @@ impl SplitAnswer {
                     let ev = match m {
                         Ok(Ok(Some(ev))) => token_event(ev, false),
                         Ok(Ok(None)) => return Split::Failed(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
-                        Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+                        Ok(Err(st)) => return Split::Failed(ApiError::from_decode_stream(&st, self.param)),
                         Err(_) => return Split::Failed(ApiError::upstream("timeout", format!("no token from the decode node within {idle:?}"))),
                     };
                     if let Event::Error(e) = ev {

@@ -125,6 +125,27 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// A failure of the decode node's token stream once it was under way. A status a node
+    /// sent on purpose (it names its cause) maps as [`ApiError::from_status`] does; anything
+    /// else means the stream itself broke (the node died, its connection dropped), which is
+    /// named `decode_node_lost`, not an internal error of ours.
+    #[must_use]
+    pub fn from_decode_stream(st: &tonic::Status, input_param: &str) -> Self {
+        if st.metadata().get(edgesplit_proto_error_key()).is_some() {
+            return Self::from_status(st, input_param);
+        }
+        Self::unavailable(
+            "decode_node_lost",
+            format!(
+                "the decode node's stream broke mid-answer ({:?}: {})",
+                st.code(),
+                st.message()
+            ),
+        )
+    }
+}
+
 fn edgesplit_proto_error_key() -> &'static str {
     // Mirrors `edgesplit_engine::wire::ERROR_CODE_KEY` (the router does not link llama.cpp).
     "x-edgesplit-error"

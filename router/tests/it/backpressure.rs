@@ -16,11 +16,7 @@ async fn beyond_the_queue_requests_get_503_with_retry_after() {
     let s = common::start(o);
     let url = format!("{}/v1/completions", s.router);
     // A raw prompt the model keeps continuing, long enough to hold the slot.
-    let count = (1..=40)
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let long = json!({"prompt": format!("{count},"), "max_tokens": 120, "temperature": 0});
+    let long = json!({"prompt": common::counting_prompt(), "max_tokens": 120, "temperature": 0});
     let first = tokio::spawn({
         let (url, long) = (url.clone(), long.clone());
         async move { common::post(&url, &long).await }

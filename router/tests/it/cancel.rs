@@ -27,14 +27,9 @@ async fn a_client_that_disconnects_frees_the_node() {
     let stack = common::start(common::StackOptions::new(common::SMOLLM2));
     let s = &stack;
     let url = format!("{}/v1/completions", s.router);
-    // A raw prompt the model keeps continuing: counting.
-    let count = (1..=40)
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
     for transport in ["v2", "local"] {
         let body = json!({
-            "prompt": format!("{count},"),
+            "prompt": common::counting_prompt(),
             "max_tokens": 1500, "temperature": 0, "stream": true,
             "edgesplit": {"transport": transport},
         });

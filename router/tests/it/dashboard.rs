@@ -33,19 +33,33 @@ async fn start_browser() -> (Driver, Client) {
             "{p} missing: scripts/test.sh installs Debian's chromium and chromium-driver"
         );
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let driver = Driver(
-        Command::new(CHROMEDRIVER)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver starts"),
-    );
+    // Port 0: chromedriver binds a free port itself and prints it (no port picked by us,
+    // freed, and raced for by other tests).
+    let mut child = Command::new(CHROMEDRIVER)
+        .arg("--port=0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("chromedriver starts");
+    let stdout = child.stdout.take().unwrap();
+    let driver = Driver(child);
+    let port: u16 = {
+        use std::io::BufRead;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let port = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find_map(|l| {
+                l.strip_prefix("ChromeDriver was started successfully on port ")?
+                    .trim_end_matches('.')
+                    .parse()
+                    .ok()
+            })
+            .expect("chromedriver reports its port");
+        // Keep draining its output so that it never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        port
+    };
     let profile = std::env::temp_dir().join(format!("edgesplit-chromium-{}", std::process::id()));
     let mut caps = serde_json::Map::new();
     caps.insert(

@@ -14,17 +14,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// Set: the proxy in front of the decode node drops every connection and refuses new ones.
 static DECODE_DEAD: AtomicBool = AtomicBool::new(false);
 
 /// Forwards to the decode node's gRPC listener until [`DECODE_DEAD`] is set.
 fn killable_proxy(target: String) -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.set_nonblocking(true).unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let l = TcpListener::from_std(l).unwrap();
+    let (addr, l) = common::proxy_listener();
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = l.accept().await {
             if DECODE_DEAD.load(Ordering::SeqCst) {
@@ -48,6 +45,45 @@ fn killable_proxy(target: String) -> String {
     addr
 }
 
+/// Set: the proxy in front of the decode node stops forwarding, both ways, and holds the
+/// connections open (a frozen phone: no error, no bytes).
+static DECODE_STALLED: AtomicBool = AtomicBool::new(false);
+
+/// Forwards to the decode node's gRPC listener until [`DECODE_STALLED`] is set, then
+/// forwards nothing more and keeps the sockets open.
+fn stalling_proxy(target: String) -> String {
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                let outbound = TcpStream::connect(target).await.unwrap();
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
+                            mut w: tokio::net::tcp::OwnedWriteHalf| async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let k = match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => k,
+                        };
+                        if DECODE_STALLED.load(Ordering::SeqCst) {
+                            // Swallow it and everything after; keep both sockets.
+                            std::future::pending::<()>().await;
+                        }
+                        if w.write_all(&buf[..k]).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                tokio::join!(pump(ri, wo), pump(ro, wi));
+            });
+        }
+    });
+    addr
+}
+
 /// Corrupt the first this-many handoff connections.
 static CORRUPT_FIRST: AtomicUsize = AtomicUsize::new(0);
 static HANDOFFS: AtomicUsize = AtomicUsize::new(0);
@@ -55,10 +91,7 @@ static HANDOFFS: AtomicUsize = AtomicUsize::new(0);
 /// Between the nodes: flips one byte, far into the STATE frame, of the first
 /// [`CORRUPT_FIRST`] connections.
 fn corrupting_proxy(target: String) -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.set_nonblocking(true).unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let l = TcpListener::from_std(l).unwrap();
+    let (addr, l) = common::proxy_listener();
     tokio::spawn(async move {
         while let Ok((inbound, _)) = l.accept().await {
             let n = HANDOFFS.fetch_add(1, Ordering::SeqCst);
@@ -208,15 +241,16 @@ async fn the_decode_node_dies_mid_answer() {
             timing["token_ids"], expected["edgesplit"]["token_ids"],
             "{sampling}"
         );
-        assert!(timing["fallback"].is_string(), "{timing}");
+        assert_eq!(timing["fallback"], "decode_node_lost", "{timing}");
     }
     let expected = local_answer(&s.router, &samplings()[0]).await;
     let expected_text = expected["choices"][0]["message"]["content"]
         .as_str()
         .unwrap();
-    assert!(
-        common::fallbacks(&s).await >= 2,
-        "the fallbacks are counted"
+    assert_eq!(
+        common::fallbacks_for(&s, "decode_node_lost").await,
+        2,
+        "each fallback counted under its cause"
     );
     // With the decode node gone, a new request is answered on the prefill node from the
     // start (the fallback policy), never a hang.
@@ -257,6 +291,7 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
     let s = common::start(o);
     let url = format!("{}/v1/chat/completions", s.router);
     let expected = local_answer(&s.router, &samplings()[0]).await;
+    let expected_greedy = expected.clone();
     let decode_refused = || async { common::decode_info(&s.decode_grpc).await.handoffs_refused };
 
     // One corrupted connection: refused, retried once, delivered; no fallback.
@@ -292,6 +327,7 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
         expected["edgesplit"]["token_ids"]
     );
     assert_eq!(v["edgesplit"]["fallback"], "checksum_mismatch", "{v}");
+    assert_eq!(common::fallbacks_for(&s, "checksum_mismatch").await, 1);
     assert_eq!(HANDOFFS.load(Ordering::SeqCst), 2);
     assert_eq!(
         decode_refused().await - before,
@@ -311,5 +347,81 @@ async fn corrupted_handoffs_are_all_detected_and_the_answer_is_still_right() {
         v["edgesplit"]["token_ids"],
         expected["edgesplit"]["token_ids"]
     );
+
+    // `--on-split-failure fail` when the handoff itself fails (both attempts corrupted):
+    // the first token, then an in-band error naming the cause, then [DONE].
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.handoff_proxy = Some(corrupting_proxy);
+    o.fail_on_split_failure = true;
+    let f = common::start(o);
+    HANDOFFS.store(0, Ordering::SeqCst);
+    let url = format!("{}/v1/chat/completions", f.router);
+    let (text, _, error, done) = stream_and_kill(&url, &ask("v2", true), usize::MAX).await;
+    let error = error.expect("an in-band error event");
+    assert_eq!(error["error"]["code"], "checksum_mismatch", "{error}");
+    assert!(done, "[DONE] after the error");
+    let expected_text = expected_greedy["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap();
+    assert!(
+        !text.is_empty() && expected_text.starts_with(&text),
+        "the first token, then nothing: {text:?}"
+    );
+    assert_eq!(
+        HANDOFFS.load(Ordering::SeqCst),
+        2,
+        "retried once, then failed"
+    );
     CORRUPT_FIRST.store(0, Ordering::SeqCst);
+}
+
+/// A decode node that stalls mid-answer (no error, no token, the connection open) is
+/// given up after `--token-idle-timeout-ms`, and the prefill node finishes the answer,
+/// identical, with the cause `timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_decode_node_is_given_up_after_the_idle_bound() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(stalling_proxy);
+    o.token_idle_timeout_ms = 1_000;
+    let s = common::start(o);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let expected = local_answer(&s.router, &samplings()[0]).await;
+    DECODE_STALLED.store(false, Ordering::SeqCst);
+    let resp = common::client()
+        .post(&url)
+        .json(&ask("v2", true))
+        .send()
+        .await
+        .unwrap();
+    let (mut text, mut timing, mut pieces) = (String::new(), Value::Null, 0);
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            if !c.is_empty() {
+                text.push_str(c);
+                pieces += 1;
+                if pieces == 8 {
+                    DECODE_STALLED.store(true, Ordering::SeqCst);
+                }
+            }
+        }
+        if !v["edgesplit"].is_null() {
+            timing = v["edgesplit"].clone();
+        }
+    }
+    DECODE_STALLED.store(false, Ordering::SeqCst);
+    assert!(pieces > 8, "the stall came mid-answer");
+    assert_eq!(
+        text,
+        expected["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+    );
+    assert_eq!(timing["token_ids"], expected["edgesplit"]["token_ids"]);
+    assert_eq!(timing["fallback"], "timeout", "{timing}");
 }

@@ -42,6 +42,19 @@ async fn seeded_sampling_is_not_greedy_and_the_seed_matters() {
 }
 
 async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
+    assert_identical_in(prompt, min_prompt_tokens..u64::MAX, 20).await;
+}
+
+/// [`assert_identical`] for a prompt whose token count must lie in `prompt_tokens`, with
+/// answers of `max_tokens`.
+/// Returns the reference (`local`) answers, greedy then seeded.
+async fn assert_identical_in(
+    prompt: String,
+    prompt_tokens: std::ops::Range<u64>,
+    max_tokens: u64,
+) -> Vec<common::Outcome> {
+    let mut references = Vec::new();
+    let min_prompt_tokens = prompt_tokens.start;
     let s = gemma();
     // Each transport under each sampling; streamed and not alternate between the two
     // (whether the router streams is independent of how the state travelled, and the four
@@ -49,10 +62,11 @@ async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
     for (sampling, streamed) in samplings().into_iter().zip([[false, true], [true, false]]) {
         let mut body: Value = sampling.clone();
         body["prompt"] = json!(prompt);
+        body["max_tokens"] = json!(max_tokens);
         let reference = run(s, "/v1/completions", &body, "local", false).await;
         assert!(
-            reference.prompt_tokens >= min_prompt_tokens,
-            "{}",
+            prompt_tokens.contains(&reference.prompt_tokens),
+            "{} prompt tokens, wanted {prompt_tokens:?} (at least {min_prompt_tokens})",
             reference.prompt_tokens
         );
         assert!(!reference.token_ids.is_empty());
@@ -63,7 +77,9 @@ async fn assert_identical(prompt: String, min_prompt_tokens: u64) {
                 "{transport}, sampling {sampling}, streamed {streamed}"
             );
         }
+        references.push(reference);
     }
+    references
 }
 
 #[tokio::test]
@@ -71,9 +87,9 @@ async fn short_prompt() {
     assert_identical("The capital of France is".into(), 4).await;
 }
 
-#[tokio::test]
-async fn prompt_inside_the_sliding_window() {
-    let text = (0..15)
+/// `n` lines of a list the model can continue.
+fn baskets(n: usize) -> String {
+    (0..n)
         .map(|i| {
             format!(
                 "Item {i}: a basket of {} apples and {} pears.",
@@ -82,8 +98,32 @@ async fn prompt_inside_the_sliding_window() {
             )
         })
         .collect::<Vec<_>>()
-        .join(" ");
-    assert_identical(format!("{text}\nThe basket with the most pears is"), 150).await;
+        .join(" ")
+}
+
+#[tokio::test]
+async fn prompt_inside_the_sliding_window() {
+    let text = baskets(15);
+    // Under the 512-token window: checked, not assumed.
+    let _ = assert_identical_in(
+        format!("{text}\nThe basket with the most pears is"),
+        150..512,
+        20,
+    )
+    .await;
+}
+
+/// The prompt fits the 512-token window; the answer's decode steps cross it (the decode
+/// node's cache wraps while it writes).
+#[tokio::test]
+async fn decode_that_crosses_the_sliding_window() {
+    let text = baskets(48);
+    assert_identical_in(
+        format!("{text}\nThe basket with the most pears is"),
+        440..505,
+        64,
+    )
+    .await;
 }
 
 #[tokio::test]

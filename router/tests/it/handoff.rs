@@ -39,44 +39,53 @@ async fn kv_state_really_crosses_the_v2_connection() {
     assert!(after.handoffs_received > before.handoffs_received);
 }
 
+/// Sends an empty state as `id` and returns the NACK it gets.
+async fn refusal(addr: &str, id: &Identity, handoff_id: &str) -> frame::Nack {
+    let state = StateFrame {
+        handoff_id: handoff_id.into(),
+        request_id: "t".into(),
+        tokens: vec![1],
+        descriptors: vec![],
+        payload: Bytes::new(),
+    };
+    match handoff::send_state(addr, id, state, &Limits::default(), None).await {
+        Err(HandoffError::Refused(n)) => n,
+        other => panic!("expected a NACK, got {other:?}"),
+    }
+}
+
+/// Another llama.cpp build or another KV cache type is refused in the handshake, with
+/// its own code, before any KV byte moves.
+#[tokio::test]
+async fn another_build_or_kv_type_is_refused_with_its_code() {
+    let s = common::smollm2();
+    let info = common::decode_info(&s.decode_grpc).await;
+    let mut other_build = common::identity(&info);
+    other_build.build_id.push_str("-other");
+    let mut other_kv = common::identity(&info);
+    other_kv.type_k = 8; // q8_0 where the node runs f16
+    for (id, code) in [
+        (other_build, NackCode::BuildMismatch),
+        (other_kv, NackCode::KvTypeMismatch),
+    ] {
+        let n = refusal(&s.handoff_addr, &id, "other-build").await;
+        assert_eq!(n.code, code, "{n}");
+    }
+}
+
 #[tokio::test]
 async fn wrong_model_fingerprint_is_refused_with_a_reason() {
     let s = common::smollm2();
     let info = common::decode_info(&s.decode_grpc).await;
     let mut id = common::identity(&info);
     id.model_fingerprint[0] ^= 0xff;
-    let state = StateFrame {
-        handoff_id: "wrong-model".into(),
-        request_id: "t".into(),
-        tokens: vec![1],
-        descriptors: vec![],
-        payload: Bytes::new(),
-    };
-    let err = handoff::send_state(&s.handoff_addr, &id, state, &Limits::default(), None)
-        .await
-        .unwrap_err();
-    let HandoffError::Refused(n) = err else {
-        panic!("expected a NACK, got {err:?}")
-    };
+    let n = refusal(&s.handoff_addr, &id, "wrong-model").await;
     assert_eq!(n.code, NackCode::ModelMismatch);
     assert!(n.reason.contains(&info.model_fingerprint), "{}", n.reason);
     // A different context size is refused too, naming both sizes.
     let mut id = common::identity(&info);
     id.n_ctx = 4096;
-    let state = StateFrame {
-        handoff_id: "wrong-ctx".into(),
-        request_id: "t".into(),
-        tokens: vec![1],
-        descriptors: vec![],
-        payload: Bytes::new(),
-    };
-    let HandoffError::Refused(n) =
-        handoff::send_state(&s.handoff_addr, &id, state, &Limits::default(), None)
-            .await
-            .unwrap_err()
-    else {
-        panic!("expected a NACK")
-    };
+    let n = refusal(&s.handoff_addr, &id, "wrong-ctx").await;
     assert_eq!(n.code, NackCode::ContextMismatch);
     assert!(
         n.reason.contains("4096") && n.reason.contains("2048"),
@@ -200,9 +209,17 @@ async fn declared_descriptors_must_match_the_payload() {
         other => panic!("expected NACK, got {other:?}"),
     }
     // The connection stays usable: a good state on it is ACKed.
+    send_good_state(&mut f, "desc-2").await;
+}
+
+/// Sends a well-formed synthetic state as `handoff_id` on an open session; it is ACKed.
+async fn send_good_state(
+    f: &mut Framed<TcpStream, edgesplit_proto::codec::V2Codec>,
+    handoff_id: &str,
+) {
     let payload = synthetic_state();
     f.send(Frame::State(StateFrame {
-        handoff_id: "desc-2".into(),
+        handoff_id: handoff_id.into(),
         request_id: "t".into(),
         tokens: vec![7],
         descriptors: edgesplit_proto::layout::describe(&payload).descriptors,
@@ -218,10 +235,7 @@ static FIRST_TOKEN_SEEN: AtomicBool = AtomicBool::new(false);
 
 /// Between the nodes: holds every handoff connection until [`FIRST_TOKEN_SEEN`].
 fn gated_proxy(target: String) -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.set_nonblocking(true).unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let l = tokio::net::TcpListener::from_std(l).unwrap();
+    let (addr, l) = common::proxy_listener();
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = l.accept().await {
             let target = target.clone();
@@ -298,4 +312,36 @@ async fn first_token_does_not_wait_for_the_handoff() {
     assert_eq!(text, reference.text);
     let (edgesplit, completion_tokens) = report.expect("usage chunk");
     common::assert_split(&edgesplit, completion_tokens.unwrap());
+}
+
+/// A verified state nobody claims is dropped after `--pending-ttl-s`: a `Generate` for it
+/// afterwards finds nothing (it never imports a stale state).
+#[tokio::test]
+async fn an_unclaimed_state_expires_after_its_ttl() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.pending_ttl_s = 1;
+    let s = common::start(o);
+    let id = common::identity(&common::decode_info(&s.decode_grpc).await);
+    let mut f = raw_session(&s.handoff_addr, &id).await;
+    send_good_state(&mut f, "ttl-1").await;
+    // Waiting out the TTL is the behaviour under test, not a synchronisation.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
+        .await
+        .unwrap();
+    let err = c
+        .generate(pb::GenerateRequest {
+            request_id: "t".into(),
+            handoff_id: "ttl-1".into(),
+            sampling: None,
+            max_new_tokens: 1,
+            first_token: Some(1),
+        })
+        .await
+        .expect_err("the expired state is gone");
+    assert_eq!(
+        err.metadata().get("x-edgesplit-error").unwrap(),
+        "handoff_missing",
+        "{err:?}"
+    );
 }

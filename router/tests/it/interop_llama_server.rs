@@ -122,10 +122,9 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
     assert_eq!(ours.len(), (N - 1) as usize);
 
     // 4. Stock llama-server: restore the slot, then continue after the first token.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // Port 0: llama-server binds a free port itself and logs it (no port picked by us,
+    // freed, and raced for by other tests).
+    let log_path = tempdir("interop-log").join("llama-server.log");
     let mut slot_path = slots.display().to_string();
     slot_path.push('/');
     let _server = Server(
@@ -142,14 +141,29 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                 "on",
                 "--no-webui",
             ])
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--host", "127.0.0.1", "--port", "0"])
             .args(["--slot-save-path", &slot_path])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
             .spawn()
             .expect("llama-server starts"),
     );
-    let base = format!("http://127.0.0.1:{port}");
+    let t0 = Instant::now();
+    let base = loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if let Some(url) = log
+            .lines()
+            .find_map(|l| l.split("listening on ").nth(1))
+            .map(str::trim)
+        {
+            break url.trim_end_matches('/').to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "llama-server did not report its address:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let http = common::client();
     let t0 = Instant::now();
     while http

@@ -15,6 +15,7 @@ mod backpressure;
 mod cancel;
 mod concurrency;
 mod dashboard;
+mod documented;
 mod fallback;
 mod fidelity;
 mod gemma;

@@ -8,6 +8,7 @@ use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use edgesplit_proto::pb;
@@ -34,12 +35,59 @@ fn bin(name: &str) -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The fields of the first JSON log line of `log` whose message is `message`: a child
+/// binds port 0 and reports the address it got (no port is picked, freed and raced for).
+async fn reported(log: &std::path::Path, message: &str) -> serde_json::Value {
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if v["fields"]["message"] == message {
+                return v["fields"].clone();
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "{} never logged {message:?}",
+            log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A forwarder on a port the test holds, to a target known only later (the decode node's
+/// handoff address, which it reports after binding port 0).
+struct LateTarget {
+    addr: String,
+    target: Arc<std::sync::OnceLock<String>>,
+}
+
+impl LateTarget {
+    fn new() -> Self {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        let target: Arc<std::sync::OnceLock<String>> = Arc::default();
+        let t = target.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = l.accept().await {
+                let t = t.clone();
+                tokio::spawn(async move {
+                    while t.get().is_none() {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(t.get().unwrap()).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+            }
+        });
+        LateTarget { addr, target }
+    }
 }
 
 fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
@@ -83,26 +131,26 @@ async fn start_three(
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let model = common::model(common::SMOLLM2).display().to_string();
-    let [dg, dh, dv, pg, pm, r] = [(); 6].map(|()| free_port());
     let a = |s: &str| s.to_string();
-    let addr = |p: u16| format!("127.0.0.1:{p}");
+    let any = || a("127.0.0.1:0");
     let mut dargs = vec![
         a("--model"),
         model.clone(),
         a("--n-ctx"),
         a("1024"),
         a("--listen"),
-        addr(dg),
+        any(),
         a("--handoff-listen"),
-        addr(dh),
+        any(),
         a("--v1-listen"),
-        addr(dv),
+        any(),
         a("--state-dir"),
         dir.join("d").display().to_string(),
     ];
     dargs.extend(decode_extra.iter().map(|s| s.to_string()));
+    let late = LateTarget::new();
     if let Some(via) = handoff_via {
-        dargs.extend([a("--handoff-advertise"), via(addr(dh))]);
+        dargs.extend([a("--handoff-advertise"), via(late.addr.clone())]);
     }
     let decode = spawn("edgesplit-decode", &dargs, &dir.join("decode.log"));
     let prefill = spawn(
@@ -113,25 +161,32 @@ async fn start_three(
             a("--n-ctx"),
             a("1024"),
             a("--listen"),
-            addr(pg),
+            any(),
             a("--metrics-listen"),
-            addr(pm),
+            any(),
             a("--state-dir"),
             dir.join("p").display().to_string(),
         ],
         &dir.join("prefill.log"),
     );
+    let d = reported(&dir.join("decode.log"), "decode node listening").await;
+    let handoff = d["handoff"].as_str().unwrap().to_string();
+    let _ = late.target.set(handoff);
+    let dg = d["grpc"].as_str().unwrap().to_string();
+    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
+    let pg = p["grpc"].as_str().unwrap().to_string();
     let mut rargs = vec![
         a("--listen"),
-        addr(r),
+        any(),
         a("--prefill-url"),
-        format!("http://{}", addr(pg)),
+        format!("http://{pg}"),
         a("--decode-url"),
-        format!("http://{}", addr(dg)),
+        format!("http://{dg}"),
     ];
     rargs.extend(router_extra.iter().map(|s| s.to_string()));
     let router = spawn("edgesplit-router", &rargs, &dir.join("router.log"));
-    let base = format!("http://{}", addr(r));
+    let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
+    let base = format!("http://{}", r["addr"].as_str().unwrap());
     let t0 = Instant::now();
     loop {
         let ok = common::client()
@@ -150,7 +205,7 @@ async fn start_three(
     }
     Three {
         decode,
-        decode_grpc: format!("http://{}", addr(dg)),
+        decode_grpc: format!("http://{dg}"),
         _prefill: prefill,
         router,
         base,

@@ -82,6 +82,13 @@ async fn refusals_leave_no_file() {
     .await;
     assert_refused(&got, 409, "model_mismatch");
     assert!(leftovers(s, "v1-model").is_empty());
+    // Another llama.cpp build.
+    let got = put(s, "v1-build", ggsq(3), |h| {
+        h.insert(v1::HEADER_BUILD, "llama-cpp-2-0.0.0".parse().unwrap());
+    })
+    .await;
+    assert_refused(&got, 409, "build_mismatch");
+    assert!(leftovers(s, "v1-build").is_empty());
     // Mis-hashed body.
     let got = put(s, "v1-hash", ggsq(3), |h| {
         h.insert(v1::HEADER_SHA256, sha(b"other").parse().unwrap());

@@ -52,6 +52,12 @@ pub struct StackOptions {
     /// The router's `--max-in-flight` (None: the decode node's `parallel`).
     pub max_in_flight: Option<usize>,
     pub max_queue: usize,
+    /// The router's `--queue-timeout-s`.
+    pub queue_timeout_s: u64,
+    /// The decode node's `--pending-ttl-s`.
+    pub pending_ttl_s: u64,
+    /// The router's `--token-idle-timeout-ms`.
+    pub token_idle_timeout_ms: u64,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
     /// The router's `--bench-db` (the dashboard's benchmark section).
@@ -78,6 +84,9 @@ impl StackOptions {
             upload_timeout_s: 120,
             max_in_flight: None,
             max_queue: 64,
+            queue_timeout_s: 60,
+            pending_ttl_s: 120,
+            token_idle_timeout_ms: 15_000,
             kv_budget_bytes: 0,
             bench_db: None,
             secret: None,
@@ -196,7 +205,7 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_wait_s: 5,
         kv_budget_bytes: opts.kv_budget_bytes,
         plan: false,
-        pending_ttl_s: 120,
+        pending_ttl_s: opts.pending_ttl_s,
         max_pending_bytes: 1 << 30,
         upload_timeout_s: opts.upload_timeout_s,
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
@@ -252,6 +261,8 @@ async fn serve(opts: StackOptions) -> Stack {
     let mut rcfg = edgesplit_router::Config::new(prefill_url, router_decode);
     rcfg.max_in_flight = opts.max_in_flight;
     rcfg.max_queue = opts.max_queue;
+    rcfg.queue_timeout_s = opts.queue_timeout_s;
+    rcfg.token_idle_timeout_ms = opts.token_idle_timeout_ms;
     if opts.fail_on_split_failure {
         rcfg.on_split_failure = edgesplit_router::OnSplitFailure::Fail;
     }
@@ -300,16 +311,38 @@ pub fn smollm2() -> &'static Stack {
     S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
 }
 
-/// A gauge (no labels) of the router's `/metrics`.
-pub async fn gauge(stack: &Stack, name: &str) -> Option<i64> {
-    let text = client()
+/// The router's `/metrics` text.
+pub async fn metrics_text(stack: &Stack) -> String {
+    client()
         .get(format!("{}/metrics", stack.router))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// A raw prompt the model keeps continuing (counting), for answers that hold a slot.
+pub fn counting_prompt() -> String {
+    let count = (1..=40)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!("{count},")
+}
+
+/// A listener on a free loopback port, for a test's proxy, and its address.
+pub fn proxy_listener() -> (String, TcpListener) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (addr, TcpListener::from_std(l).unwrap())
+}
+
+/// A gauge (no labels) of the router's `/metrics`.
+pub async fn gauge(stack: &Stack, name: &str) -> Option<i64> {
+    let text = metrics_text(stack).await;
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
@@ -326,16 +359,18 @@ pub async fn wait_for_gauge(stack: &Stack, name: &str, value: i64) {
     }
 }
 
+/// The router's `edgesplit:fallbacks_total{cause}` for one cause.
+pub async fn fallbacks_for(stack: &Stack, cause: &str) -> u64 {
+    let text = metrics_text(stack).await;
+    let prefix = format!("edgesplit:fallbacks_total{{cause=\"{cause}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// The router's `edgesplit:fallbacks_total`, all causes together.
 pub async fn fallbacks(stack: &Stack) -> u64 {
-    let text = client()
-        .get(format!("{}/metrics", stack.router))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(stack).await;
     text.lines()
         .filter(|l| l.starts_with("edgesplit:fallbacks_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
