@@ -204,28 +204,20 @@ pub async fn run(
     });
     if follow_decode {
         // The decode node may start after the router, or restart with another --parallel.
-        let state = Arc::downgrade(&state);
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(FOLLOW_DECODE_EVERY);
-            every.tick().await;
-            loop {
-                every.tick().await;
-                let Some(state) = state.upgrade() else {
-                    return;
-                };
-                if let Ok(info) = state.backend.decode_info().await {
-                    let n = info.parallel as usize;
-                    if n > 0 && n != state.admission.limit() {
-                        tracing::info!(
-                            from = state.admission.limit(),
-                            to = n,
-                            "admission limit follows the decode node's sequences"
-                        );
-                        state.admission.resize(n);
-                    }
-                }
-            }
-        });
+        tokio::spawn(state::follow_decode(
+            Arc::downgrade(&state),
+            FOLLOW_DECODE_EVERY,
+            |s| &s.admission,
+            |s| {
+                Box::pin(async {
+                    s.backend
+                        .decode_info()
+                        .await
+                        .ok()
+                        .map(|i| i.parallel as usize)
+                })
+            },
+        ));
     }
     let drain = Duration::from_secs(config.drain_timeout_s);
     let drained = Arc::new(tokio::sync::Notify::new());

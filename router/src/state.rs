@@ -119,10 +119,84 @@ impl Admission {
     }
 }
 
+/// The decode node's `parallel`, read once (`None` when it did not answer).
+pub type ReadParallel<T> = for<'a> fn(
+    &'a T,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Option<usize>> + Send + 'a>,
+>;
+
+/// Every `every`, reads the decode node's `parallel` and resizes the admission to it (the
+/// default `--max-in-flight`), until `state` is gone. Generic over the state so that the
+/// rule is tested without nodes.
+pub async fn follow_decode<T: Send + Sync + 'static>(
+    state: std::sync::Weak<T>,
+    every: std::time::Duration,
+    admission: fn(&T) -> &Admission,
+    read: ReadParallel<T>,
+) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        let adm = admission(&state);
+        if let Some(n) = read(&state).await {
+            if n > 0 && n != adm.limit() {
+                tracing::info!(
+                    from = adm.limit(),
+                    to = n,
+                    "admission limit follows the decode node's sequences"
+                );
+                adm.resize(n);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Admission;
+    use super::{follow_decode, Admission};
+    use std::sync::Arc;
     use std::time::Duration;
+
+    struct Fake {
+        admission: Admission,
+        parallel: std::sync::atomic::AtomicUsize,
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_admission_limit_follows_the_decode_nodes_parallel() {
+        use std::sync::atomic::Ordering;
+        let fake = Arc::new(Fake {
+            admission: Admission::new(4, 8, Duration::from_secs(1)),
+            parallel: 4.into(),
+        });
+        let follow = tokio::spawn(follow_decode(
+            Arc::downgrade(&fake),
+            Duration::from_secs(10),
+            |f| &f.admission,
+            |f| Box::pin(async { Some(f.parallel.load(Ordering::SeqCst)) }),
+        ));
+        fake.parallel.store(6, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert_eq!(fake.admission.limit(), 4, "not before the period");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(fake.admission.limit(), 6, "re-read after 10 s");
+        // A node that does not answer (0 or no reading) leaves the limit as it is.
+        fake.parallel.store(0, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(fake.admission.limit(), 6);
+        fake.parallel.store(2, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(fake.admission.limit(), 2);
+        // The loop ends with the state.
+        drop(fake);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(follow.is_finished());
+    }
 
     #[tokio::test]
     async fn admission_resizes_both_ways() {
