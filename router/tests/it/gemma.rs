@@ -117,7 +117,7 @@ async fn prompt_inside_the_sliding_window() {
 /// node's cache wraps while it writes).
 #[tokio::test]
 async fn decode_that_crosses_the_sliding_window() {
-    let text = baskets(48);
+    let text = baskets(25);
     assert_identical_in(
         format!("{text}\nThe basket with the most pears is"),
         440..505,

@@ -534,3 +534,44 @@ async fn a_draining_decode_node_takes_the_handoff_an_answer_awaits() {
         "exited after the answer"
     );
 }
+
+/// The decode node's process killed outright (SIGKILL: no drain, no goodbye) while it
+/// writes a seeded answer with a frequency penalty: the prefill node finishes it, token
+/// for token the one-device answer, and `fallback` says the decode node was lost.
+#[tokio::test]
+async fn a_killed_decode_process_loses_nothing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut t = start_three("dkill", &[], &[], None).await;
+    let seeded = |transport: &str, stream: bool| {
+        let mut b = story(120, stream);
+        b["temperature"] = json!(0.9);
+        b["seed"] = json!(5);
+        b["frequency_penalty"] = json!(0.4);
+        b["edgesplit"] = json!({"transport": transport, "return_token_ids": true});
+        b
+    };
+    let (st, _, want) = common::post(
+        &format!("{}/v1/chat/completions", t.base),
+        &seeded("local", false),
+    )
+    .await;
+    assert_eq!(st, 200, "{want}");
+    let (text, timing, _) = stream_and_signal(&t.base, &seeded("v2", true), || async {
+        decode_info_until(&t.decode_grpc, "writing the answer", |i| {
+            i.sequences_active > 0
+        })
+        .await;
+        let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
+        // SAFETY: sends a signal to our own child process; no memory is shared.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    })
+    .await;
+    assert_eq!(
+        text,
+        want["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(timing["token_ids"], want["edgesplit"]["token_ids"]);
+    assert_eq!(timing["fallback"], "decode_node_lost", "{timing}");
+    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    assert!(!status.success(), "killed: {status}");
+}
