@@ -543,7 +543,7 @@ async fn a_killed_decode_process_loses_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut t = start_three("dkill", &[], &[], None).await;
     let seeded = |transport: &str, stream: bool| {
-        let mut b = story(120, stream);
+        let mut b = story(400, stream);
         b["temperature"] = json!(0.9);
         b["seed"] = json!(5);
         b["frequency_penalty"] = json!(0.4);
@@ -556,22 +556,49 @@ async fn a_killed_decode_process_loses_nothing() {
     )
     .await;
     assert_eq!(st, 200, "{want}");
-    let (text, timing, _) = stream_and_signal(&t.base, &seeded("v2", true), || async {
-        decode_info_until(&t.decode_grpc, "writing the answer", |i| {
-            i.sequences_active > 0
-        })
-        .await;
-        let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
-        // SAFETY: sends a signal to our own child process; no memory is shared.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    })
-    .await;
+    // Killed once the client has 10 pieces of the answer: the resume then starts deep in
+    // it, where its step index and penalty history matter.
+    let resp = common::client()
+        .post(format!("{}/v1/chat/completions", t.base))
+        .json(&seeded("v2", true))
+        .send()
+        .await
+        .unwrap();
+    let (mut text, mut timing, mut pieces) = (String::new(), serde_json::Value::Null, 0);
+    let mut sse = common::Sse::new(resp);
+    while let Some(data) = sse.next().await {
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            if !c.is_empty() {
+                text.push_str(c);
+                pieces += 1;
+                if pieces == 10 {
+                    let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
+                    // SAFETY: sends a signal to our own child process; no memory is shared.
+                    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+                }
+            }
+        }
+        if v["choices"][0]["finish_reason"].is_string() {
+            timing = v["edgesplit"].clone();
+        }
+    }
+    assert!(pieces > 10, "killed mid-answer");
     assert_eq!(
         text,
         want["choices"][0]["message"]["content"].as_str().unwrap()
     );
     assert_eq!(timing["token_ids"], want["edgesplit"]["token_ids"]);
     assert_eq!(timing["fallback"], "decode_node_lost", "{timing}");
+    // The kill came mid-answer: the prefill node wrote a real part of it (not only its end).
+    assert!(
+        timing["decode_tokens"].as_u64().unwrap() > 10,
+        "the resumed part: {timing}"
+    );
     let status = exited(&mut t.decode, Duration::from_secs(5)).await;
     assert!(!status.success(), "killed: {status}");
 }
