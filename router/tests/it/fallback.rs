@@ -12,6 +12,7 @@ use crate::common;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use edgesplit_proto::pb;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -424,4 +425,69 @@ async fn a_stalled_decode_node_is_given_up_after_the_idle_bound() {
     );
     assert_eq!(timing["token_ids"], expected["edgesplit"]["token_ids"]);
     assert_eq!(timing["fallback"], "timeout", "{timing}");
+}
+
+/// A decode node that takes the answer and then ends its stream without finishing it
+/// (no token, no `Finished`, no error). The product's decode node cannot be made to do
+/// this; a faulty or hostile one can, so it stands in front of the real node: `Info` is
+/// the real node's, `Generate` ends at once.
+struct EndsEarly {
+    real: String,
+}
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for EndsEarly {
+    type GenerateStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<pb::TokenEvent, tonic::Status>> + Send>,
+    >;
+
+    async fn generate(
+        &self,
+        _: tonic::Request<pb::GenerateRequest>,
+    ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Ok(tonic::Response::new(Box::pin(futures::stream::empty())))
+    }
+
+    async fn info(
+        &self,
+        r: tonic::Request<pb::InfoRequest>,
+    ) -> Result<tonic::Response<pb::NodeInfo>, tonic::Status> {
+        let mut c = pb::decode_client::DecodeClient::connect(self.real.clone())
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        c.info(r.into_inner()).await
+    }
+}
+
+fn ends_early(target: String) -> String {
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::decode_server::DecodeServer::new(EndsEarly {
+                real: format!("http://{target}"),
+            }))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+    );
+    addr
+}
+
+/// A decode node that ends its stream early: the prefill node finishes the answer,
+/// identical, with the cause `stream_ended`.
+#[tokio::test]
+async fn a_decode_node_that_ends_early_is_finished_by_the_prefill_node() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(ends_early);
+    let s = common::start(o);
+    let expected = local_answer(&s.router, &samplings()[1]).await;
+    let (st, _, v) = common::post(
+        &format!("{}/v1/chat/completions", s.router),
+        &ask_with("v2", false, &samplings()[1]),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["edgesplit"]["fallback"], "stream_ended", "{v}");
+    assert_eq!(
+        v["edgesplit"]["token_ids"],
+        expected["edgesplit"]["token_ids"]
+    );
 }
