@@ -167,17 +167,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
     let after = common::decode_info(&s.decode_grpc).await;
     assert!(after.handoffs_refused > before.handoffs_refused);
     // Nothing was stored: generating from that handoff finds no state.
-    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
-        .await
-        .unwrap();
-    let err = c
-        .generate(pb::GenerateRequest {
-            request_id: "t".into(),
-            handoff_id: "corrupt-1".into(),
-            sampling: None,
-            max_new_tokens: 1,
-            first_token: Some(1),
-        })
+    let err = generate_from(&s.decode_grpc, "corrupt-1")
         .await
         .expect_err("no state to generate from");
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
@@ -210,6 +200,24 @@ async fn declared_descriptors_must_match_the_payload() {
     }
     // The connection stays usable: a good state on it is ACKed.
     send_good_state(&mut f, "desc-2").await;
+}
+
+/// Calls the decode node's `Generate` for `handoff_id` (one token after token 1).
+async fn generate_from(
+    decode_grpc: &str,
+    handoff_id: &str,
+) -> Result<tonic::Response<tonic::Streaming<pb::TokenEvent>>, tonic::Status> {
+    let mut c = pb::decode_client::DecodeClient::connect(decode_grpc.to_string())
+        .await
+        .unwrap();
+    c.generate(pb::GenerateRequest {
+        request_id: "t".into(),
+        handoff_id: handoff_id.into(),
+        sampling: None,
+        max_new_tokens: 1,
+        first_token: Some(1),
+    })
+    .await
 }
 
 /// Sends a well-formed synthetic state as `handoff_id` on an open session; it is ACKed.
@@ -326,17 +334,7 @@ async fn an_unclaimed_state_expires_after_its_ttl() {
     send_good_state(&mut f, "ttl-1").await;
     // Waiting out the TTL is the behaviour under test, not a synchronisation.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let mut c = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
-        .await
-        .unwrap();
-    let err = c
-        .generate(pb::GenerateRequest {
-            request_id: "t".into(),
-            handoff_id: "ttl-1".into(),
-            sampling: None,
-            max_new_tokens: 1,
-            first_token: Some(1),
-        })
+    let err = generate_from(&s.decode_grpc, "ttl-1")
         .await
         .expect_err("the expired state is gone");
     assert_eq!(

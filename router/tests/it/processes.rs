@@ -369,6 +369,16 @@ async fn stream_and_signal<F: std::future::Future<Output = ()>>(
     body: &serde_json::Value,
     at_first_content: impl FnOnce() -> F,
 ) -> (String, serde_json::Value, Instant) {
+    stream_and_signal_after(base, body, 1, at_first_content).await
+}
+
+/// [`stream_and_signal`], running `signal` once `pieces` non-empty content pieces arrived.
+async fn stream_and_signal_after<F: std::future::Future<Output = ()>>(
+    base: &str,
+    body: &serde_json::Value,
+    pieces: usize,
+    signal: impl FnOnce() -> F,
+) -> (String, serde_json::Value, Instant) {
     let resp = common::client()
         .post(format!("{base}/v1/chat/completions"))
         .json(body)
@@ -376,8 +386,8 @@ async fn stream_and_signal<F: std::future::Future<Output = ()>>(
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let (mut text, mut timing, mut done) = (String::new(), None, false);
-    let mut at_first_content = Some(at_first_content);
+    let (mut text, mut timing, mut done, mut seen) = (String::new(), None, false, 0);
+    let mut signal = Some(signal);
     let mut sse = common::Sse::new(resp);
     while let Some(data) = sse.next().await {
         if data == "[DONE]" {
@@ -388,17 +398,18 @@ async fn stream_and_signal<F: std::future::Future<Output = ()>>(
         assert!(v.get("error").is_none(), "{v}");
         if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
             text.push_str(c);
+            seen += usize::from(!c.is_empty());
         }
         if v["choices"][0]["finish_reason"].is_string() {
             timing = Some(v["edgesplit"].clone());
         }
-        if !text.is_empty() {
-            if let Some(f) = at_first_content.take() {
+        if seen >= pieces {
+            if let Some(f) = signal.take() {
                 f().await;
             }
         }
     }
-    assert!(at_first_content.is_none(), "content arrived");
+    assert!(signal.is_none(), "{pieces} pieces of content arrived");
     assert!(done, "the answer ended with [DONE]");
     (text, timing.expect("a finish chunk"), Instant::now())
 }
@@ -558,36 +569,12 @@ async fn a_killed_decode_process_loses_nothing() {
     assert_eq!(st, 200, "{want}");
     // Killed once the client has 10 pieces of the answer: the resume then starts deep in
     // it, where its step index and penalty history matter.
-    let resp = common::client()
-        .post(format!("{}/v1/chat/completions", t.base))
-        .json(&seeded("v2", true))
-        .send()
-        .await
-        .unwrap();
-    let (mut text, mut timing, mut pieces) = (String::new(), serde_json::Value::Null, 0);
-    let mut sse = common::Sse::new(resp);
-    while let Some(data) = sse.next().await {
-        if data == "[DONE]" {
-            continue;
-        }
-        let v: serde_json::Value = serde_json::from_str(&data).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-            if !c.is_empty() {
-                text.push_str(c);
-                pieces += 1;
-                if pieces == 10 {
-                    let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
-                    // SAFETY: sends a signal to our own child process; no memory is shared.
-                    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-                }
-            }
-        }
-        if v["choices"][0]["finish_reason"].is_string() {
-            timing = v["edgesplit"].clone();
-        }
-    }
-    assert!(pieces > 10, "killed mid-answer");
+    let (text, timing, _) = stream_and_signal_after(&t.base, &seeded("v2", true), 10, || async {
+        let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
+        // SAFETY: sends a signal to our own child process; no memory is shared.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    })
+    .await;
     assert_eq!(
         text,
         want["choices"][0]["message"]["content"].as_str().unwrap()
