@@ -200,8 +200,8 @@ pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
         mib(p.model_bytes)
     );
     println!(
-        "KV per token     {} bytes (f16 K+V, {} layers, from the GGUF metadata)",
-        p.kv_bytes_per_token, info.n_layer
+        "KV per token     {} bytes (K {:?} + V {:?}, {} layers, from the GGUF metadata)",
+        p.kv_bytes_per_token, config.engine.cache_type_k, config.engine.cache_type_v, info.n_layer
     );
     println!(
         "available now    {:.1} MiB (MemAvailable, not total RAM)",

@@ -29,6 +29,10 @@ pub struct EngineConfig {
     /// the matrix shapes each token is computed with, so its logits would no longer be
     /// bit-identical to the single-device run's. Extra requests wait for a free slot.
     pub n_parallel: u32,
+    /// KV cache element types. Both nodes must run the same (the handshake compares);
+    /// a quantized V cache needs flash attention (llama.cpp's rule).
+    pub cache_type_k: KvType,
+    pub cache_type_v: KvType,
 }
 
 impl EngineConfig {
@@ -44,6 +48,8 @@ impl EngineConfig {
             flash_attn: FlashAttn::Auto,
             n_gpu_layers: if cfg!(feature = "cuda") { 999 } else { 0 },
             n_parallel: 1,
+            cache_type_k: KvType::F16,
+            cache_type_v: KvType::F16,
         }
     }
 }
@@ -78,6 +84,67 @@ impl std::str::FromStr for FlashAttn {
     }
 }
 
+/// A KV cache element type. Per 32 values on the wire and in memory: f16 64 bytes, q8_0
+/// 34 (0.53x), q4_0 18 (0.28x). Quantizing trades a little quality for fewer bytes to
+/// hold and to hand over (docs/BENCHMARKS.md measures both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvType {
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl KvType {
+    /// ggml's type id, as the handshake and the state layout carry it.
+    #[must_use]
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            KvType::F16 => GGML_TYPE_F16,
+            KvType::Q4_0 => 2,
+            KvType::Q8_0 => 8,
+        }
+    }
+
+    /// Bytes of a row of `n` values (`n` a multiple of 32 for the quantized types, as
+    /// llama.cpp requires of the K and V rows it quantizes).
+    #[must_use]
+    pub fn row_bytes(self, n: u64) -> u64 {
+        match self {
+            KvType::F16 => n * 2,
+            KvType::Q8_0 => n.div_ceil(32) * 34,
+            KvType::Q4_0 => n.div_ceil(32) * 18,
+        }
+    }
+
+    #[must_use]
+    pub fn is_quantized(self) -> bool {
+        self != KvType::F16
+    }
+
+    pub(crate) fn llama(self) -> llama_cpp_2::context::params::KvCacheType {
+        use llama_cpp_2::context::params::KvCacheType;
+        match self {
+            KvType::F16 => KvCacheType::F16,
+            KvType::Q8_0 => KvCacheType::Q8_0,
+            KvType::Q4_0 => KvCacheType::Q4_0,
+        }
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(KvType::F16),
+            "q8_0" => Ok(KvType::Q8_0),
+            "q4_0" => Ok(KvType::Q4_0),
+            other => Err(format!(
+                "KV cache type must be f16, q8_0 or q4_0, not {other:?}"
+            )),
+        }
+    }
+}
+
 /// Physical cores: more threads than that made decoding ~4x slower on a 2-core machine
 /// (oversubscribed OpenMP spin-waits).
 #[must_use]
@@ -106,6 +173,13 @@ pub struct EngineArgs {
     /// Both nodes must resolve to the same setting (the handoff handshake checks).
     #[arg(long, default_value = "auto")]
     pub flash_attn: FlashAttn,
+    /// K cache type: f16, q8_0 (0.53x the bytes) or q4_0 (0.28x). Must be equal on both
+    /// nodes (the handoff handshake checks).
+    #[arg(long, default_value = "f16")]
+    pub cache_type_k: KvType,
+    /// V cache type: f16, q8_0 or q4_0; a quantized V cache needs `--flash-attn on`.
+    #[arg(long, default_value = "f16")]
+    pub cache_type_v: KvType,
 }
 
 impl EngineArgs {
@@ -118,6 +192,8 @@ impl EngineArgs {
             threads: None,
             batch: 512,
             flash_attn: FlashAttn::Auto,
+            cache_type_k: KvType::F16,
+            cache_type_v: KvType::F16,
         }
     }
 
@@ -129,6 +205,8 @@ impl EngineArgs {
         e.n_batch = self.batch;
         e.flash_attn = self.flash_attn;
         e.n_parallel = parallel;
+        e.cache_type_k = self.cache_type_k;
+        e.cache_type_v = self.cache_type_v;
         if let Some(t) = self.threads {
             e.n_threads = t;
         }

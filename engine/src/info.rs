@@ -6,7 +6,7 @@ use std::path::Path;
 use llama_cpp_2::model::LlamaModel;
 use sha2::{Digest, Sha256};
 
-use crate::{EngineConfig, GGML_TYPE_F16};
+use crate::EngineConfig;
 
 /// llama.cpp build identity: the bindings crate pins one llama.cpp commit. Kept in step with
 /// the workspace's `=` pin of `llama-cpp-sys-2` (a unit test checks Cargo.lock).
@@ -63,8 +63,10 @@ impl ModelInfo {
         let head = model.n_embd() as u64 / n_head;
         let k_len = meta_u64("attention.key_length").unwrap_or(head);
         let v_len = meta_u64("attention.value_length").unwrap_or(head);
-        // f16 cache: 2 bytes per element.
-        let kv_bytes_per_token = u64::from(n_layer) * n_head_kv * (k_len + v_len) * 2;
+        // One K row and one V row per layer, of the configured types.
+        let kv_bytes_per_token = u64::from(n_layer)
+            * (config.cache_type_k.row_bytes(n_head_kv * k_len)
+                + config.cache_type_v.row_bytes(n_head_kv * v_len));
         let model_id = config
             .model_path
             .file_stem()
@@ -76,8 +78,8 @@ impl ModelInfo {
             n_ctx,
             kv_bytes_per_token,
             build_id: BUILD_ID.to_string(),
-            type_k: GGML_TYPE_F16,
-            type_v: GGML_TYPE_F16,
+            type_k: config.cache_type_k.ggml_type(),
+            type_v: config.cache_type_v.ggml_type(),
             flash_attn,
             has_chat_template: model.chat_template(None).is_ok(),
             n_layer,

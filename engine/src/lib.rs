@@ -20,7 +20,7 @@ mod types;
 pub mod wire;
 mod worker;
 
-pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, GGML_TYPE_F16};
+pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, GGML_TYPE_F16};
 pub use handle::Engine;
 pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;

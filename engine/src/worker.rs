@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
@@ -70,6 +70,12 @@ pub(crate) fn owner_thread(
         FlashAttn::Off => false,
         FlashAttn::Auto => !info::has_sliding_window(&model),
     };
+    if config.cache_type_v.is_quantized() && !flash_on {
+        let _ = ready.send(Err(load_err(
+            "a quantized V cache (--cache-type-v) needs flash attention: --flash-attn on".into(),
+        )));
+        return;
+    }
     let flash = if flash_on {
         llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED
     } else {
@@ -84,8 +90,8 @@ pub(crate) fn owner_thread(
         .with_n_seq_max(1)
         .with_n_threads(config.n_threads)
         .with_n_threads_batch(config.n_threads)
-        .with_type_k(KvCacheType::F16)
-        .with_type_v(KvCacheType::F16)
+        .with_type_k(config.cache_type_k.llama())
+        .with_type_v(config.cache_type_v.llama())
         .with_flash_attention_policy(flash);
     let mut slots = Vec::new();
     for _ in 0..config.n_parallel.max(1) {

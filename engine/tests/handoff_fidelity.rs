@@ -5,7 +5,8 @@ mod common;
 
 use common::model_path;
 use edgesplit_engine::{
-    Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
+    Engine, EngineConfig, Export, Exported, FlashAttn, GenEvent, Input, KvType, SamplingParams,
+    Start,
 };
 
 async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> (Vec<i32>, GenEvent) {
@@ -20,16 +21,12 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> (Vec
     panic!("generation ended without a final event");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn imported_state_continues_like_the_colocated_run() {
-    let mut cfg = EngineConfig::new(model_path());
-    cfg.n_ctx = 1024;
+/// Exports a prefilled state from one engine and continues it in another, for greedy and
+/// seeded sampling; asserts the tokens equal the colocated run of the first engine with the
+/// same settings. Returns the exported state's size.
+async fn export_import_equals_colocated(cfg: EngineConfig, ggml_type: u32) -> usize {
     let a = Engine::start(cfg.clone()).await.unwrap();
     let b = Engine::start(cfg).await.unwrap();
-    assert_eq!(a.info().kv_bytes_per_token, 23_040);
-    // Full attention only: flash attention resolves to on (V stored untransposed).
-    assert!(a.info().flash_attn);
-
     let tokens = a
         .tokenize(Input::Chat(vec![(
             "user".into(),
@@ -37,6 +34,7 @@ async fn imported_state_continues_like_the_colocated_run() {
         )]))
         .await
         .unwrap();
+    let mut size = 0;
     for params in [
         SamplingParams::default(),
         SamplingParams {
@@ -65,12 +63,13 @@ async fn imported_state_continues_like_the_colocated_run() {
         let Some(Exported::Raw(state)) = pre.state else {
             panic!("state exported")
         };
-        assert!(state.len() > tokens.len() * 23_040);
+        size = state.len();
+        assert!(state.len() as u64 > tokens.len() as u64 * a.info().kv_bytes_per_token);
         // The V2 descriptors see every layer's K and V (30 layers), covering every token.
         let layout = edgesplit_proto::layout::describe(&state);
         assert_eq!(layout.max_cells, Some(tokens.len() as u64));
         assert_eq!(layout.descriptors.len(), 60);
-        assert_eq!(layout.descriptors[0].dtype, edgesplit_engine::GGML_TYPE_F16);
+        assert_eq!(layout.descriptors[0].dtype, ggml_type);
         let (rest, done) = collect(
             b.generate(
                 Start::Imported {
@@ -90,6 +89,54 @@ async fn imported_state_continues_like_the_colocated_run() {
         split.extend(rest);
         assert_eq!(split, colocated, "params {params:?}");
     }
+    size
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imported_state_continues_like_the_colocated_run() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 1024;
+    let info = Engine::start(cfg.clone()).await.unwrap().info().clone();
+    assert_eq!(info.kv_bytes_per_token, 23_040);
+    // Full attention only: flash attention resolves to on (V stored untransposed).
+    assert!(info.flash_attn);
+    export_import_equals_colocated(cfg, edgesplit_engine::GGML_TYPE_F16).await;
+}
+
+/// Quantized KV caches (both nodes on the same type): the split answer is still the
+/// colocated answer of that type, and the state is as much smaller as the type says
+/// (targets: q8_0 <= 0.55x the f16 state, q4_0 <= 0.30x).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantized_kv_states_continue_identically_and_are_smaller() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 1024;
+    cfg.flash_attn = FlashAttn::On;
+    let f16 = export_import_equals_colocated(cfg.clone(), edgesplit_engine::GGML_TYPE_F16).await;
+    for (kv, max_ratio) in [(KvType::Q8_0, 0.55), (KvType::Q4_0, 0.30)] {
+        let mut q = cfg.clone();
+        q.cache_type_k = kv;
+        q.cache_type_v = kv;
+        let bytes = export_import_equals_colocated(q, kv.ggml_type()).await;
+        let ratio = bytes as f64 / f16 as f64;
+        eprintln!("{kv:?}: state {bytes} bytes, f16 {f16} bytes, ratio {ratio:.3}");
+        assert!(
+            ratio <= max_ratio,
+            "{kv:?}: {bytes} / {f16} bytes = {ratio:.3}"
+        );
+    }
+}
+
+/// A quantized V cache without flash attention is refused at start, with the reason.
+#[tokio::test]
+async fn a_quantized_v_cache_needs_flash_attention() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 256;
+    cfg.flash_attn = FlashAttn::Off;
+    cfg.cache_type_v = KvType::Q8_0;
+    let Err(e) = Engine::start(cfg).await else {
+        panic!("started without flash attention")
+    };
+    assert!(e.to_string().contains("--flash-attn on"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,7 +17,10 @@ fn samplings() -> [Value; 2] {
 }
 
 async fn assert_identical(messages: Value, min_prompt_tokens: u64) {
-    let stack = smollm2();
+    assert_identical_on(smollm2(), messages, min_prompt_tokens).await;
+}
+
+async fn assert_identical_on(stack: &common::Stack, messages: Value, min_prompt_tokens: u64) {
     // Each transport under each sampling; streamed and not alternate between the two
     // (whether the router streams is independent of how the state travelled, and the four
     // combinations are all covered).
@@ -159,4 +162,24 @@ async fn seeded_sampling_is_not_greedy_and_the_seed_matters() {
         a.token_ids, b.token_ids,
         "seeds 42 and 43 gave the same answer"
     );
+}
+
+/// Both nodes on a q8_0 KV cache (K and V): the split answer is the one-device answer of
+/// the same cache type, greedy and seeded, V2 and V1, and the nodes say which type they run.
+#[tokio::test]
+async fn a_q8_0_kv_cache_keeps_the_split_identical() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.cache_type = edgesplit_engine::KvType::Q8_0;
+    let stack = common::start(o);
+    let info = common::decode_info(&stack.decode_grpc).await;
+    assert_eq!((info.type_k, info.type_v), (8, 8), "{info:?}");
+    assert_identical_on(
+        &stack,
+        json!([
+            {"role": "system", "content": "You are a helpful travel guide."},
+            {"role": "user", "content": "I am visiting Lisbon for three days in spring. What should I see?"}
+        ]),
+        30,
+    )
+    .await;
 }

@@ -58,6 +58,8 @@ pub struct StackOptions {
     pub pending_ttl_s: u64,
     /// The router's `--token-idle-timeout-ms`.
     pub token_idle_timeout_ms: u64,
+    /// Both nodes' `--cache-type-k` and `--cache-type-v`.
+    pub cache_type: edgesplit_engine::KvType,
     /// The decode node's `--kv-budget-bytes`.
     pub kv_budget_bytes: u64,
     /// The router's `--bench-db` (the dashboard's benchmark section).
@@ -87,6 +89,7 @@ impl StackOptions {
             queue_timeout_s: 60,
             pending_ttl_s: 120,
             token_idle_timeout_ms: 15_000,
+            cache_type: edgesplit_engine::KvType::F16,
             kv_budget_bytes: 0,
             bench_db: None,
             secret: None,
@@ -185,6 +188,8 @@ async fn serve(opts: StackOptions) -> Stack {
     let api_key_file = write("api-key", &opts.api_key);
     let engine_args = edgesplit_engine::EngineArgs {
         n_ctx: opts.n_ctx,
+        cache_type_k: opts.cache_type,
+        cache_type_v: opts.cache_type,
         ..edgesplit_engine::EngineArgs::new(opts.model.clone())
     };
     let dcfg = edgesplit_decode::Config {
