@@ -285,6 +285,7 @@ pub async fn run(
         max_bytes: config.max_pending_bytes,
         fingerprint_hex: engine.info().fingerprint_hex(),
         build_id: engine.info().build_id.clone(),
+        kv_types: format!("{},{}", engine.info().type_k, engine.info().type_v),
         n_ctx: engine.info().n_ctx,
         timeout: Duration::from_secs(config.upload_timeout_s),
     });

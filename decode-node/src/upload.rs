@@ -37,6 +37,8 @@ pub struct UploadConfig {
     pub max_bytes: u64,
     pub fingerprint_hex: String,
     pub build_id: String,
+    /// Our KV cache types as the header carries them, `"{type_k},{type_v}"`.
+    pub kv_types: String,
     pub n_ctx: u32,
     /// The whole body must arrive within this.
     pub timeout: std::time::Duration,
@@ -149,6 +151,20 @@ async fn receive(
                 format!(
                     "llama.cpp build mismatch: receiver has {:?}, sender has {:?}",
                     cfg.build_id,
+                    other.unwrap_or("none")
+                ),
+            ))
+        }
+    }
+    match header(headers, v1::HEADER_KV_TYPES) {
+        Some(t) if t == cfg.kv_types => {}
+        other => {
+            return Err(Refusal(
+                StatusCode::CONFLICT,
+                "kv_type_mismatch",
+                format!(
+                    "KV cache types (K,V) mismatch: receiver has {}, sender has {}",
+                    cfg.kv_types,
                     other.unwrap_or("none")
                 ),
             ))

@@ -91,6 +91,10 @@ pub async fn upload(
         .header(v1::HEADER_SHA256, &sha)
         .header(v1::HEADER_MODEL, info.fingerprint_hex())
         .header(v1::HEADER_BUILD, &info.build_id)
+        .header(
+            v1::HEADER_KV_TYPES,
+            format!("{},{}", info.type_k, info.type_v),
+        )
         .header(v1::HEADER_REQUEST, request_id)
         .headers(credentials(secret, handoff_id, &sha))
         .body(reqwest::Body::wrap_stream(ReaderStream::new(file)))

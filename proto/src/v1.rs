@@ -16,6 +16,8 @@ pub const HEADER_SHA256: &str = "x-edgesplit-sha256";
 pub const HEADER_MODEL: &str = "x-edgesplit-model-fingerprint";
 /// Header: llama.cpp build identity.
 pub const HEADER_BUILD: &str = "x-edgesplit-build";
+/// Header: the sender's KV cache types, `"{type_k},{type_v}"` (ggml type ids).
+pub const HEADER_KV_TYPES: &str = "x-edgesplit-kv-types";
 /// Header: request id, for logs.
 pub const HEADER_REQUEST: &str = "x-edgesplit-request-id";
 

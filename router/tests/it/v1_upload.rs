@@ -52,6 +52,7 @@ async fn put(
     h.insert(v1::HEADER_SHA256, sha(&body).parse().unwrap());
     h.insert(v1::HEADER_MODEL, fp.parse().unwrap());
     h.insert(v1::HEADER_BUILD, build.parse().unwrap());
+    h.insert(v1::HEADER_KV_TYPES, "1,1".parse().unwrap());
     edit(&mut h);
     let r = common::client()
         .put(format!("{}/{id}", s.v1_url))
@@ -89,6 +90,19 @@ async fn refusals_leave_no_file() {
     .await;
     assert_refused(&got, 409, "build_mismatch");
     assert!(leftovers(s, "v1-build").is_empty());
+    // Another KV cache type (q8_0 K and V, where the node runs f16), and none declared.
+    let got = put(s, "v1-kv", ggsq(3), |h| {
+        h.insert(v1::HEADER_KV_TYPES, "8,8".parse().unwrap());
+    })
+    .await;
+    assert_refused(&got, 409, "kv_type_mismatch");
+    assert!(got.1["error"]["message"].as_str().unwrap().contains("8,8"));
+    let got = put(s, "v1-kv", ggsq(3), |h| {
+        h.remove(v1::HEADER_KV_TYPES);
+    })
+    .await;
+    assert_refused(&got, 409, "kv_type_mismatch");
+    assert!(leftovers(s, "v1-kv").is_empty());
     // Mis-hashed body.
     let got = put(s, "v1-hash", ggsq(3), |h| {
         h.insert(v1::HEADER_SHA256, sha(b"other").parse().unwrap());
@@ -117,6 +131,7 @@ async fn refusals_leave_no_file() {
         .put(format!("{}/v1-nosum", s.v1_url))
         .header(v1::HEADER_MODEL, fp)
         .header(v1::HEADER_BUILD, build)
+        .header(v1::HEADER_KV_TYPES, "1,1")
         .body(ggsq(1))
         .send()
         .await
@@ -152,11 +167,12 @@ async fn path_traversal_ids_are_refused() {
 /// The request line and headers of a V1 upload of `body` that declares `len` bytes.
 fn put_head(id: &str, len: usize, body: &[u8], fp: &str, build: &str) -> String {
     format!(
-        "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n\r\n",
+        "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n{}: 1,1\r\n\r\n",
         v1::HEADER_SHA256,
         sha(body),
         v1::HEADER_MODEL,
-        v1::HEADER_BUILD
+        v1::HEADER_BUILD,
+        v1::HEADER_KV_TYPES
     )
 }
 
