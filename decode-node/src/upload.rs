@@ -128,46 +128,39 @@ async fn receive(
             return Err(Refusal(StatusCode::UNAUTHORIZED, "auth_failed", why));
         }
     }
-    match header(headers, v1::HEADER_MODEL) {
-        Some(f) if f == cfg.fingerprint_hex => {}
-        other => {
-            return Err(Refusal(
-                StatusCode::CONFLICT,
-                "model_mismatch",
-                format!(
-                    "model fingerprint mismatch: receiver has {}, sender has {}",
-                    cfg.fingerprint_hex,
-                    other.unwrap_or("none")
-                ),
-            ))
-        }
-    }
-    match header(headers, v1::HEADER_BUILD) {
-        Some(b) if b == cfg.build_id => {}
-        other => {
-            return Err(Refusal(
-                StatusCode::CONFLICT,
-                "build_mismatch",
-                format!(
-                    "llama.cpp build mismatch: receiver has {:?}, sender has {:?}",
-                    cfg.build_id,
-                    other.unwrap_or("none")
-                ),
-            ))
-        }
-    }
-    match header(headers, v1::HEADER_KV_TYPES) {
-        Some(t) if t == cfg.kv_types => {}
-        other => {
-            return Err(Refusal(
-                StatusCode::CONFLICT,
-                "kv_type_mismatch",
-                format!(
-                    "KV cache types (K,V) mismatch: receiver has {}, sender has {}",
-                    cfg.kv_types,
-                    other.unwrap_or("none")
-                ),
-            ))
+    // Who we are must match who sent it, before any byte of the body is read.
+    for (name, ours, code, what) in [
+        (
+            v1::HEADER_MODEL,
+            &cfg.fingerprint_hex,
+            "model_mismatch",
+            "model fingerprint",
+        ),
+        (
+            v1::HEADER_BUILD,
+            &cfg.build_id,
+            "build_mismatch",
+            "llama.cpp build",
+        ),
+        (
+            v1::HEADER_KV_TYPES,
+            &cfg.kv_types,
+            "kv_type_mismatch",
+            "KV cache types (K,V)",
+        ),
+    ] {
+        match header(headers, name) {
+            Some(v) if v == ours.as_str() => {}
+            other => {
+                return Err(Refusal(
+                    StatusCode::CONFLICT,
+                    code,
+                    format!(
+                        "{what} mismatch: receiver has {ours:?}, sender has {:?}",
+                        other.unwrap_or("none")
+                    ),
+                ))
+            }
         }
     }
     let sha = header(headers, v1::HEADER_SHA256)
