@@ -307,12 +307,11 @@ impl Backend {
             }
         };
         let (tx, rx) = mpsc::channel(64);
-        let param = param.to_string();
         let idle = self.config.token_idle_timeout;
         if let Some(cause) = fallback {
             let _ = tx.send(Event::Fallback { cause }).await;
         }
-        tokio::spawn(async move { forward_prefill_node(stream, &tx, false, idle, &param).await });
+        tokio::spawn(async move { forward_prefill_node(stream, &tx, false, idle, param).await });
         Ok(Started {
             transport: Transport::Local,
             prompt_tokens: Some(prompt_tokens),

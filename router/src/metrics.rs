@@ -170,7 +170,7 @@ impl Metrics {
 
     /// Records how one answer ended: every series it counts in, and the recent-answers
     /// list. The one place an outcome is recorded (refusals before the first token too).
-    pub fn record(&self, a: &RecentAnswer) {
+    pub fn record(&self, a: RecentAnswer) {
         match a.status {
             Status::Ok => {
                 if let Some(ms) = a.timing.ttft_ms {
@@ -205,7 +205,7 @@ impl Metrics {
             }
             Status::Error => self.failed(a.code.as_deref().unwrap_or("error")),
         }
-        self.recent.push(a.clone());
+        self.recent.push(a);
     }
 
     /// The Prometheus (OpenMetrics) text of every series.

@@ -108,7 +108,7 @@ impl Answer {
             Step::Nothing | Step::Text(_) => None,
         };
         if let Some(a) = outcome {
-            obs.metrics.record(&a);
+            obs.metrics.record(a);
         }
         step
     }
@@ -225,24 +225,14 @@ impl Answer {
     /// The `edgesplit` extension object.
     #[must_use]
     pub fn timing_json(&self) -> Value {
-        let t = &self.timing;
-        let tps = self.decode_tps();
-        let mut v = json!({
-            "request_id": self.meta.request_id,
-            "transport": self.meta.transport.as_str(),
-            "first_token_from": "prefill",
-            "seed": self.meta.seed,
-            "ttft_ms": t.ttft_ms,
-            "prefill_ms": t.prefill_ms,
-            "handoff_bytes": t.handoff_bytes,
-            "handoff_ms": t.handoff_ms,
-            "export_ms": t.export_ms,
-            "import_ms": t.import_ms,
-            "decode_ms": t.decode_ms,
-            "decode_tokens": t.decode_tokens,
-            "decode_tokens_per_s": tps,
-            "fallback": t.fallback,
-        });
+        // The timing fields under the same names as the recent-answers entry's (one
+        // `Serialize` for both), plus what only the response carries.
+        let mut v = serde_json::to_value(&self.timing).unwrap_or_else(|_| json!({}));
+        v["request_id"] = json!(self.meta.request_id);
+        v["transport"] = json!(self.meta.transport.as_str());
+        v["first_token_from"] = json!("prefill");
+        v["seed"] = json!(self.meta.seed);
+        v["decode_tokens_per_s"] = json!(self.decode_tps());
         if self.meta.return_token_ids {
             v["token_ids"] = json!(self.token_ids);
         }

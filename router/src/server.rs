@@ -143,7 +143,7 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
         Ok(r) => r,
         Err(e) => {
             // Failures before the first token; later ones are counted by the answer.
-            metrics.record(&RecentAnswer::refused(
+            metrics.record(RecentAnswer::refused(
                 unix_now(),
                 e.code.as_deref().unwrap_or(e.kind),
                 &e.message,
