@@ -152,6 +152,7 @@ impl pb::decode_server::Decode for DecodeService {
                 state: f.payload.to_vec(),
                 tokens: f.tokens,
                 first,
+                answered: req.answered,
             },
             Held::File { file, .. } => Start::ImportedFile { file, first },
         };

@@ -91,6 +91,8 @@ pub struct Store {
     awaited: Mutex<HashMap<String, usize>>,
     /// The node is draining: only awaited states come in.
     draining: AtomicBool,
+    /// Bytes of live handoffs' pieces held by their connections (not yet stored here).
+    pieces: AtomicU64,
     pub counters: Counters,
 }
 
@@ -103,6 +105,7 @@ impl Store {
             arrived: Notify::new(),
             awaited: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
+            pieces: AtomicU64::new(0),
             counters: Counters::default(),
         }
     }
@@ -171,10 +174,11 @@ impl Store {
         }
     }
 
-    /// Bytes of all states held now.
+    /// Bytes of all states held now, live handoffs' pieces included.
     #[must_use]
     pub fn held_bytes(&self) -> u64 {
-        self.lock().values().map(|e| e.state.bytes()).sum()
+        self.lock().values().map(|e| e.state.bytes()).sum::<u64>()
+            + self.pieces.load(Ordering::SeqCst)
     }
 
     /// True when `handoff_id` is held now.
@@ -212,7 +216,8 @@ impl Store {
                 format!("handoff {handoff_id} is already held"),
             ));
         }
-        let used: u64 = map.values().map(|e| e.state.bytes()).sum();
+        let used: u64 =
+            map.values().map(|e| e.state.bytes()).sum::<u64>() + self.pieces.load(Ordering::SeqCst);
         if used + bytes > self.limits.max_bytes {
             return Err(refuse(
                 NackCode::Capacity,
@@ -284,6 +289,40 @@ impl StateSink for Store {
         self.counters
             .handoffs_refused
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn reserve(&self, handoff_id: &str, bytes: u64) -> Result<(), Nack> {
+        let refuse = |reason: String| Nack {
+            code: NackCode::Capacity,
+            handoff_id: handoff_id.to_string(),
+            reason,
+        };
+        // A live handoff ends with a `Generate` call the router makes only after its last
+        // piece: a draining node would refuse that call, so it takes no pieces.
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(refuse(format!(
+                "draining: no live handoff is taken ({handoff_id})"
+            )));
+        }
+        let map = self.lock();
+        let used: u64 =
+            map.values().map(|e| e.state.bytes()).sum::<u64>() + self.pieces.load(Ordering::SeqCst);
+        if used + bytes > self.limits.max_bytes {
+            return Err(refuse(format!(
+                "holding {used} bytes; {bytes} more would exceed the cap of {}",
+                self.limits.max_bytes
+            )));
+        }
+        self.pieces.fetch_add(bytes, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn release(&self, bytes: u64) {
+        let _ = self
+            .pieces
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |held| {
+                Some(held.saturating_sub(bytes))
+            });
     }
 }
 

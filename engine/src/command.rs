@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::sampling::SamplingParams;
-use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Start};
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Snapshot, Start};
 
 /// What async code asks of the owner thread.
 pub(crate) enum Command {
@@ -45,6 +45,16 @@ pub(crate) struct GenerateJob {
     pub params: SamplingParams,
     /// Tokens to emit at most.
     pub max_tokens: u32,
+    /// A live answer: snapshots asked for between steps.
+    pub live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+}
+
+/// A snapshot of a live answer, taken before its next step; with `stop` the answer ends
+/// there ([`crate::Finish::Handover`]).
+#[derive(Debug)]
+pub(crate) struct SnapshotAsk {
+    pub stop: bool,
+    pub reply: oneshot::Sender<Result<Snapshot, EngineError>>,
 }
 
 /// Counts a prefill or generation from the moment it is queued until the owner thread is

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::command::{Command, Gauges, GenerateJob, InFlight, PrefillJob};
+use crate::command::{Command, Gauges, GenerateJob, InFlight, PrefillJob, SnapshotAsk};
 use crate::config::EngineConfig;
 use crate::info::ModelInfo;
 use crate::sampling::SamplingParams;
-use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Start};
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Snapshot, Start};
 use crate::worker;
 
 /// Handle to an engine's owner thread. Cheap to clone.
@@ -125,12 +125,41 @@ impl Engine {
         params: SamplingParams,
         max_tokens: u32,
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
+        self.start_generation(start, params, max_tokens, None).await
+    }
+
+    /// As [`Engine::generate`], and the answer's state can be taken between two steps
+    /// ([`Live::snapshot`]) while it goes on, or as it is handed over to another node.
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] if the owner thread is gone.
+    pub async fn generate_live(
+        &self,
+        start: Start,
+        params: SamplingParams,
+        max_tokens: u32,
+    ) -> Result<(mpsc::UnboundedReceiver<GenEvent>, Live), EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let events = self
+            .start_generation(start, params, max_tokens, Some(rx))
+            .await?;
+        Ok((events, Live { tx }))
+    }
+
+    async fn start_generation(
+        &self,
+        start: Start,
+        params: SamplingParams,
+        max_tokens: u32,
+        live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+    ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
         let (events, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate {
             job: GenerateJob {
                 start,
                 params,
                 max_tokens,
+                live,
             },
             events,
             in_flight: InFlight::new(&self.in_flight),
@@ -141,5 +170,22 @@ impl Engine {
 
     async fn send(&self, cmd: Command) -> Result<(), EngineError> {
         self.tx.send(cmd).await.map_err(|_| EngineError::Closed)
+    }
+}
+
+/// Takes snapshots of a live answer ([`Engine::generate_live`]).
+#[derive(Clone)]
+pub struct Live {
+    tx: mpsc::UnboundedSender<SnapshotAsk>,
+}
+
+impl Live {
+    /// The answer's state before its next step; with `stop`, the answer ends there
+    /// ([`crate::Finish::Handover`]) and emits nothing more. `None` when the answer has
+    /// already ended (or never started).
+    pub async fn snapshot(&self, stop: bool) -> Option<Result<Snapshot, EngineError>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(SnapshotAsk { stop, reply }).ok()?;
+        rx.await.ok()
     }
 }

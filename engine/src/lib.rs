@@ -21,11 +21,11 @@ pub mod wire;
 mod worker;
 
 pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, GGML_TYPE_F16};
-pub use handle::Engine;
+pub use handle::{Engine, Live};
 pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use types::{
-    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Start,
-    StateFile, TokenOut,
+    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
+    Start, StateFile, TokenOut,
 };

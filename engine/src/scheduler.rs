@@ -7,9 +7,11 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use crate::command::{Command, GenerateJob, InFlight, PrefillJob};
+use crate::command::{Command, GenerateJob, InFlight, PrefillJob, SnapshotAsk};
 use crate::exit_guard::{park_forever, register_exit_guard, Busy};
-use crate::types::{EngineError, Finish, GenEvent, GenSummary, Input, PrefillOutput, TokenOut};
+use crate::types::{
+    EngineError, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot, TokenOut,
+};
 
 /// Most prefills and generations waiting for a free slot; beyond it a request is refused
 /// at once with [`EngineError::Busy`] (the router's own queue normally keeps it far lower).
@@ -42,6 +44,8 @@ pub(crate) trait Slots {
         slot: usize,
         answer: &mut Self::Answer,
     ) -> Result<(TokenOut, bool), EngineError>;
+    /// The state of the answer in `slot`, between two steps.
+    fn snapshot(&mut self, slot: usize, answer: &Self::Answer) -> Result<Snapshot, EngineError>;
     /// Empties `slot`'s sequence.
     fn clear(&mut self, slot: usize);
     /// Publishes how many slots are in use now.
@@ -53,6 +57,8 @@ struct Running<A> {
     slot: usize,
     answer: A,
     events: mpsc::UnboundedSender<GenEvent>,
+    /// A live answer's snapshot requests.
+    live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
     summary: GenSummary,
     decoding_since: Instant,
     /// Dropped before the final event is sent, so a reader that saw it sees the count
@@ -202,17 +208,19 @@ impl<S: Slots> Scheduler<S> {
     fn begin(
         &mut self,
         slot: usize,
-        job: GenerateJob,
+        mut job: GenerateJob,
         events: mpsc::UnboundedSender<GenEvent>,
         in_flight: InFlight,
     ) {
         let mut summary = GenSummary::default();
         self.publish_active(1);
+        let live = job.live.take();
         match self.slots.begin(slot, job, &events, &mut summary) {
             Ok(Some(answer)) => self.running.push(Running {
                 slot,
                 answer,
                 events,
+                live,
                 summary,
                 decoding_since: Instant::now(),
                 in_flight,
@@ -265,6 +273,17 @@ impl<S: Slots> Scheduler<S> {
         if r.events.is_closed() {
             r.summary.finish = Finish::Cancelled;
             return Ok(true);
+        }
+        if let Some(live) = &mut r.live {
+            while let Ok(ask) = live.try_recv() {
+                let snapshot = self.slots.snapshot(r.slot, &r.answer);
+                let stop = ask.stop && snapshot.is_ok();
+                let _ = ask.reply.send(snapshot);
+                if stop {
+                    r.summary.finish = Finish::Handover;
+                    return Ok(true);
+                }
+            }
         }
         let (out, spent) = self.slots.step(r.slot, &mut r.answer)?;
         r.summary.generated += 1;
@@ -352,6 +371,16 @@ mod tests {
                 a.budget == 0,
             ))
         }
+        fn snapshot(&mut self, slot: usize, a: &FakeAnswer) -> Result<Snapshot, EngineError> {
+            self.log.lock().unwrap().push(format!("snapshot {slot}"));
+            Ok(Snapshot {
+                state: vec![slot as u8; a.step as usize],
+                tokens: Vec::new(),
+                last: slot as i32 * 100 + a.step as i32,
+                answered: a.step,
+                export_ms: 0.0,
+            })
+        }
         fn clear(&mut self, slot: usize) {
             self.log.lock().unwrap().push(format!("clear {slot}"));
         }
@@ -404,6 +433,7 @@ mod tests {
                     start,
                     params: SamplingParams::default(),
                     max_tokens,
+                    live: None,
                 },
                 events,
                 in_flight: InFlight::new(&self.in_flight),
@@ -465,6 +495,68 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// A live answer's snapshot is taken between two steps and the answer goes on; a
+    /// stopping one ends it there (`Handover`), with nothing emitted after it, and frees
+    /// the slot. Once the answer is over, a snapshot is refused.
+    #[test]
+    fn snapshots_come_between_steps_and_a_stopping_one_hands_over() {
+        let mut h = harness(1);
+        let (events, mut rx) = mpsc::unbounded_channel();
+        let (asks, live) = mpsc::unbounded_channel();
+        h.sched.accept(Command::Generate {
+            job: GenerateJob {
+                start: Start::Prompt(vec![1]),
+                params: SamplingParams::default(),
+                max_tokens: 10,
+                live: Some(live),
+            },
+            events,
+            in_flight: InFlight::new(&h.in_flight),
+        });
+        h.round();
+        h.round();
+        let ask = |stop| {
+            let (reply, rx) = oneshot::channel();
+            asks.send(SnapshotAsk { stop, reply }).unwrap();
+            rx
+        };
+        let mut first = ask(false);
+        h.round();
+        let snap = first.try_recv().unwrap().unwrap();
+        assert_eq!((snap.last, snap.answered), (2, 2));
+        let mut last = ask(true);
+        h.round();
+        let snap = last.try_recv().unwrap().unwrap();
+        assert_eq!((snap.last, snap.answered), (3, 3));
+        h.round();
+        let out = drain(&mut rx);
+        assert_eq!(ids(&out), [1, 2, 3]);
+        let Some(GenEvent::Done(summary)) = out.last() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(summary.finish, Finish::Handover);
+        let log = h.log.lock().unwrap().clone();
+        assert_eq!(
+            log[1..],
+            [
+                "step 0",
+                "step 0",
+                "snapshot 0",
+                "step 0",
+                "snapshot 0",
+                "clear 0"
+            ]
+        );
+        assert_eq!(h.in_flight(), 0);
+        assert!(h.sched.running.is_empty());
+        assert!(asks
+            .send(SnapshotAsk {
+                stop: false,
+                reply: oneshot::channel().0
+            })
+            .is_err());
     }
 
     #[test]

@@ -93,6 +93,25 @@ pub enum Finish {
     Length,
     /// The consumer went away.
     Cancelled,
+    /// A live answer was handed over at a token boundary ([`Snapshot`] with `stop`): it
+    /// goes on on another node.
+    Handover,
+}
+
+/// A live answer's sequence state at a token boundary, between two steps (see
+/// `Engine::generate_live`).
+#[derive(Debug)]
+pub struct Snapshot {
+    /// llama.cpp's raw sequence state: the KV of `tokens`.
+    pub state: Vec<u8>,
+    /// Every token whose KV the state holds: the prompt and the answer but its newest token.
+    pub tokens: Vec<i32>,
+    /// The newest answer token: sampled and sent, not yet decoded.
+    pub last: i32,
+    /// Answer tokens written so far, the first and `last` included: the index of the next
+    /// sampling step.
+    pub answered: u32,
+    pub export_ms: f64,
 }
 
 /// Streamed out of a generation.
@@ -130,11 +149,14 @@ pub enum Start {
     /// Load a verified sequence-state file (V1), then continue from `first`. The file is
     /// deleted once loaded, or when the command is dropped unrun.
     ImportedFile { file: StateFile, first: i32 },
-    /// Import a verified state covering `tokens`, then continue from `first`.
+    /// Import a verified state covering `tokens`, then continue from `first`, the
+    /// `answered`-th token of the answer (1 when the state is the prompt's; more when a
+    /// live answer was handed over after the prefill node wrote some of it).
     Imported {
         state: Vec<u8>,
         tokens: Vec<i32>,
         first: i32,
+        answered: u32,
     },
     /// Take over an answer another node was writing (it failed): rebuild the KV of
     /// `prompt` + `answer` the way the uninterrupted run built it - the prompt in batches,

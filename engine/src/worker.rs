@@ -23,8 +23,8 @@ use crate::info::{self, ModelInfo};
 use crate::sampling::{self, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
 use crate::types::{
-    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Start,
-    StateFile, TokenOut,
+    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
+    Start, StateFile, TokenOut,
 };
 
 fn backend() -> &'static LlamaBackend {
@@ -451,6 +451,7 @@ impl Slots for Worker<'_> {
             start,
             params,
             max_tokens,
+            live: _,
         } = job;
         let params = &params;
         // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
@@ -487,6 +488,7 @@ impl Slots for Worker<'_> {
                 state,
                 tokens,
                 first,
+                answered,
             } => {
                 // The first token was emitted by the prefill node; it counts there.
                 self.check_fits(tokens.len(), max_tokens + 1)?;
@@ -494,6 +496,7 @@ impl Slots for Worker<'_> {
                 let t0 = Instant::now();
                 self.import(slot, &state)?;
                 summary.import_ms = ms(t0);
+                step = answered.max(1);
                 (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
             Start::Resume { prompt, answer } => {
@@ -540,6 +543,18 @@ impl Slots for Worker<'_> {
         a.budget -= 1;
         a.last = id.0;
         Ok((self.token_out(id), a.budget == 0))
+    }
+
+    fn snapshot(&mut self, slot: usize, a: &Answer) -> Result<Snapshot, EngineError> {
+        let t0 = Instant::now();
+        let state = self.export(slot)?;
+        Ok(Snapshot {
+            state,
+            tokens: a.history.clone(),
+            last: a.last,
+            answered: a.step,
+            export_ms: ms(t0),
+        })
     }
 
     fn clear(&mut self, slot: usize) {

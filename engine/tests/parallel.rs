@@ -112,6 +112,7 @@ async fn parallel_answers_equal_the_answers_written_alone() {
                 state,
                 tokens: prompts[2].clone(),
                 first: pre.first.id,
+                answered: 1,
             },
             params[2].clone(),
             n - 1,

@@ -3,6 +3,7 @@
 //! node over the V2 handoff (or, V1, as llama.cpp's sequence-state file by HTTP upload). It
 //! also serves colocated runs (the `local` transport).
 
+mod live;
 pub mod metrics;
 pub mod upload;
 
@@ -14,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edgesplit_engine::wire::{status, status_with_code, token_events};
-use edgesplit_engine::{Engine, EngineConfig, Export, Exported, Input, SamplingParams, Start};
+use edgesplit_engine::{
+    Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
+};
 use edgesplit_proto::auth::Secret;
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
@@ -214,6 +217,14 @@ impl pb::prefill_server::Prefill for PrefillService {
         let v1 = handoff
             .as_ref()
             .is_some_and(|h| h.transport == pb::HandoffTransport::V1 as i32);
+        if let Some(h) = handoff.as_ref().filter(|h| h.live) {
+            if v1 {
+                return Err(Status::invalid_argument("a live handoff goes over V2 only"));
+            }
+            return self
+                .prefill_live(&req, tokens, params, max_tokens, h.clone())
+                .await;
+        }
         let export = match &handoff {
             None => Export::None,
             Some(h) if v1 => Export::File(self.state_dir.join(format!("{}.ggsq", h.handoff_id))),
@@ -306,6 +317,71 @@ impl pb::prefill_server::Prefill for PrefillService {
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         Ok(Response::new(info))
+    }
+}
+
+impl PrefillService {
+    /// A prefill whose answer goes on here while the state crosses ([`live`]): the
+    /// prefill and first token are those of a colocated run, the stream then carries the
+    /// tokens written here until the switch.
+    async fn prefill_live(
+        &self,
+        req: &pb::PrefillRequest,
+        tokens: Vec<i32>,
+        params: SamplingParams,
+        max_tokens: u32,
+        handoff: pb::Handoff,
+    ) -> Result<Response<EventStream<pb::PrefillEvent>>, Status> {
+        let n_prompt = tokens.len();
+        let (mut events, live) = self
+            .engine
+            .generate_live(Start::Prompt(tokens), params, max_tokens)
+            .await
+            .map_err(|e| status(&e))?;
+        let protocol = || Status::internal("the engine did not prefill the live answer");
+        let prefill_ms = match events.recv().await {
+            Some(GenEvent::Prefilled { prefill_ms, .. }) => prefill_ms,
+            Some(GenEvent::Error(e)) => return Err(status(&e)),
+            _ => return Err(protocol()),
+        };
+        let first = match events.recv().await {
+            Some(GenEvent::Token(t)) => t,
+            Some(GenEvent::Error(e)) => return Err(status(&e)),
+            _ => return Err(protocol()),
+        };
+        tracing::info!(
+            request_id = %req.request_id,
+            prompt_tokens = n_prompt,
+            prefill_ms,
+            "prefilled (live handoff)"
+        );
+        self.metrics.prefill.observe(prefill_ms / 1000.0);
+        self.metrics.prompt_tokens.inc_by(n_prompt as u64);
+        let last = first.eog || max_tokens <= 1;
+        let (tx, rx) = mpsc::channel(64);
+        let _ = tx
+            .send(Ok(pb::PrefillEvent {
+                event: Some(pb::prefill_event::Event::First(pb::FirstToken {
+                    token: first.id,
+                    piece: first.piece,
+                    prompt_tokens: n_prompt as u32,
+                    prefill_ms,
+                    last,
+                    eog: first.eog,
+                    max_tokens,
+                })),
+            }))
+            .await;
+        if !last {
+            let answer = live::LiveAnswer {
+                sender: self.sender(),
+                handoff,
+                request_id: req.request_id.clone(),
+                prompt_tokens: n_prompt,
+            };
+            tokio::spawn(answer.run(events, live, tx));
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 

@@ -37,12 +37,14 @@ enum Kind {
     Nack = 5,
     Challenge = 6,
     Auth = 7,
+    Part = 8,
+    Last = 9,
 }
 
 impl TryFrom<u8> for Kind {
     type Error = FrameError;
     fn try_from(v: u8) -> Result<Self, FrameError> {
-        const ALL: [Kind; 7] = [
+        const ALL: [Kind; 9] = [
             Kind::Hello,
             Kind::HelloOk,
             Kind::State,
@@ -50,6 +52,8 @@ impl TryFrom<u8> for Kind {
             Kind::Nack,
             Kind::Challenge,
             Kind::Auth,
+            Kind::Part,
+            Kind::Last,
         ];
         ALL.into_iter()
             .find(|k| *k as u8 == v)
@@ -264,6 +268,13 @@ pub enum Frame {
     HelloOk(Identity),
     /// Sender -> receiver: one sequence's KV state.
     State(StateFrame),
+    /// Sender -> receiver, live handoff: a piece of a state still being written (the
+    /// prompt's state, then deltas: the cells of the tokens written since). Held while
+    /// the connection lasts; dropped if it closes before the `Last` piece.
+    Part(StateFrame),
+    /// Sender -> receiver, live handoff: the final delta; the joined state is stored for
+    /// its `Generate` call as a `State` would be.
+    Last(StateFrame),
     /// Receiver -> sender: state verified and stored.
     Ack { handoff_id: String, bytes: u64 },
     /// Either way: refused, with a reason.
@@ -409,6 +420,8 @@ fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, 
         Kind::Hello => Frame::Hello(get_identity(&mut body)?),
         Kind::HelloOk => Frame::HelloOk(get_identity(&mut body)?),
         Kind::State => Frame::State(get_state(body.clone(), key)?),
+        Kind::Part => Frame::Part(get_state(body.clone(), key)?),
+        Kind::Last => Frame::Last(get_state(body.clone(), key)?),
         Kind::Challenge => Frame::Challenge {
             nonce: get_32(&mut body)?,
         },
@@ -432,7 +445,7 @@ fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, 
             })
         }
     };
-    if kind != Kind::State && body.has_remaining() {
+    if !matches!(kind, Kind::State | Kind::Part | Kind::Last) && body.has_remaining() {
         return Err(malformed("trailing bytes after the frame's fields"));
     }
     Ok(frame)
@@ -645,6 +658,8 @@ pub fn encode_keyed(
         Frame::Hello(_) => Kind::Hello,
         Frame::HelloOk(_) => Kind::HelloOk,
         Frame::State(_) => Kind::State,
+        Frame::Part(_) => Kind::Part,
+        Frame::Last(_) => Kind::Last,
         Frame::Ack { .. } => Kind::Ack,
         Frame::Nack(_) => Kind::Nack,
         Frame::Challenge { .. } => Kind::Challenge,
@@ -686,7 +701,7 @@ fn encode_body(
             check_len(&id.build_id, MAX_TEXT_LEN, "build id")?;
             put_identity(out, id);
         }
-        Frame::State(s) => {
+        Frame::State(s) | Frame::Part(s) | Frame::Last(s) => {
             if !valid_id(&s.handoff_id) {
                 return Err(EncodeError::BadId(s.handoff_id.clone()));
             }
@@ -1113,6 +1128,8 @@ mod tests {
             arb_identity().prop_map(Frame::Hello),
             arb_identity().prop_map(Frame::HelloOk),
             arb_state().prop_map(Frame::State),
+            arb_state().prop_map(Frame::Part),
+            arb_state().prop_map(Frame::Last),
             (arb_id(), any::<u64>()).prop_map(|(h, n)| Frame::Ack {
                 handoff_id: h,
                 bytes: n
@@ -1145,10 +1162,16 @@ mod tests {
         }
 
         #[test]
-        fn flipping_any_state_byte_is_detected(st in arb_state(), pos in any::<prop::sample::Index>()) {
-            // Every generated case is a STATE frame (not one kind in five), and the flip is
-            // refused for the one right reason: the checksum covers every body byte.
-            let f = Frame::State(st);
+        fn flipping_any_state_byte_is_detected(
+            st in arb_state(),
+            pos in any::<prop::sample::Index>(),
+            kind in 0..3usize,
+        ) {
+            // Every generated case is a frame with a state body (STATE, PART or LAST), and
+            // the flip is refused for the one right reason: the checksum covers every body
+            // byte.
+            let kinds: [fn(StateFrame) -> Frame; 3] = [Frame::State, Frame::Part, Frame::Last];
+            let f = kinds[kind](st);
             {
                 let bytes = {
                     let mut b = BytesMut::new();

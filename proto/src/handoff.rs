@@ -122,6 +122,67 @@ pub async fn send_state(
     })
 }
 
+/// Connects to the receiver at `addr` and completes the handshake: the connection a live
+/// handoff sends its pieces on ([`send_piece`]).
+///
+/// # Errors
+/// Connect failure, a timeout, a NACK, or a receiver whose identity differs.
+pub async fn connect(
+    addr: &str,
+    ours: &Identity,
+    limits: &Limits,
+    secret: Option<&Secret>,
+) -> Result<Framed<TcpStream, V2Codec>, HandoffError> {
+    let stream = tokio::time::timeout(limits.connect, TcpStream::connect(addr))
+        .await
+        .map_err(|_| HandoffError::Timeout("connect"))?
+        .map_err(|source| HandoffError::Connect {
+            addr: addr.to_string(),
+            source,
+        })?;
+    stream.set_nodelay(true).ok();
+    let mut framed = Framed::new(stream, V2Codec::new(limits.max_frame));
+    handshake(&mut framed, ours, limits, secret).await?;
+    Ok(framed)
+}
+
+/// Sends one frame that carries a state (`State`, `Part` or `Last`) and waits for its ACK;
+/// returns the bytes the receiver says it holds for the handoff.
+///
+/// # Errors
+/// A timeout, a NACK, or an unexpected reply.
+pub async fn send_piece<S>(
+    framed: &mut Framed<S, V2Codec>,
+    piece: Frame,
+    limits: &Limits,
+) -> Result<u64, HandoffError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (Frame::State(s) | Frame::Part(s) | Frame::Last(s)) = &piece else {
+        return Err(HandoffError::Protocol(format!(
+            "{} carries no state",
+            frame_name(&piece)
+        )));
+    };
+    let handoff_id = s.handoff_id.clone();
+    tokio::time::timeout(limits.frame, framed.send(piece))
+        .await
+        .map_err(|_| HandoffError::Timeout("state transfer"))??;
+    match next_frame(framed, limits.frame, "ack").await? {
+        Some(Frame::Ack {
+            handoff_id: h,
+            bytes,
+        }) if h == handoff_id => Ok(bytes),
+        Some(Frame::Nack(n)) => Err(HandoffError::Refused(n)),
+        Some(other) => Err(HandoffError::Protocol(format!(
+            "expected ACK for {handoff_id}, got {}",
+            frame_name(&other)
+        ))),
+        None => Err(HandoffError::Protocol("receiver closed before ACK".into())),
+    }
+}
+
 /// The sender's side of one handoff on an open connection (exposed for tests that put a
 /// fault-injecting transport underneath).
 ///
@@ -134,6 +195,23 @@ pub async fn send_on<S>(
     limits: &Limits,
     secret: Option<&Secret>,
 ) -> Result<u64, HandoffError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    handshake(framed, ours, limits, secret).await?;
+    let bytes = state.payload.len() as u64;
+    send_piece(framed, Frame::State(state), limits).await?;
+    Ok(bytes)
+}
+
+/// The sender's side of the handshake: HELLO, the authentication when the receiver asks
+/// for it, HELLO_OK with an identity equal to ours.
+async fn handshake<S>(
+    framed: &mut Framed<S, V2Codec>,
+    ours: &Identity,
+    limits: &Limits,
+    secret: Option<&Secret>,
+) -> Result<(), HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -180,37 +258,18 @@ where
         ));
     }
     match reply {
-        Some(Frame::HelloOk(theirs)) => {
-            if let Some(n) = ours.mismatch(&theirs) {
-                return Err(HandoffError::Mismatch(n));
-            }
-        }
-        Some(Frame::Nack(n)) => return Err(HandoffError::Refused(n)),
-        Some(other) => {
-            return Err(HandoffError::Protocol(format!(
-                "expected HELLO_OK, got {}",
-                frame_name(&other)
-            )))
-        }
-        None => {
-            return Err(HandoffError::Protocol(
-                "receiver closed during handshake".into(),
-            ))
-        }
-    }
-    let handoff_id = state.handoff_id.clone();
-    let bytes = state.payload.len() as u64;
-    tokio::time::timeout(limits.frame, framed.send(Frame::State(state)))
-        .await
-        .map_err(|_| HandoffError::Timeout("state transfer"))??;
-    match next_frame(framed, limits.frame, "ack").await? {
-        Some(Frame::Ack { handoff_id: h, .. }) if h == handoff_id => Ok(bytes),
+        Some(Frame::HelloOk(theirs)) => match ours.mismatch(&theirs) {
+            Some(n) => Err(HandoffError::Mismatch(n)),
+            None => Ok(()),
+        },
         Some(Frame::Nack(n)) => Err(HandoffError::Refused(n)),
         Some(other) => Err(HandoffError::Protocol(format!(
-            "expected ACK for {handoff_id}, got {}",
+            "expected HELLO_OK, got {}",
             frame_name(&other)
         ))),
-        None => Err(HandoffError::Protocol("receiver closed before ACK".into())),
+        None => Err(HandoffError::Protocol(
+            "receiver closed during handshake".into(),
+        )),
     }
 }
 
@@ -226,6 +285,8 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::Hello(_) => "HELLO",
         Frame::HelloOk(_) => "HELLO_OK",
         Frame::State(_) => "STATE",
+        Frame::Part(_) => "PART",
+        Frame::Last(_) => "LAST",
         Frame::Ack { .. } => "ACK",
         Frame::Nack(_) => "NACK",
     }
@@ -242,6 +303,91 @@ pub trait StateSink: Send + Sync + 'static {
 
     /// Counts a refusal (for metrics and tests).
     fn refused(&self, _nack: &Nack) {}
+
+    /// Makes room for `bytes` more of a live handoff's pieces, held by the connection
+    /// until its `Last` piece (or its end). The default sink has no limit.
+    ///
+    /// # Errors
+    /// A NACK (no room, draining).
+    fn reserve(&self, _handoff_id: &str, _bytes: u64) -> Result<(), Nack> {
+        Ok(())
+    }
+
+    /// Gives back room taken by [`StateSink::reserve`].
+    fn release(&self, _bytes: u64) {}
+}
+
+/// A live handoff's pieces held by one connection, joined as they come; what is left when
+/// the connection ends is dropped and its room given back.
+struct Pieces<'a> {
+    sink: &'a dyn StateSink,
+    held: std::collections::HashMap<String, StateFrame>,
+}
+
+impl Pieces<'_> {
+    fn reserved(s: &StateFrame) -> u64 {
+        s.payload.len() as u64
+    }
+
+    /// Takes a `Part` or `Last` piece whose checksum and descriptors passed; returns the
+    /// handoff's joined state so far.
+    fn add(&mut self, piece: StateFrame) -> Result<&StateFrame, Nack> {
+        let id = piece.handoff_id.clone();
+        let refuse = |code, reason: String| nack(code, &id, reason);
+        let joined = match self.held.remove(&id) {
+            None => {
+                let span = crate::splice::span(&piece.payload)
+                    .map_err(|e| refuse(NackCode::Malformed, e.to_string()))?;
+                if span.start != 0 {
+                    return Err(refuse(
+                        NackCode::UnexpectedFrame,
+                        format!(
+                            "the first piece of handoff {id} starts at position {}, not 0",
+                            span.start
+                        ),
+                    ));
+                }
+                self.sink.reserve(&id, Self::reserved(&piece))?;
+                piece
+            }
+            Some(mut held) => {
+                let joined = crate::splice::append(&held.payload, &piece.payload);
+                let joined = match joined {
+                    Ok(j) => j,
+                    Err(e) => {
+                        self.sink.release(Self::reserved(&held));
+                        return Err(refuse(NackCode::Malformed, e.to_string()));
+                    }
+                };
+                let more = (joined.len() as u64).saturating_sub(Self::reserved(&held));
+                if let Err(n) = self.sink.reserve(&id, more) {
+                    self.sink.release(Self::reserved(&held));
+                    return Err(n);
+                }
+                held.tokens.extend_from_slice(&piece.tokens);
+                held.descriptors = layout::describe(&joined).descriptors;
+                held.payload = joined.into();
+                held
+            }
+        };
+        Ok(self.held.entry(id).or_insert(joined))
+    }
+
+    /// Takes the handoff's joined state out (its room given back).
+    fn finish(&mut self, handoff_id: &str) -> Option<StateFrame> {
+        let s = self.held.remove(handoff_id)?;
+        self.sink.release(Self::reserved(&s));
+        Some(s)
+    }
+}
+
+impl Drop for Pieces<'_> {
+    fn drop(&mut self) {
+        for (id, s) in self.held.drain() {
+            tracing::info!(handoff_id = %id, bytes = s.payload.len(), "live handoff ended before its last piece; dropped");
+            self.sink.release(Self::reserved(&s));
+        }
+    }
 }
 
 fn nack(code: NackCode, handoff_id: &str, reason: impl Into<String>) -> Nack {
@@ -364,6 +510,10 @@ where
         }
     }
     // States.
+    let mut pieces = Pieces {
+        sink,
+        held: std::collections::HashMap::new(),
+    };
     loop {
         let frame = match next_frame(&mut framed, limits.frame, "state transfer").await {
             Ok(Some(f)) => f,
@@ -374,17 +524,39 @@ where
                 return Err(e);
             }
         };
-        let Frame::State(state) = frame else {
-            let n = refuse(nack(
-                NackCode::UnexpectedFrame,
-                "",
-                format!("expected STATE, got {}", frame_name(&frame)),
-            ));
-            framed.send(Frame::Nack(n.clone())).await?;
-            return Err(HandoffError::Refused(n));
+        // (state, is a piece of a live handoff, is its last piece)
+        let (state, piece, last) = match frame {
+            Frame::State(s) => (s, false, true),
+            Frame::Part(s) => (s, true, false),
+            // A LAST with no piece before it is a whole state.
+            Frame::Last(s) => {
+                let held = pieces.held.contains_key(&s.handoff_id);
+                (s, held, true)
+            }
+            other => {
+                let n = refuse(nack(
+                    NackCode::UnexpectedFrame,
+                    "",
+                    format!("expected STATE, PART or LAST, got {}", frame_name(&other)),
+                ));
+                framed.send(Frame::Nack(n.clone())).await?;
+                return Err(HandoffError::Refused(n));
+            }
         };
         let handoff_id = state.handoff_id.clone();
-        let result = check_descriptors(&state).and_then(|()| sink.accept(state));
+        let result = check_descriptors(&state).and_then(|()| {
+            if !piece {
+                return sink.accept(state);
+            }
+            let bytes = pieces.add(state)?.payload.len() as u64;
+            if !last {
+                return Ok(bytes);
+            }
+            let whole = pieces
+                .finish(&handoff_id)
+                .ok_or_else(|| nack(NackCode::Internal, &handoff_id, "joined state vanished"))?;
+            sink.accept(whole)
+        });
         match result {
             Ok(bytes) => framed.send(Frame::Ack { handoff_id, bytes }).await?,
             Err(n) => {
@@ -472,21 +644,112 @@ mod tests {
         }
     }
 
-    /// Keeps what it accepts; counts refusals.
+    /// Keeps what it accepts; counts refusals and the room live pieces hold.
     #[derive(Default)]
     struct Sink {
         accepted: Mutex<Vec<String>>,
+        payloads: Mutex<Vec<bytes::Bytes>>,
         refused: Mutex<Vec<NackCode>>,
+        reserved: std::sync::atomic::AtomicU64,
     }
 
     impl StateSink for Sink {
         fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
             self.accepted.lock().unwrap().push(state.handoff_id);
+            self.payloads.lock().unwrap().push(state.payload.clone());
             Ok(state.payload.len() as u64)
         }
         fn refused(&self, nack: &Nack) {
             self.refused.lock().unwrap().push(nack.code);
         }
+        fn reserve(&self, _: &str, bytes: u64) -> Result<(), Nack> {
+            self.reserved
+                .fetch_add(bytes, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+        fn release(&self, bytes: u64) {
+            self.reserved
+                .fetch_sub(bytes, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn piece(id: &str, first: u32, cells: u32) -> StateFrame {
+        let payload = bytes::Bytes::from(crate::splice::testing::synthetic(first, cells, true, 1));
+        StateFrame {
+            handoff_id: id.into(),
+            request_id: "r".into(),
+            tokens: (first as i32..(first + cells) as i32).collect(),
+            descriptors: layout::describe(&payload).descriptors,
+            payload,
+        }
+    }
+
+    /// A live handoff: the prompt's piece, a delta, the last delta; the sink gets the
+    /// joined state (byte for byte the whole one) once, at the last piece. A connection
+    /// that ends before its last piece gives its room back and stores nothing; a delta
+    /// that does not continue the held piece is refused.
+    #[tokio::test]
+    async fn live_pieces_are_joined_and_dropped_unless_finished() {
+        let limits = Limits {
+            frame: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        let run = |frames: Vec<Frame>| async move {
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let sink = Arc::new(Sink::default());
+            let recv = {
+                let sink = sink.clone();
+                tokio::spawn(async move {
+                    let _ = serve_connection(b, &identity(), &limits, sink.as_ref(), None).await;
+                })
+            };
+            let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
+            handshake(&mut framed, &identity(), &limits, None)
+                .await
+                .unwrap();
+            let mut acks = Vec::new();
+            for f in frames {
+                acks.push(send_piece(&mut framed, f, &limits).await);
+            }
+            drop(framed);
+            recv.await.unwrap();
+            (acks, sink)
+        };
+        let (acks, sink) = run(vec![
+            Frame::Part(piece("h", 0, 3)),
+            Frame::Part(piece("h", 3, 2)),
+            Frame::Last(piece("h", 5, 1)),
+        ])
+        .await;
+        let whole = crate::splice::testing::synthetic(0, 6, true, 1);
+        let acked: Vec<u64> = acks.into_iter().map(Result::unwrap).collect();
+        assert_eq!(acked.last(), Some(&(whole.len() as u64)));
+        assert_eq!(
+            *sink.payloads.lock().unwrap(),
+            vec![bytes::Bytes::from(whole)]
+        );
+        assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+        let (acks, sink) = run(vec![
+            Frame::Part(piece("h", 0, 3)),
+            Frame::Part(piece("h", 3, 2)),
+        ])
+        .await;
+        assert!(acks.iter().all(Result::is_ok));
+        assert!(sink.accepted.lock().unwrap().is_empty());
+        assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+        let (acks, sink) = run(vec![
+            Frame::Part(piece("h", 0, 3)),
+            Frame::Last(piece("h", 4, 1)),
+        ])
+        .await;
+        match &acks[1] {
+            Err(HandoffError::Refused(n)) => assert_eq!(n.code, NackCode::Malformed),
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(sink.accepted.lock().unwrap().is_empty());
+        assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 
     fn state(id: &str) -> StateFrame {

@@ -11,6 +11,7 @@ pub mod handoff;
 pub mod layout;
 pub mod metrics;
 pub mod service;
+pub mod splice;
 pub mod v1;
 
 /// Generated gRPC types and services.

@@ -50,6 +50,41 @@ impl Transport {
     }
 }
 
+/// When a split answer's state crosses to the decode node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HandoffMode {
+    /// The prefill node goes on writing the answer while the state crosses, then hands
+    /// over at a token boundary (V2 only; PROTOCOL.md, "Live handoff").
+    Live,
+    /// The state crosses once after the first token, and the decode node writes the rest.
+    After,
+}
+
+impl HandoffMode {
+    /// Parses `live` / `after`.
+    ///
+    /// # Errors
+    /// Any other name.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "live" => Ok(HandoffMode::Live),
+            "after" => Ok(HandoffMode::After),
+            other => Err(format!(
+                "unknown handoff mode {other:?}; expected \"live\" or \"after\""
+            )),
+        }
+    }
+
+    /// The name used in requests and timing reports.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandoffMode::Live => "live",
+            HandoffMode::After => "after",
+        }
+    }
+}
+
 /// Sampling options after range checks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {
@@ -102,6 +137,8 @@ pub struct ValidRequest {
     pub transport: Option<Transport>,
     /// `edgesplit.return_token_ids`: report the answer's token ids.
     pub return_token_ids: bool,
+    /// `edgesplit.handoff`: the handoff mode of a split answer (else the router's default).
+    pub handoff: Option<HandoffMode>,
 }
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "developer"];
@@ -396,6 +433,19 @@ pub fn parse(
             ))
         }
     };
+    let handoff = match obj.get("edgesplit").and_then(|e| e.get("handoff")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(
+            HandoffMode::parse(s)
+                .map_err(|m| ApiError::invalid(Some("edgesplit.handoff".into()), m))?,
+        ),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("edgesplit.handoff".into()),
+                "edgesplit.handoff must be a string",
+            ))
+        }
+    };
     let return_token_ids = match obj.get("edgesplit") {
         Some(Value::Object(o)) => boolean(o, "return_token_ids")?,
         None | Some(Value::Null) => false,
@@ -417,6 +467,7 @@ pub fn parse(
         stream,
         include_usage,
         transport,
+        handoff,
     })
 }
 

@@ -18,7 +18,7 @@ use tonic::transport::{Channel, Endpoint};
 /// A node channel that adds the shared-secret credential to every call.
 type Authed = InterceptedService<Channel, GrpcCredentials>;
 
-use crate::api::{Input, Transport, ValidRequest};
+use crate::api::{HandoffMode, Input, Transport, ValidRequest};
 use crate::error::ApiError;
 
 /// How the nodes are reached.
@@ -43,6 +43,8 @@ pub struct BackendConfig {
     /// When the decode node ends the answer before the prefill node reported the handoff:
     /// how long to wait for that report (its figures go into the response).
     pub handoff_report_wait: Duration,
+    /// The handoff mode of split answers whose request does not name one.
+    pub handoff: HandoffMode,
     /// The shared secret the nodes require (gRPC credentials on every call).
     pub secret: Option<std::sync::Arc<Secret>>,
 }
@@ -76,6 +78,17 @@ pub enum Event {
     Token {
         id: i32,
         bytes: Vec<u8>,
+    },
+    /// A split answer's handoff mode (sent first).
+    Mode(HandoffMode),
+    /// A live handoff completed: the decode node writes the answer after its
+    /// `answered`-th token.
+    Switched {
+        answered: u32,
+    },
+    /// A live handoff gave up; the answer goes on on the prefill node.
+    HandoffCancelled {
+        reason: String,
     },
     /// The KV state reached the decode node.
     Handoff {
@@ -360,6 +373,16 @@ impl Backend {
                 ),
             ));
         }
+        let mode = match (transport, req.handoff) {
+            (Transport::V1, Some(HandoffMode::Live)) => {
+                return Err(ApiError::invalid(
+                    Some("edgesplit.handoff".into()),
+                    "a live handoff goes over v2 only; use \"after\" with v1",
+                ))
+            }
+            (Transport::V1, _) => HandoffMode::After,
+            (_, m) => m.unwrap_or(self.config.handoff),
+        };
         let handoff_id = request_id.to_string();
         let preq = Self::prefill_request(
             req,
@@ -368,6 +391,7 @@ impl Backend {
                 handoff_id: handoff_id.clone(),
                 decode_addr: addr,
                 transport: wire as i32,
+                live: mode == HandoffMode::Live,
             }),
             decode_info.kv_budget_bytes,
         );
@@ -400,6 +424,7 @@ impl Backend {
             sampling: Some((&req.sampling).into()),
             max_new_tokens: first.max_tokens.saturating_sub(1),
             first_token: Some(first.token),
+            answered: 1,
         };
         let fallback = self.config.fallback.then(|| Fallback {
             prefill: self.prefill.clone(),
@@ -417,6 +442,7 @@ impl Backend {
             handoff_error_grace: self.config.handoff_error_grace,
             handoff_report_wait: self.config.handoff_report_wait,
             param,
+            mode,
         };
         tokio::spawn(split.run(pstream, fallback));
         Ok(started)
@@ -485,6 +511,7 @@ struct SplitAnswer {
     handoff_report_wait: Duration,
     /// The request field an upstream refusal names (`messages` or `prompt`).
     param: &'static str,
+    mode: HandoffMode,
 }
 
 impl SplitAnswer {
@@ -514,7 +541,8 @@ impl SplitAnswer {
             id: self.first.token,
             bytes: self.first.piece.clone(),
         };
-        if self.tx.send(first).await.is_err() {
+        if self.tx.send(Event::Mode(self.mode)).await.is_err() || self.tx.send(first).await.is_err()
+        {
             return Split::Over;
         }
         if self.first.last {
@@ -526,6 +554,9 @@ impl SplitAnswer {
             let _ = self.tx.send(finished_here(reason)).await;
             return Split::Over;
         }
+        if self.mode == HandoffMode::Live {
+            return self.live_part(pstream).await;
+        }
         let mut handoff: HandoffReport = tokio::spawn(async move { pstream.message().await });
         let mut handoff_pending = true;
         let stream = match self.decode_stream(&mut handoff, &mut handoff_pending).await {
@@ -534,6 +565,122 @@ impl SplitAnswer {
         };
         self.forward_decode(stream, &mut handoff, &mut handoff_pending)
             .await
+    }
+
+    /// A live answer: forwards the prefill node's tokens until it finishes the answer or
+    /// reports the switch, then the decode node's.
+    async fn live_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+        use pb::prefill_event::Event as P;
+        let idle = self.idle;
+        loop {
+            let event = match tokio::time::timeout(idle, pstream.message()).await {
+                Ok(Ok(Some(m))) => m.event,
+                Ok(Ok(None)) => {
+                    return Split::Failed(ApiError::upstream(
+                        "stream_ended",
+                        "the prefill node ended the live answer without finishing it",
+                    ))
+                }
+                Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+                Err(_) => {
+                    return Split::Failed(ApiError::upstream(
+                        "timeout",
+                        format!("no token from the prefill node within {idle:?}"),
+                    ))
+                }
+            };
+            let ev = match event {
+                Some(P::Token(t)) => {
+                    self.sent.push(t.id);
+                    Event::Token {
+                        id: t.id,
+                        bytes: t.piece,
+                    }
+                }
+                Some(P::Finished(f)) => {
+                    // Every token was written on the prefill node: none by a decode node.
+                    let mut ev = token_event(
+                        pb::TokenEvent {
+                            event: Some(pb::token_event::Event::Finished(f)),
+                        },
+                        false,
+                    );
+                    if let Event::Finished {
+                        decode_tokens,
+                        decode_ms,
+                        ..
+                    } = &mut ev
+                    {
+                        *decode_tokens = 0;
+                        *decode_ms = 0.0;
+                    }
+                    let _ = self.tx.send(ev).await;
+                    return Split::Over;
+                }
+                Some(P::Cancelled(c)) => Event::HandoffCancelled { reason: c.reason },
+                Some(P::Switched(sw)) => return self.switch(sw).await,
+                Some(P::First(_) | P::Handoff(_)) | None => {
+                    return Split::Failed(ApiError::upstream(
+                        "protocol_error",
+                        "unexpected event in the prefill node's live answer",
+                    ))
+                }
+            };
+            if self.tx.send(ev).await.is_err() {
+                return Split::Over;
+            }
+        }
+    }
+
+    /// The decode node holds the state up to the last token sent: it writes the rest.
+    async fn switch(&mut self, sw: pb::Switched) -> Split {
+        let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
+        if sw.answered != answered {
+            return Split::Failed(ApiError::upstream(
+                "protocol_error",
+                format!(
+                    "the prefill node switched after token {} but sent {answered}",
+                    sw.answered
+                ),
+            ));
+        }
+        tracing::info!(
+            request_id = %self.generate.request_id,
+            answered,
+            rounds = sw.rounds,
+            bytes = sw.bytes,
+            whole = sw.whole,
+            "live handoff: the decode node takes over"
+        );
+        let handoff = Event::Handoff {
+            bytes: sw.bytes,
+            export_ms: sw.export_ms,
+            transfer_ms: sw.transfer_ms,
+        };
+        if self.tx.send(handoff).await.is_err()
+            || self.tx.send(Event::Switched { answered }).await.is_err()
+        {
+            return Split::Over;
+        }
+        self.generate.first_token = self.sent.last().copied();
+        self.generate.answered = answered;
+        self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
+        let mut decode = self.decode.clone();
+        let idle = self.idle;
+        let stream = match tokio::time::timeout(idle, decode.generate(self.generate.clone())).await
+        {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+            Err(_) => {
+                return Split::Failed(ApiError::upstream(
+                    "timeout",
+                    format!("the decode node did not take the answer within {idle:?}"),
+                ))
+            }
+        };
+        // The handoff is reported; nothing is pending.
+        let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
+        self.forward_decode(stream, &mut done, &mut false).await
     }
 
     /// The handoff's outcome: its figures, or why it failed.
@@ -775,6 +922,7 @@ mod tests {
             handoff_error_grace: Duration::from_secs(1),
             handoff_report_wait: Duration::from_secs(1),
             param,
+            mode: HandoffMode::After,
         }
     }
 

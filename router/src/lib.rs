@@ -55,6 +55,12 @@ pub struct Config {
     /// file by HTTP upload) or local (both phases on the prefill node).
     #[arg(long, default_value = "v2", value_parser = Transport::parse)]
     pub transport: Transport,
+    /// Default handoff mode of split answers (a request's `edgesplit.handoff` overrides
+    /// it): `live` keeps the answer flowing from the prefill node while the state crosses
+    /// and hands over at a token boundary (V2; a V1 answer is always `after`); `after`
+    /// sends the state once after the first token.
+    #[arg(long, value_enum, default_value_t = api::HandoffMode::Live)]
+    pub handoff: api::HandoffMode,
     /// Milliseconds allowed to connect to a node.
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,
@@ -170,6 +176,7 @@ pub async fn run(
         token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
         handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
         handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
+        handoff: config.handoff,
         secret,
     })?;
     let max_in_flight = match config.max_in_flight {

@@ -59,6 +59,16 @@ pub struct Timing {
     pub decode_tokens: u32,
     /// The split failed and the prefill node finished the answer: why.
     pub fallback: Option<String>,
+    /// A split answer's handoff mode: `live` or `after`.
+    pub handoff_mode: Option<&'static str>,
+    /// Live handoff: answer tokens the prefill node wrote (all of them when the answer
+    /// ended before the switch).
+    pub prefill_tokens: Option<u32>,
+    /// Live handoff: milliseconds from the request's arrival to the switch (the decode
+    /// node holds the state and takes over).
+    pub switch_ms: Option<f64>,
+    /// Live handoff: why it gave up, when it did (the answer stayed on the prefill node).
+    pub handoff_cancelled: Option<String>,
 }
 
 impl RecentAnswer {

@@ -191,6 +191,10 @@ impl Answer {
                 prefill_ms,
             } => {
                 self.finish = Some(reason);
+                if self.timing.handoff_mode == Some("live") && self.timing.prefill_tokens.is_none()
+                {
+                    self.timing.prefill_tokens = Some(self.completion_tokens);
+                }
                 self.timing.decode_tokens = decode_tokens;
                 self.timing.decode_ms = Some(decode_ms);
                 if self.meta.transport != Transport::Local {
@@ -206,6 +210,19 @@ impl Answer {
             }
             Event::Fallback { cause } => {
                 self.timing.fallback = Some(cause);
+                Step::Nothing
+            }
+            Event::Mode(m) => {
+                self.timing.handoff_mode = Some(m.as_str());
+                Step::Nothing
+            }
+            Event::Switched { answered } => {
+                self.timing.prefill_tokens = Some(answered);
+                self.timing.switch_ms = Some(self.meta.received.elapsed().as_secs_f64() * 1000.0);
+                Step::Nothing
+            }
+            Event::HandoffCancelled { reason } => {
+                self.timing.handoff_cancelled = Some(reason);
                 Step::Nothing
             }
             Event::Error(e) => Step::Failed(e),

@@ -211,6 +211,7 @@ async fn generate_from(
         .await
         .unwrap();
     c.generate(pb::GenerateRequest {
+        answered: 1,
         request_id: "t".into(),
         handoff_id: handoff_id.into(),
         sampling: None,

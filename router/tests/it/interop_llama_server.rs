@@ -58,6 +58,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             sampling: Some(greedy()),
             max_tokens: N,
             handoff: Some(pb::Handoff {
+                live: false,
                 handoff_id: "interop-1".into(),
                 decode_addr: s.v1_url.clone(),
                 transport: pb::HandoffTransport::V1 as i32,
@@ -104,6 +105,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
         .unwrap();
     let mut stream = decode
         .generate(pb::GenerateRequest {
+            answered: 1,
             request_id: "interop".into(),
             handoff_id: "interop-1".into(),
             sampling: Some(greedy()),

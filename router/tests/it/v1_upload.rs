@@ -229,6 +229,7 @@ async fn duplicate_and_unloadable_files() {
         .unwrap();
     let mut stream = c
         .generate(pb::GenerateRequest {
+            answered: 1,
             request_id: "t".into(),
             handoff_id: "v1-fake".into(),
             sampling: None,
