@@ -37,7 +37,11 @@ async fn assert_identical_on(stack: &common::Stack, messages: Value, min_prompt_
             reference.completion_tokens as usize,
             reference.token_ids.len()
         );
-        for (transport, streamed) in [("v2", streamed[0]), ("v1", streamed[1])] {
+        for (transport, streamed) in [
+            ("v2", streamed[0]),
+            ("v1", streamed[1]),
+            ("v2-live", streamed[1]),
+        ] {
             let split = run(stack, "/v1/chat/completions", &body, transport, streamed).await;
             assert_eq!(
                 split, reference,

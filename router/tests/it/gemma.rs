@@ -70,7 +70,11 @@ async fn assert_identical_in(
             reference.prompt_tokens
         );
         assert!(!reference.token_ids.is_empty());
-        for (transport, streamed) in [("v2", streamed[0]), ("v1", streamed[1])] {
+        for (transport, streamed) in [
+            ("v2", streamed[0]),
+            ("v1", streamed[1]),
+            ("v2-live", streamed[1]),
+        ] {
             let split = run(s, "/v1/completions", &body, transport, streamed).await;
             assert_eq!(
                 split, reference,

@@ -22,6 +22,7 @@ mod gemma;
 mod handoff;
 mod hostile;
 mod interop_llama_server;
+mod live;
 mod metrics;
 mod processes;
 mod request_id;

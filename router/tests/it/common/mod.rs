@@ -468,6 +468,16 @@ fn ids(v: &Value) -> Vec<i64> {
         .unwrap_or_default()
 }
 
+/// The tests' transport names: `v2` is the V2 handoff after the first token (`after`),
+/// `v2-live` the live one; `v1` and `local` as the API names them.
+pub fn transport_mode(transport: &str) -> (&str, Option<&'static str>) {
+    match transport {
+        "v2" => ("v2", Some("after")),
+        "v2-live" => ("v2", Some("live")),
+        other => (other, None),
+    }
+}
+
 /// Runs `body` (chat or completion, per `path`) on `transport`, streamed or not. On `v1`
 /// and `v2` it also asserts that the split really happened ([`assert_split`]): without
 /// it, a broken import finished by the fallback would look like a correct split answer.
@@ -486,12 +496,25 @@ pub async fn run(
 }
 
 /// The decode node wrote the answer: no fallback, a handoff of some bytes, and every token
-/// after the first decoded there (when the answer went past its first token).
+/// after the first (`after` handoff) or after the switch (`live`) decoded there, when the
+/// answer went past its first token. A live answer must have switched before its end.
 pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
     assert!(
         edgesplit["fallback"].is_null(),
         "the split fell back: {edgesplit}"
     );
+    let mut written_before = 1;
+    if edgesplit["handoff_mode"] == "live" && completion_tokens > 1 {
+        assert!(
+            edgesplit["handoff_cancelled"].is_null(),
+            "the live handoff gave up: {edgesplit}"
+        );
+        written_before = edgesplit["prefill_tokens"].as_u64().unwrap();
+        assert!(
+            written_before < completion_tokens && edgesplit["switch_ms"].as_f64().is_some(),
+            "the answer ended before the live switch: {edgesplit}"
+        );
+    }
     if completion_tokens > 1 {
         assert!(
             edgesplit["handoff_bytes"].as_u64().is_some_and(|b| b > 0),
@@ -501,8 +524,9 @@ pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
         if !edgesplit["decode_ms"].is_null() {
             assert_eq!(
                 edgesplit["decode_tokens"].as_u64(),
-                Some(completion_tokens - 1),
-                "the decode node did not write every token after the first: {edgesplit}"
+                Some(completion_tokens - written_before),
+                "the decode node did not write every token after the first ({written_before} \
+                 written before the handoff): {edgesplit}"
             );
         }
     }
@@ -518,7 +542,11 @@ pub async fn run_reporting(
     streamed: bool,
 ) -> (Outcome, Value) {
     let mut body = body.clone();
-    body["edgesplit"] = json!({"transport": transport, "return_token_ids": true});
+    let (wire, mode) = transport_mode(transport);
+    body["edgesplit"] = json!({"transport": wire, "return_token_ids": true});
+    if let Some(m) = mode {
+        body["edgesplit"]["handoff"] = json!(m);
+    }
     body["stream"] = json!(streamed);
     if streamed {
         body["stream_options"] = json!({"include_usage": true});
@@ -527,7 +555,10 @@ pub async fn run_reporting(
     if !streamed {
         let (status, _, v) = post(&url, &body).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(v["edgesplit"]["transport"], transport);
+        assert_eq!(v["edgesplit"]["transport"], wire);
+        if let Some(m) = mode {
+            assert_eq!(v["edgesplit"]["handoff_mode"], m, "{v}");
+        }
         let choice = &v["choices"][0];
         let text = choice["message"]["content"]
             .as_str()

@@ -1,0 +1,186 @@
+//! The live handoff (issue 13) on the real services, through a throttled link between
+//! the nodes: the prefill node keeps writing while the state crosses and the decode node
+//! takes over mid-answer, token for token the `local` answer (greedy, and seeded with a
+//! frequency penalty: the decode node continues at the right step with the right history);
+//! an answer that ends before the handoff completes leaves nothing held on the decode node;
+//! a corrupted piece is refused and the answer goes on on the prefill node, identical.
+//! (Identity on both families for fast links: `fidelity.rs` and `gemma.rs`, `v2-live`.)
+
+use crate::common;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Bytes per second the proxy lets through towards the decode node (0: no limit).
+static RATE: AtomicU64 = AtomicU64::new(0);
+/// Flip the byte at this offset of each connection's upstream (usize::MAX: none).
+static CORRUPT_AT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Between the nodes: forwards the handoff at [`RATE`], flipping the byte at
+/// [`CORRUPT_AT`]; closes each side when the other closes.
+fn throttling_proxy(target: String) -> String {
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                let Ok(outbound) = TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut ri, mut wi) = inbound.into_split();
+                let (mut ro, mut wo) = outbound.into_split();
+                let rate = RATE.load(Ordering::SeqCst);
+                let corrupt = CORRUPT_AT.load(Ordering::SeqCst);
+                let up = async move {
+                    let t0 = Instant::now();
+                    let mut seen = 0usize;
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let k = match ri.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => k,
+                        };
+                        if seen <= corrupt && corrupt < seen + k {
+                            buf[corrupt - seen] ^= 0x5a;
+                        }
+                        seen += k;
+                        if rate > 0 {
+                            let due = Duration::from_secs_f64(seen as f64 / rate as f64);
+                            tokio::time::sleep_until((t0 + due).into()).await;
+                        }
+                        if wo.write_all(&buf[..k]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = wo.shutdown().await;
+                };
+                let down = async move {
+                    let _ = tokio::io::copy(&mut ro, &mut wi).await;
+                    let _ = wi.shutdown().await;
+                };
+                tokio::join!(up, down);
+            });
+        }
+    });
+    addr
+}
+
+fn stack() -> &'static common::Stack {
+    static S: OnceLock<common::Stack> = OnceLock::new();
+    S.get_or_init(|| {
+        let mut o = common::StackOptions::new(common::SMOLLM2);
+        o.handoff_proxy = Some(throttling_proxy);
+        common::start(o)
+    })
+}
+
+/// A ~300-token prompt that the model answers at length (it keeps counting).
+fn long_answer(extra: Value) -> Value {
+    let mut body = json!({
+        "prompt": format!("{} {}", "The numbers below go on and on.".repeat(20), common::counting_prompt()),
+        "max_tokens": 96,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The decode node's gauge of states (and live pieces) it holds.
+async fn pending_bytes(s: &common::Stack) -> f64 {
+    let url = s.v1_url.replace("/v1/handoff", "/metrics");
+    let text = common::client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("edgesplit:pending_handoff_bytes ")?
+                .parse()
+                .ok()
+        })
+        .unwrap()
+}
+
+#[tokio::test]
+async fn live_handoff_on_a_slow_link() {
+    let s = stack();
+    // 1. The state takes about a second to cross: the prefill node writes meanwhile, then
+    //    the decode node takes over mid-answer, identical to local, greedy and seeded.
+    for (sampling, streamed) in [
+        (json!({"temperature": 0}), true),
+        (
+            json!({"temperature": 0.7, "top_k": 40, "seed": 11, "frequency_penalty": 0.3}),
+            false,
+        ),
+    ] {
+        let body = long_answer(sampling.clone());
+        RATE.store(0, Ordering::SeqCst);
+        let reference = common::run(s, "/v1/completions", &body, "local", false).await;
+        RATE.store(8_000_000, Ordering::SeqCst);
+        let (split, es) =
+            common::run_reporting(s, "/v1/completions", &body, "v2-live", streamed).await;
+        assert_eq!(split, reference, "sampling {sampling}");
+        common::assert_split(&es, split.completion_tokens);
+        let before = es["prefill_tokens"].as_u64().unwrap();
+        assert!(
+            before >= 2,
+            "the prefill node did not go on writing while the state crossed: {es}"
+        );
+        assert!(es["handoff_bytes"].as_u64().unwrap() > 6_000_000, "{es}");
+    }
+
+    // 2. The answer ends before the state has crossed: all of it from the prefill node,
+    //    and the decode node drops what it received.
+    RATE.store(1_000_000, Ordering::SeqCst);
+    let body = long_answer(json!({"temperature": 0, "max_tokens": 6}));
+    let reference = common::run(s, "/v1/completions", &body, "local", false).await;
+    let (split, es) = common::run_reporting(s, "/v1/completions", &body, "v2-live", false).await;
+    assert_eq!(split, reference);
+    assert_eq!(
+        es["prefill_tokens"].as_u64(),
+        Some(split.completion_tokens),
+        "{es}"
+    );
+    assert_eq!(es["decode_tokens"], 0, "{es}");
+    assert!(
+        es["switch_ms"].is_null() && es["fallback"].is_null(),
+        "{es}"
+    );
+    let t0 = Instant::now();
+    while pending_bytes(s).await != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the decode node still holds the cancelled handoff's pieces"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // 3. A corrupted piece is refused (checksum): the handoff gives up and the answer goes
+    //    on on the prefill node, identical, with no fallback.
+    RATE.store(0, Ordering::SeqCst);
+    CORRUPT_AT.store(200_000, Ordering::SeqCst);
+    let body = long_answer(json!({"temperature": 0, "max_tokens": 24}));
+    let (split, es) = common::run_reporting(s, "/v1/completions", &body, "v2-live", true).await;
+    CORRUPT_AT.store(usize::MAX, Ordering::SeqCst);
+    let reference = common::run(s, "/v1/completions", &body, "local", false).await;
+    assert_eq!(split, reference);
+    let why = es["handoff_cancelled"].as_str().unwrap_or_default();
+    assert!(why.contains("checksum"), "{es}");
+    assert_eq!(
+        es["prefill_tokens"].as_u64(),
+        Some(split.completion_tokens),
+        "{es}"
+    );
+    assert!(es["fallback"].is_null(), "{es}");
+    assert_eq!(pending_bytes(s).await, 0.0);
+}
