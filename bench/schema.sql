@@ -16,7 +16,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     mode TEXT NOT NULL,            -- 'pair' or 'concurrency'
     model TEXT NOT NULL,
     profile TEXT NOT NULL,
-    transport TEXT NOT NULL,       -- local, v1, v2 or stock
+    transport TEXT NOT NULL,       -- local, v1, v2, v2-live, v2-after or stock
     target_prompt_tokens INTEGER NOT NULL,
     max_tokens INTEGER NOT NULL,
     pair INTEGER NOT NULL,         -- pair index (0 = warm-up); concurrency: request index
@@ -34,7 +34,9 @@ CREATE TABLE IF NOT EXISTS attempts (
     energy_j REAL,
     energy_note TEXT,              -- why energy_j is NULL
     text_sha256 TEXT,
-    same_as_reference INTEGER      -- answer equals the pair's first EdgeSplit transport's
+    same_as_reference INTEGER,     -- answer equals the pair's first EdgeSplit transport's
+    prefill_tokens INTEGER,        -- live handoff: answer tokens the prefill node wrote
+    switch_ms REAL                 -- live handoff: ms from the request to the switch
 );
 CREATE TABLE IF NOT EXISTS summaries (
     id INTEGER PRIMARY KEY,

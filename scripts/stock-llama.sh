@@ -11,8 +11,16 @@ if [[ ! -x "$BIN/llama-server" || ! -x "$BIN/llama-bench" ]]; then
     mkdir -p "$ROOT/.build"
     if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
         tmp="$(mktemp -d)"
-        PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip download --quiet --no-deps --no-binary=:all: \
-            -d "$tmp" "llama-cpp-python==0.3.36" >&2
+        # Three tries: a registry that times out once should not fail the suite.
+        for try in 1 2 3; do
+            if PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip download --quiet --no-deps \
+                --no-binary=:all: -d "$tmp" "llama-cpp-python==0.3.36" >&2; then
+                break
+            fi
+            [[ $try -lt 3 ]] || exit 1
+            echo "[stock-llama] download failed (try $try of 3); retrying" >&2
+            sleep 5
+        done
         tar -xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
         rm -rf "$SRC"
         mv "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp "$SRC"

@@ -17,7 +17,8 @@ pub struct Ask {
 /// Who answers.
 #[derive(Clone, Debug)]
 pub enum Target {
-    /// Our router, with a transport (`local`, `v1`, `v2`).
+    /// Our router, with a transport (`local`, `v1`, `v2`; `v2-live` and `v2-after` name
+    /// the handoff mode, `v2` leaves it to the router: `live` by default).
     EdgeSplit { url: String, transport: String },
     /// A stock llama-server.
     Stock { url: String },
@@ -53,6 +54,11 @@ pub struct Measure {
     pub decode_tps: Option<f64>,
     /// Ours: why the split failed and the prefill node finished the answer, if it did.
     pub fallback: Option<String>,
+    /// Ours, live handoff: answer tokens the prefill node wrote (all of them when the
+    /// answer ended before the switch).
+    pub prefill_tokens: Option<u64>,
+    /// Ours, live handoff: ms from the request to the switch (none when there was none).
+    pub switch_ms: Option<f64>,
     pub text: String,
 }
 
@@ -101,7 +107,10 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
     };
     let url = match target {
         Target::EdgeSplit { url, transport } => {
-            body["edgesplit"] = json!({"transport": transport});
+            body["edgesplit"] = match transport.split_once('-') {
+                Some((t, mode)) => json!({"transport": t, "handoff": mode}),
+                None => json!({"transport": transport}),
+            };
             format!("{url}{path}")
         }
         Target::Stock { url } => {
@@ -159,6 +168,8 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.handoff_bytes = es["handoff_bytes"].as_u64().filter(|&b| b > 0);
                 m.handoff_ms = m.handoff_bytes.and(es["handoff_ms"].as_f64());
                 m.decode_tps = es["decode_tokens_per_s"].as_f64();
+                m.prefill_tokens = es["prefill_tokens"].as_u64();
+                m.switch_ms = es["switch_ms"].as_f64();
                 if let Some(f) = es["fallback"].as_str() {
                     m.fallback = Some(f.to_string());
                 }

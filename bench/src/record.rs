@@ -51,6 +51,13 @@ impl Record {
         if !has_out_dir {
             db.execute_batch("ALTER TABLE runs ADD COLUMN out_dir TEXT")?;
         }
+        // Records made before the live handoff's columns existed.
+        if db.prepare("SELECT switch_ms FROM attempts LIMIT 0").is_err() {
+            db.execute_batch(
+                "ALTER TABLE attempts ADD COLUMN prefill_tokens INTEGER;
+                 ALTER TABLE attempts ADD COLUMN switch_ms REAL;",
+            )?;
+        }
         let rev = std::process::Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])
             .output()
@@ -117,7 +124,8 @@ impl Record {
                         itl_mean_ms = ?5, itl_p90_ms = ?6, itl_max_ms = ?7, itl_ms = ?8, e2e_ms = ?9,
                         prompt_tokens = ?10, completion_tokens = ?11, prefill_ms = ?12,
                         handoff_bytes = ?13, handoff_ms = ?14, decode_tps = ?15, energy_j = ?16,
-                        energy_note = ?17, text_sha256 = ?18 WHERE id = ?1",
+                        energy_note = ?17, text_sha256 = ?18, prefill_tokens = ?19,
+                        switch_ms = ?20 WHERE id = ?1",
                     params![
                         id,
                         now(),
@@ -137,6 +145,8 @@ impl Record {
                         energy_j,
                         energy_note,
                         hex_sha256(&m.text),
+                        m.prefill_tokens.map(|n| n as i64),
+                        m.switch_ms,
                     ],
                 )?;
             }

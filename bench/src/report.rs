@@ -62,6 +62,11 @@ const METRICS: &[Metric] = &[
     ("prefill_ms", |m| m.prefill_ms),
     ("handoff_ms", |m| m.handoff_ms),
     ("handoff_mb", |m| m.handoff_bytes.map(|b| b as f64 / 1e6)),
+    // The answer's longest pause, and the one after its first token (the handoff's).
+    ("itl_max_ms", |m| m.itl_ms.iter().copied().reduce(f64::max)),
+    ("gap_1_2_ms", |m| m.itl_ms.first().copied()),
+    ("switch_ms", |m| m.switch_ms),
+    ("prefill_tokens", |m| m.prefill_tokens.map(|n| n as f64)),
 ];
 
 const RATIO_METRICS: &[Metric] = &[
@@ -267,9 +272,12 @@ pub fn markdown(
         );
         let _ = writeln!(
             md,
-            "| prompt tok | out tok | transport | n | TTFT ms median (p90) | TPOT ms | ITL p90 ms | decode tok/s | e2e ms | handoff MB | handoff ms | failed |"
+            "| prompt tok | out tok | transport | n | TTFT ms median (p90) | TPOT ms | ITL p90 ms | longest gap ms | gap 1-2 ms | decode tok/s | e2e ms | handoff MB | handoff ms | tokens before switch | failed |"
         );
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(
+            md,
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
         let mut ratios = String::new();
         for (c, lines) in configs
             .iter()
@@ -279,7 +287,7 @@ pub fn markdown(
                 let g = |m: &str| find(lines, t, m);
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {t} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {t} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     f(g("prompt_tokens").map(|s| s.median), 0),
                     f(g("completion_tokens").map(|s| s.median), 0),
                     g("ttft_ms").map_or(0, |s| s.n),
@@ -287,10 +295,13 @@ pub fn markdown(
                     f(g("ttft_ms").map(|s| s.p90), 1),
                     f(g("tpot_ms").map(|s| s.median), 2),
                     f(g("itl_p90_ms").map(|s| s.median), 2),
+                    f(g("itl_max_ms").map(|s| s.median), 1),
+                    f(g("gap_1_2_ms").map(|s| s.median), 1),
                     f(g("decode_tps").map(|s| s.median), 1),
                     f(g("e2e_ms").map(|s| s.median), 1),
                     f(g("handoff_mb").map(|s| s.median), 2),
                     f(g("handoff_ms").map(|s| s.median), 1),
+                    f(g("prefill_tokens").map(|s| s.median), 0),
                     c.failed(t),
                 );
             }
