@@ -14,6 +14,9 @@ pub struct Ask {
     pub seed: u64,
 }
 
+/// The EdgeSplit transports a run may name (see [`Target::EdgeSplit`]).
+pub const TRANSPORTS: [&str; 5] = ["local", "v1", "v2", "v2-live", "v2-after"];
+
 /// Who answers.
 #[derive(Clone, Debug)]
 pub enum Target {

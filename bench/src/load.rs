@@ -118,8 +118,9 @@ fn memory(pid: u32) -> Option<(u64, u64)> {
 pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
     for t in &args.transports {
         anyhow::ensure!(
-            matches!(t.as_str(), "local" | "v1" | "v2"),
-            "unknown transport {t:?} (local, v1, v2)"
+            crate::client::TRANSPORTS.contains(&t.as_str()),
+            "unknown transport {t:?} ({})",
+            crate::client::TRANSPORTS.join(", ")
         );
     }
     anyhow::ensure!(args.clients > 0 && !args.prompt_tokens.is_empty());

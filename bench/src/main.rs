@@ -213,8 +213,9 @@ impl Env {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     for t in &args.transports {
         anyhow::ensure!(
-            matches!(t.as_str(), "local" | "v1" | "v2"),
-            "unknown transport {t:?} (local, v1, v2)"
+            crate::client::TRANSPORTS.contains(&t.as_str()),
+            "unknown transport {t:?} ({})",
+            crate::client::TRANSPORTS.join(", ")
         );
     }
     anyhow::ensure!(!args.prompt_tokens.is_empty() && !args.max_tokens.is_empty());

@@ -52,7 +52,10 @@ impl Record {
             db.execute_batch("ALTER TABLE runs ADD COLUMN out_dir TEXT")?;
         }
         // Records made before the live handoff's columns existed.
-        if db.prepare("SELECT switch_ms FROM attempts LIMIT 0").is_err() {
+        if db
+            .prepare("SELECT switch_ms FROM attempts LIMIT 0")
+            .is_err()
+        {
             db.execute_batch(
                 "ALTER TABLE attempts ADD COLUMN prefill_tokens INTEGER;
                  ALTER TABLE attempts ADD COLUMN switch_ms REAL;",

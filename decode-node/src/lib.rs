@@ -149,7 +149,8 @@ impl pb::decode_server::Decode for DecodeService {
         // A file the engine never loads is deleted with the dropped command.
         let start = match state {
             Held::Frame(f) => Start::Imported {
-                state: f.payload.to_vec(),
+                // No copy when the frame owns its bytes alone (a joined live handoff).
+                state: Vec::from(f.payload),
                 tokens: f.tokens,
                 first,
                 answered: req.answered,

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"ESKV";
 /// The protocol version this build speaks. A peer with another version is refused.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Fixed header: magic, version, type, two reserved bytes, body length.
 pub const HEADER_LEN: usize = 12;
 /// Default cap on one frame's body (a state frame carries the whole KV state).

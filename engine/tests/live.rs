@@ -1,0 +1,134 @@
+//! Engine-level proof of the live handoff's pieces on the real default model: a live
+//! answer's snapshots, taken between steps while it goes on, cut and join
+//! (`edgesplit_proto::splice`) to exactly the state exported at the later boundary, with V
+//! stored plain (flash attention on) and transposed (off); and an answer handed over at a
+//! boundary and imported by another engine from the joined pieces goes on exactly as the
+//! uninterrupted answer, seeded with a frequency penalty.
+
+mod common;
+
+use common::model_path;
+use edgesplit_engine::{
+    Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, SamplingParams, Snapshot, Start,
+};
+use edgesplit_proto::splice;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// Reads tokens into `ids` until there are `n`, or the final event (returned).
+async fn read_until(
+    rx: &mut UnboundedReceiver<GenEvent>,
+    ids: &mut Vec<i32>,
+    n: usize,
+) -> Option<GenEvent> {
+    while ids.len() < n {
+        match rx.recv().await.expect("events end with a final one") {
+            GenEvent::Token(t) => ids.push(t.id),
+            GenEvent::Prefilled { .. } => {}
+            other => return Some(other),
+        }
+    }
+    None
+}
+
+/// The history a snapshot must hold: the prompt and the answer but its newest token.
+fn check(s: &Snapshot, prompt: &[i32], answer: &[i32]) {
+    let n = s.answered as usize;
+    assert!(n >= 1 && n <= answer.len(), "answered {n}");
+    assert_eq!(s.tokens, [prompt, &answer[..n - 1]].concat());
+    assert_eq!(s.last, answer[n - 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically() {
+    for flash in [FlashAttn::On, FlashAttn::Off] {
+        let mut cfg = EngineConfig::new(model_path());
+        cfg.n_ctx = 512;
+        cfg.flash_attn = flash;
+        let a = Engine::start(cfg.clone()).await.unwrap();
+        let b = Engine::start(cfg).await.unwrap();
+        let prompt = a
+            .tokenize(Input::Chat(vec![(
+                "user".into(),
+                "Write three sentences about the sea.".into(),
+            )]))
+            .await
+            .unwrap();
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            top_k: 40,
+            seed: 7,
+            frequency_penalty: 0.4,
+            ..SamplingParams::default()
+        };
+        let mut whole = Vec::new();
+        let mut rx = a
+            .generate(Start::Prompt(prompt.clone()), params.clone(), 24)
+            .await
+            .unwrap();
+        let end = read_until(&mut rx, &mut whole, usize::MAX).await;
+        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        assert!(whole.len() >= 16, "the answer ended early: {whole:?}");
+
+        let (mut rx, live) = a
+            .generate_live(Start::Prompt(prompt.clone()), params.clone(), 24)
+            .await
+            .unwrap();
+        let mut ids = Vec::new();
+        let first = live.snapshot(false).await.unwrap().unwrap();
+        assert!(read_until(&mut rx, &mut ids, 6).await.is_none());
+        let mid = live.snapshot(false).await.unwrap().unwrap();
+        assert!(read_until(&mut rx, &mut ids, 11).await.is_none());
+        let last = live.snapshot(true).await.unwrap().unwrap();
+        let end = read_until(&mut rx, &mut ids, usize::MAX).await;
+        let Some(GenEvent::Done(summary)) = end else {
+            panic!("{end:?}")
+        };
+        assert_eq!(summary.finish, Finish::Handover);
+        // Nothing after the boundary was emitted, and what was is the uninterrupted answer.
+        assert_eq!(ids.len(), last.answered as usize);
+        assert_eq!(ids, whole[..ids.len()]);
+        for s in [&first, &mid, &last] {
+            check(s, &prompt, &whole);
+        }
+        assert!(first.answered < mid.answered && mid.answered < last.answered);
+        assert!(live.snapshot(false).await.is_none(), "the answer is over");
+
+        // The prompt's state, then two deltas: byte for byte the last state.
+        let d1 = splice::tail(&mid.state, first.tokens.len()).unwrap();
+        let d2 = splice::tail(&last.state, mid.tokens.len()).unwrap();
+        assert_eq!(
+            splice::span(&d2).unwrap(),
+            mid.tokens.len()..last.tokens.len()
+        );
+        let joined = splice::append(&splice::append(&first.state, &d1).unwrap(), &d2).unwrap();
+        assert!(
+            joined == last.state,
+            "flash {flash:?}: the joined state differs"
+        );
+        assert!(d2.len() < last.state.len() / 4, "a delta is not small");
+
+        // Another engine takes over from the joined state: the uninterrupted answer.
+        let mut rest = Vec::new();
+        let mut rx = b
+            .generate(
+                Start::Imported {
+                    state: joined,
+                    tokens: last.tokens.clone(),
+                    first: last.last,
+                    answered: last.answered,
+                },
+                params.clone(),
+                24 - last.answered,
+            )
+            .await
+            .unwrap();
+        let end = read_until(&mut rx, &mut rest, usize::MAX).await;
+        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        assert_eq!(
+            [ids, rest].concat(),
+            whole,
+            "flash {flash:?}: the handed-over answer differs"
+        );
+    }
+}
