@@ -47,6 +47,9 @@ pub(crate) struct GenerateJob {
     pub max_tokens: u32,
     /// A live answer: snapshots asked for between steps.
     pub live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+    /// A live answer from a prompt: the state after each prefill batch but the last
+    /// (`answered` 0), sent while the prefill goes on; closed when the prefill ends.
+    pub pieces: Option<mpsc::UnboundedSender<Snapshot>>,
 }
 
 /// A snapshot of a live answer, taken before its next step; with `stop` the answer ends

@@ -125,11 +125,14 @@ impl Engine {
         params: SamplingParams,
         max_tokens: u32,
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
-        self.start_generation(start, params, max_tokens, None).await
+        self.start_generation(start, params, max_tokens, None, None)
+            .await
     }
 
     /// As [`Engine::generate`], and the answer's state can be taken between two steps
-    /// ([`Live::snapshot`]) while it goes on, or as it is handed over to another node.
+    /// ([`Live::snapshot`]) while it goes on, or as it is handed over to another node. A
+    /// prompt's prefill also sends its state after each batch but the last to the returned
+    /// pieces channel, which closes when the prefill ends.
     ///
     /// # Errors
     /// [`EngineError::Closed`] if the owner thread is gone.
@@ -138,12 +141,17 @@ impl Engine {
         start: Start,
         params: SamplingParams,
         max_tokens: u32,
-    ) -> Result<(mpsc::UnboundedReceiver<GenEvent>, Live), EngineError> {
+    ) -> Result<LiveAnswer, EngineError> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (pieces_tx, pieces) = mpsc::unbounded_channel();
         let events = self
-            .start_generation(start, params, max_tokens, Some(rx))
+            .start_generation(start, params, max_tokens, Some(rx), Some(pieces_tx))
             .await?;
-        Ok((events, Live { tx }))
+        Ok(LiveAnswer {
+            events,
+            live: Live { tx },
+            pieces,
+        })
     }
 
     async fn start_generation(
@@ -152,6 +160,7 @@ impl Engine {
         params: SamplingParams,
         max_tokens: u32,
         live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+        pieces: Option<mpsc::UnboundedSender<Snapshot>>,
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, EngineError> {
         let (events, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate {
@@ -160,6 +169,7 @@ impl Engine {
                 params,
                 max_tokens,
                 live,
+                pieces,
             },
             events,
             in_flight: InFlight::new(&self.in_flight),
@@ -171,6 +181,17 @@ impl Engine {
     async fn send(&self, cmd: Command) -> Result<(), EngineError> {
         self.tx.send(cmd).await.map_err(|_| EngineError::Closed)
     }
+}
+
+/// A live answer's channels ([`Engine::generate_live`]).
+pub struct LiveAnswer {
+    /// Its events, as [`Engine::generate`]'s.
+    pub events: mpsc::UnboundedReceiver<GenEvent>,
+    /// Its snapshots between steps.
+    pub live: Live,
+    /// Its prompt's state after each prefill batch but the last (closed when the prefill
+    /// ends; none for a prompt of one batch).
+    pub pieces: mpsc::UnboundedReceiver<Snapshot>,
 }
 
 /// Takes snapshots of a live answer ([`Engine::generate_live`]).

@@ -21,7 +21,7 @@ pub mod wire;
 mod worker;
 
 pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, GGML_TYPE_F16};
-pub use handle::{Engine, Live};
+pub use handle::{Engine, Live, LiveAnswer};
 pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;

@@ -109,7 +109,7 @@ pub struct Snapshot {
     /// The newest answer token: sampled and sent, not yet decoded.
     pub last: i32,
     /// Answer tokens written so far, the first and `last` included: the index of the next
-    /// sampling step.
+    /// sampling step. 0 for a piece of a prefill (no answer token yet; `last` is 0).
     pub answered: u32,
     pub export_ms: f64,
 }

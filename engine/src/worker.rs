@@ -248,9 +248,21 @@ impl Worker<'_> {
         tokens: &[i32],
         params: &SamplingParams,
     ) -> Result<TokenOut, EngineError> {
+        self.prefill_in_pieces(slot, tokens, params, None)
+    }
+
+    /// [`Worker::prefill`], sending the state after every batch but the last to `pieces`
+    /// (a live handoff streams them while the prefill goes on). The batches, and so the
+    /// KV, are the same either way.
+    fn prefill_in_pieces(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        params: &SamplingParams,
+        pieces: Option<&mpsc::UnboundedSender<Snapshot>>,
+    ) -> Result<TokenOut, EngineError> {
         self.clear(slot);
         let last_chunk = (tokens.len() - 1) / self.n_batch;
-        let ctx = &mut self.slots[slot].ctx;
         for (c, chunk) in tokens.chunks(self.n_batch).enumerate() {
             self.batch.clear();
             for (i, t) in chunk.iter().enumerate() {
@@ -260,9 +272,24 @@ impl Worker<'_> {
                     .add(LlamaToken(*t), pos, &[0], logits)
                     .map_err(|e| EngineError::Decode(e.to_string()))?;
             }
-            ctx.decode(&mut self.batch)
+            self.slots[slot]
+                .ctx
+                .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
+            if let Some(tx) = pieces.filter(|tx| c < last_chunk && !tx.is_closed()) {
+                let t0 = Instant::now();
+                let covered = (c + 1) * self.n_batch;
+                let piece = Snapshot {
+                    state: self.export(slot)?,
+                    tokens: tokens[..covered].to_vec(),
+                    last: 0,
+                    answered: 0,
+                    export_ms: ms(t0),
+                };
+                let _ = tx.send(piece);
+            }
         }
+        let ctx = &self.slots[slot].ctx;
         let idx = self.batch.n_tokens() - 1;
         let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
         self.set_kv(slot, tokens.len());
@@ -452,6 +479,7 @@ impl Slots for Worker<'_> {
             params,
             max_tokens,
             live: _,
+            pieces,
         } = job;
         let params = &params;
         // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
@@ -462,7 +490,8 @@ impl Slots for Worker<'_> {
                 self.check_fits(tokens.len(), max_tokens)?;
                 summary.prompt_tokens = tokens.len() as u32;
                 let t0 = Instant::now();
-                let first = self.prefill(slot, &tokens, params)?;
+                let first = self.prefill_in_pieces(slot, &tokens, params, pieces.as_ref())?;
+                drop(pieces);
                 summary.prefill_ms = ms(t0);
                 let prefilled = GenEvent::Prefilled {
                     prompt_tokens: summary.prompt_tokens,

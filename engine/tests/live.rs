@@ -1,5 +1,6 @@
-//! Engine-level proof of the live handoff's pieces on the real default model: a live
-//! answer's snapshots, taken between steps while it goes on, cut and join
+//! Engine-level proof of the live handoff's pieces on the real default model: the states
+//! sent while the prompt is prefilled (one per batch but the last) and a live answer's
+//! snapshots, taken between steps while it goes on, cut and join
 //! (`edgesplit_proto::splice`) to exactly the state exported at the later boundary, with V
 //! stored plain (flash attention on) and transposed (off); and an answer handed over at a
 //! boundary and imported by another engine from the joined pieces goes on exactly as the
@@ -43,6 +44,8 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
     for flash in [FlashAttn::On, FlashAttn::Off] {
         let mut cfg = EngineConfig::new(model_path());
         cfg.n_ctx = 512;
+        // Batches of 8: the prompt is prefilled in several, each a piece.
+        cfg.n_batch = 8;
         cfg.flash_attn = flash;
         let a = Engine::start(cfg.clone()).await.unwrap();
         let b = Engine::start(cfg).await.unwrap();
@@ -70,7 +73,11 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
         assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
         assert!(whole.len() >= 16, "the answer ended early: {whole:?}");
 
-        let (mut rx, live) = a
+        let edgesplit_engine::LiveAnswer {
+            events: mut rx,
+            live,
+            mut pieces,
+        } = a
             .generate_live(Start::Prompt(prompt.clone()), params.clone(), 24)
             .await
             .unwrap();
@@ -93,6 +100,35 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
         }
         assert!(first.answered < mid.answered && mid.answered < last.answered);
         assert!(live.snapshot(false).await.is_none(), "the answer is over");
+
+        // The prefill's pieces: the prompt's first batches, growing by one batch each;
+        // joined, and with the rest of the prompt cut from the first snapshot, they are
+        // that snapshot's state.
+        let mut prefill = Vec::new();
+        while let Some(p) = pieces.recv().await {
+            prefill.push(p);
+        }
+        let batches = prompt.len().div_ceil(8);
+        assert_eq!(
+            prefill.len(),
+            batches - 1,
+            "one piece per batch but the last"
+        );
+        let mut joined = prefill[0].state.clone();
+        for (i, p) in prefill.iter().enumerate() {
+            assert_eq!(p.tokens, prompt[..8 * (i + 1)]);
+            assert_eq!(p.answered, 0);
+            if i > 0 {
+                let t = splice::tail(&p.state, prefill[i - 1].tokens.len()).unwrap();
+                joined = splice::append(&joined, &t).unwrap();
+            }
+        }
+        let rest = splice::tail(&first.state, prefill.last().unwrap().tokens.len()).unwrap();
+        joined = splice::append(&joined, &rest).unwrap();
+        assert!(
+            joined == first.state,
+            "flash {flash:?}: the prefill's pieces differ"
+        );
 
         // The prompt's state, then two deltas: byte for byte the last state.
         let d1 = splice::tail(&mid.state, first.tokens.len()).unwrap();

@@ -333,11 +333,28 @@ impl PrefillService {
         handoff: pb::Handoff,
     ) -> Result<Response<EventStream<pb::PrefillEvent>>, Status> {
         let n_prompt = tokens.len();
-        let (mut events, live) = self
+        let edgesplit_engine::LiveAnswer {
+            mut events,
+            live,
+            pieces,
+        } = self
             .engine
             .generate_live(Start::Prompt(tokens), params, max_tokens)
             .await
             .map_err(|e| status(&e))?;
+        let handoff = Arc::new(live::LiveHandoff {
+            sender: self.sender(),
+            handoff,
+            request_id: req.request_id.clone(),
+            prompt_tokens: n_prompt,
+        });
+        // The prompt's state starts crossing while it is prefilled; aborted (its
+        // connection closed, the decode node dropping what it got) if the answer does not
+        // go past its first token.
+        let early = {
+            let h = handoff.clone();
+            live::AbortOnDrop(tokio::spawn(async move { h.during_prefill(pieces).await }))
+        };
         let protocol = || Status::internal("the engine did not prefill the live answer");
         let prefill_ms = match events.recv().await {
             Some(GenEvent::Prefilled { prefill_ms, .. }) => prefill_ms,
@@ -373,13 +390,7 @@ impl PrefillService {
             }))
             .await;
         if !last {
-            let answer = live::LiveAnswer {
-                sender: self.sender(),
-                handoff,
-                request_id: req.request_id.clone(),
-                prompt_tokens: n_prompt,
-            };
-            tokio::spawn(answer.run(events, live, tx));
+            tokio::spawn(handoff.run(events, live, early, tx));
         }
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

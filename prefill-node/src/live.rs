@@ -34,7 +34,7 @@ fn event(e: pb::prefill_event::Event) -> Result<pb::PrefillEvent, Status> {
 }
 
 /// One live answer after its first token.
-pub(crate) struct LiveAnswer {
+pub(crate) struct LiveHandoff {
     pub sender: Sender,
     pub handoff: pb::Handoff,
     pub request_id: String,
@@ -44,17 +44,31 @@ pub(crate) struct LiveAnswer {
 /// Why a live handoff did not complete: the reason for the router, the bytes sent.
 struct Cancelled(String, u64);
 
-impl LiveAnswer {
+impl LiveHandoff {
     /// Forwards the answer's tokens to the router while the handoff runs; ends with
     /// `Switched`, `Finished` or an error.
     pub(crate) async fn run(
-        self,
+        self: std::sync::Arc<Self>,
         mut events: mpsc::UnboundedReceiver<GenEvent>,
         live: Live,
+        mut early: AbortOnDrop<Result<Option<Sent>, String>>,
         tx: Events,
     ) {
         let (written_tx, written) = watch::channel(1usize);
-        let handoff = self.rounds(&live, written);
+        let handoff = async {
+            // What went during the prefill; a failure there only means starting over. If
+            // the answer ends first, dropping this future aborts that task, which closes
+            // its connection: the decode node drops the pieces.
+            let early = match (&mut early.0).await {
+                Ok(Ok(sent)) => sent,
+                Ok(Err(e)) => {
+                    tracing::debug!(request_id = %self.request_id, error = %e, "live handoff: the pieces sent during prefill failed");
+                    None
+                }
+                Err(_) => None,
+            };
+            self.rounds(&live, early, written).await
+        };
         tokio::pin!(handoff);
         let mut outcome: Option<Result<pb::Switched, Cancelled>> = None;
         loop {
@@ -122,17 +136,103 @@ impl LiveAnswer {
         }
     }
 
-    /// Sends the prompt's state, then deltas until one is small, then the last one (the
+    fn piece(&self, tokens: Vec<i32>, payload: Vec<u8>) -> StateFrame {
+        StateFrame {
+            handoff_id: self.handoff.handoff_id.clone(),
+            request_id: self.request_id.clone(),
+            tokens,
+            descriptors: layout::describe(&payload).descriptors,
+            payload: payload.into(),
+        }
+    }
+
+    async fn connect(&self) -> Result<Link, String> {
+        handoff::connect(
+            &self.handoff.decode_addr,
+            &self.sender.info.identity(),
+            &self.sender.limits,
+            self.sender.secret.as_deref(),
+        )
+        .await
+        .map_err(|e| e.to_string())
+    }
+
+    /// Sends `piece` as PART (or LAST) and accounts for it.
+    async fn send(&self, out: &mut Sent, piece: StateFrame, last: bool) -> Result<(), String> {
+        let size = piece.payload.len() as u64;
+        let held = out.held + piece.tokens.len();
+        let frame = if last {
+            Frame::Last(piece)
+        } else {
+            Frame::Part(piece)
+        };
+        let t = Instant::now();
+        handoff::send_piece(&mut out.link, frame, &self.sender.limits)
+            .await
+            .map_err(|e| e.to_string())?;
+        let took = t.elapsed().as_secs_f64();
+        out.sw.transfer_ms += took * 1000.0;
+        out.sw.bytes += size;
+        out.sw.rounds += 1;
+        out.held = held;
+        // The link's bandwidth as the biggest piece so far measured it.
+        if size >= out.biggest {
+            out.biggest = size;
+            out.bandwidth = size as f64 / took.max(1e-6);
+        }
+        Ok(())
+    }
+
+    /// While the prompt is prefilled: sends its state after each prefill batch (the
+    /// newest one when several wait), so that the decode node holds most of it by the
+    /// first token. `None` when no piece came (a prompt of one batch) or the state is not
+    /// linear (it goes whole later).
+    pub(crate) async fn during_prefill(
+        &self,
+        mut pieces: mpsc::UnboundedReceiver<Snapshot>,
+    ) -> Result<Option<Sent>, String> {
+        let mut out: Option<Sent> = None;
+        let mut linear = true;
+        while let Some(mut p) = pieces.recv().await {
+            while let Ok(newer) = pieces.try_recv() {
+                p = newer;
+            }
+            linear = linear && splice::is_linear(&p.state);
+            if !linear {
+                continue;
+            }
+            let mut sent = match out.take() {
+                Some(s) => s,
+                None => Sent::new(self.connect().await?),
+            };
+            sent.sw.export_ms += p.export_ms;
+            let piece = if sent.held == 0 {
+                self.piece(p.tokens, p.state)
+            } else {
+                let tail = splice::tail(&p.state, sent.held).map_err(|e| e.to_string())?;
+                self.piece(p.tokens[sent.held..].to_vec(), tail)
+            };
+            self.send(&mut sent, piece, false).await?;
+            out = Some(sent);
+        }
+        Ok(out.filter(|_| linear))
+    }
+
+    /// Sends what the decode node lacks of the prompt's state (all of it when nothing
+    /// went during the prefill), then deltas until one is small, then the last one (the
     /// answer stops here at that boundary). `written`: answer tokens sent so far.
     async fn rounds(
         &self,
         live: &Live,
+        early: Option<Sent>,
         mut written: watch::Receiver<usize>,
     ) -> Result<pb::Switched, Cancelled> {
         let metrics = &self.sender.metrics;
         let t0 = Instant::now();
-        let mut bytes = 0u64;
-        let result = self.rounds_inner(live, &mut written, &mut bytes).await;
+        let mut bytes = early.as_ref().map_or(0, |s| s.sw.bytes);
+        let result = self
+            .rounds_inner(live, early, &mut written, &mut bytes)
+            .await;
         metrics.handoff("v2-live", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
         result.map_err(|reason| Cancelled(reason, bytes))
     }
@@ -140,74 +240,54 @@ impl LiveAnswer {
     async fn rounds_inner(
         &self,
         live: &Live,
+        early: Option<Sent>,
         written: &mut watch::Receiver<usize>,
         bytes: &mut u64,
     ) -> Result<pb::Switched, String> {
-        let h = &self.handoff;
         let per_token = self.sender.info.kv_bytes_per_token.max(1);
-        let mut sw = pb::Switched::default();
-        let snap = Self::snapshot(live, false).await?;
-        sw.export_ms += snap.export_ms;
-        let whole = !splice::is_linear(&snap.state);
-        let t_send = Instant::now();
-        let mut framed = handoff::connect(
-            &h.decode_addr,
-            &self.sender.info.identity(),
-            &self.sender.limits,
-            self.sender.secret.as_deref(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        // KV positions the decode node holds once a piece is acknowledged.
-        let mut held = snap.tokens.len();
-        let piece = |tokens: Vec<i32>, payload: Vec<u8>| StateFrame {
-            handoff_id: h.handoff_id.clone(),
-            request_id: self.request_id.clone(),
-            tokens,
-            descriptors: layout::describe(&payload).descriptors,
-            payload: payload.into(),
+        let mut out = match early {
+            Some(s) => s,
+            None => {
+                let snap = Self::snapshot(live, false).await?;
+                let mut out = Sent::new(self.connect().await?);
+                out.sw.export_ms += snap.export_ms;
+                if !splice::is_linear(&snap.state) {
+                    // A sliding-window cache cannot be joined from pieces: the answer stops
+                    // at the next boundary and its state goes whole, as in the `after`
+                    // handoff.
+                    let snap = Self::snapshot(live, true).await?;
+                    out.sw.export_ms += snap.export_ms;
+                    let size = snap.state.len() as u64;
+                    let t = Instant::now();
+                    let frame = Frame::State(self.piece(snap.tokens, snap.state));
+                    handoff::send_piece(&mut out.link, frame, &self.sender.limits)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    *bytes += size;
+                    let mut sw = out.sw;
+                    sw.transfer_ms = t.elapsed().as_secs_f64() * 1000.0;
+                    sw.rounds = 1;
+                    sw.whole = true;
+                    sw.answered = snap.answered;
+                    sw.bytes = size;
+                    return Ok(sw);
+                }
+                self.send(&mut out, self.piece(snap.tokens, snap.state), false)
+                    .await?;
+                *bytes = out.sw.bytes;
+                out
+            }
         };
-        if whole {
-            // A sliding-window cache cannot be joined from pieces: the answer stops at the
-            // next boundary and its state goes whole, as in the `after` handoff.
-            let snap = Self::snapshot(live, true).await?;
-            sw.export_ms += snap.export_ms;
-            let size = snap.state.len() as u64;
-            let frame = Frame::State(piece(snap.tokens, snap.state));
-            handoff::send_piece(&mut framed, frame, &self.sender.limits)
-                .await
-                .map_err(|e| e.to_string())?;
-            *bytes += size;
-            sw.transfer_ms = t_send.elapsed().as_secs_f64() * 1000.0;
-            sw.rounds = 1;
-            sw.whole = true;
-            sw.answered = snap.answered;
-            sw.bytes = *bytes;
-            return Ok(sw);
-        }
-        let bulk = snap.state.len() as u64;
-        handoff::send_piece(
-            &mut framed,
-            Frame::Part(piece(snap.tokens, snap.state)),
-            &self.sender.limits,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        let bulk_time = t_send.elapsed();
-        *bytes += bulk;
-        sw.rounds = 1;
-        sw.transfer_ms += bulk_time.as_secs_f64() * 1000.0;
-        // The link's bandwidth as the big piece measured it.
-        let bandwidth = bulk as f64 / bulk_time.as_secs_f64().max(1e-6);
         let mut before: Option<usize> = None;
         loop {
             // KV positions a snapshot would hold now: the prompt and the answer but its
             // newest token.
-            let pending = (self.prompt_tokens + *written.borrow() - 1).saturating_sub(held);
-            let crossing = Duration::from_secs_f64(pending as f64 * per_token as f64 / bandwidth);
+            let pending = (self.prompt_tokens + *written.borrow() - 1).saturating_sub(out.held);
+            let crossing =
+                Duration::from_secs_f64(pending as f64 * per_token as f64 / out.bandwidth);
             let last = crossing <= LAST_ROUND || pending <= LAST_ROUND_TOKENS;
             if !last {
-                if sw.rounds >= MAX_ROUNDS || before.is_some_and(|b| pending >= b) {
+                if out.sw.rounds >= MAX_ROUNDS || before.is_some_and(|b| pending >= b) {
                     return Err(format!(
                         "the link carries the KV of {pending} tokens in {crossing:?}, \
                          slower than the answer is written"
@@ -217,36 +297,58 @@ impl LiveAnswer {
             }
             if pending == 0 {
                 // Nothing new yet: the last piece needs at least one token.
-                let next = held + 2 - self.prompt_tokens;
+                let next = out.held + 2 - self.prompt_tokens;
                 written
                     .wait_for(|n| *n >= next)
                     .await
                     .map_err(|_| "the answer ended".to_string())?;
             }
             let snap = Self::snapshot(live, last).await?;
-            sw.export_ms += snap.export_ms;
-            let delta = splice::tail(&snap.state, held).map_err(|e| e.to_string())?;
-            let tokens = snap.tokens[held..].to_vec();
-            let size = delta.len() as u64;
-            let t = Instant::now();
-            let frame = if last {
-                Frame::Last(piece(tokens, delta))
-            } else {
-                Frame::Part(piece(tokens, delta))
-            };
-            handoff::send_piece(&mut framed, frame, &self.sender.limits)
-                .await
-                .map_err(|e| e.to_string())?;
-            sw.transfer_ms += t.elapsed().as_secs_f64() * 1000.0;
-            *bytes += size;
-            sw.rounds += 1;
-            held = snap.tokens.len();
-            tracing::debug!(request_id = %self.request_id, round = sw.rounds, pending, size, last, "live handoff piece sent");
+            out.sw.export_ms += snap.export_ms;
+            let delta = splice::tail(&snap.state, out.held).map_err(|e| e.to_string())?;
+            let piece = self.piece(snap.tokens[out.held..].to_vec(), delta);
+            self.send(&mut out, piece, last).await?;
+            *bytes = out.sw.bytes;
+            tracing::debug!(request_id = %self.request_id, round = out.sw.rounds, pending, last, "live handoff piece sent");
             if last {
-                sw.answered = snap.answered;
-                sw.bytes = *bytes;
-                return Ok(sw);
+                out.sw.answered = snap.answered;
+                return Ok(out.sw);
             }
+        }
+    }
+}
+
+/// A task aborted when this is dropped (its connection closed with it).
+pub(crate) struct AbortOnDrop<T>(pub tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A handoff connection after its handshake.
+type Link = tokio_util::codec::Framed<tokio::net::TcpStream, edgesplit_proto::codec::V2Codec>;
+
+/// Where a live handoff stands: its connection, the positions the decode node holds, the
+/// figures so far.
+pub(crate) struct Sent {
+    link: Link,
+    held: usize,
+    sw: pb::Switched,
+    biggest: u64,
+    /// Bytes per second.
+    bandwidth: f64,
+}
+
+impl Sent {
+    fn new(link: Link) -> Self {
+        Sent {
+            link,
+            held: 0,
+            sw: pb::Switched::default(),
+            biggest: 0,
+            bandwidth: f64::INFINITY,
         }
     }
 }

@@ -81,8 +81,13 @@ fn stack() -> &'static common::Stack {
 
 /// A ~300-token prompt that the model answers at length (it keeps counting).
 fn long_answer(extra: Value) -> Value {
+    long_answer_after(20, extra)
+}
+
+/// [`long_answer`] after `n` sentences (20: ~300 tokens, 150: over two prefill batches).
+fn long_answer_after(n: usize, extra: Value) -> Value {
     let mut body = json!({
-        "prompt": format!("{} {}", "The numbers below go on and on.".repeat(20), common::counting_prompt()),
+        "prompt": format!("{} {}", "The numbers below go on and on.".repeat(n), common::counting_prompt()),
         "max_tokens": 96,
     });
     for (k, v) in extra.as_object().unwrap() {
@@ -138,6 +143,21 @@ async fn live_handoff_on_a_slow_link() {
         );
         assert!(es["handoff_bytes"].as_u64().unwrap() > 6_000_000, "{es}");
     }
+
+    // 1b. A prompt of several prefill batches: its state crosses while it is prefilled,
+    //     in pieces, then the rest after the first token; identical.
+    let body = long_answer_after(150, json!({"temperature": 0}));
+    RATE.store(0, Ordering::SeqCst);
+    let reference = common::run(s, "/v1/completions", &body, "local", false).await;
+    assert!(
+        reference.prompt_tokens > 1024,
+        "{}",
+        reference.prompt_tokens
+    );
+    RATE.store(8_000_000, Ordering::SeqCst);
+    let (split, es) = common::run_reporting(s, "/v1/completions", &body, "v2-live", true).await;
+    assert_eq!(split, reference);
+    common::assert_split(&es, split.completion_tokens);
 
     // 2. The answer ends before the state has crossed: all of it from the prefill node,
     //    and the decode node drops what it received.
