@@ -24,6 +24,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 mod client;
 mod engine_bench;
+mod kv_quality;
 mod link;
 mod load;
 mod power;
@@ -48,6 +49,9 @@ enum Cli {
     /// A load test: N concurrent clients for a fixed time; failures, wrong answers,
     /// latency percentiles and each process's peak memory.
     Load(load::LoadArgs),
+    /// What a quantized KV cache costs in quality against f16: KL divergence and top-1
+    /// agreement of next-token distributions over a fixed text.
+    KvQuality(kv_quality::QualityArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -159,6 +163,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cli::Engine(args) => engine_bench::run(&args).await,
         Cli::Load(args) => load::run(&args).await,
+        Cli::KvQuality(args) => kv_quality::run(&args).await,
     }
 }
 

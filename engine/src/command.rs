@@ -21,6 +21,13 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
         in_flight: InFlight,
     },
+    /// Needs a free sequence slot; runs to completion once it has one, sending each
+    /// position's next-token log-probabilities (blocking while `out` is full).
+    Score {
+        tokens: Vec<i32>,
+        out: mpsc::Sender<Result<Vec<f32>, EngineError>>,
+        in_flight: InFlight,
+    },
     /// Needs a free sequence slot, which it holds until the answer ends.
     Generate {
         job: GenerateJob,

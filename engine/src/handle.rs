@@ -178,6 +178,27 @@ impl Engine {
         Ok(rx)
     }
 
+    /// Reads `tokens` and streams, for each position, the log-probabilities of the next
+    /// token over the whole vocabulary (for measuring what a KV cache type costs against
+    /// another; not an answer). Waits for a free sequence slot; at most 8 positions wait
+    /// unread.
+    ///
+    /// # Errors
+    /// [`EngineError::Closed`] if the owner thread is gone.
+    pub async fn score(
+        &self,
+        tokens: Vec<i32>,
+    ) -> Result<mpsc::Receiver<Result<Vec<f32>, EngineError>>, EngineError> {
+        let (out, rx) = mpsc::channel(8);
+        self.send(Command::Score {
+            tokens,
+            out,
+            in_flight: InFlight::new(&self.in_flight),
+        })
+        .await?;
+        Ok(rx)
+    }
+
     async fn send(&self, cmd: Command) -> Result<(), EngineError> {
         self.tx.send(cmd).await.map_err(|_| EngineError::Closed)
     }

@@ -32,6 +32,9 @@ pub struct ModelInfo {
     pub n_ctx_train: u32,
     /// Sequences served at once (one context each).
     pub parallel: u32,
+    /// The model attends through a sliding window (Gemma-3): its state keeps a ring of the
+    /// last window and cannot be cut into pieces (`edgesplit_proto::splice`).
+    pub sliding_window: bool,
 }
 
 impl ModelInfo {
@@ -85,6 +88,7 @@ impl ModelInfo {
             n_layer,
             n_ctx_train: model.n_ctx_train(),
             parallel: config.n_parallel.max(1),
+            sliding_window: has_sliding_window(model),
         }
     }
 }

@@ -27,6 +27,14 @@ pub(crate) trait Slots {
     fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError>;
     /// Runs a whole prefill in `slot` and leaves the slot empty.
     fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError>;
+    /// Reads `tokens` in `slot` and sends, for each position, the log-probabilities of the
+    /// next token (a measurement, not an answer); leaves the slot empty.
+    fn score(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        out: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
+    ) -> Result<(), EngineError>;
     /// Sets an answer up in `slot` (prefill, import or rebuild) and emits what comes before
     /// the first decode step. `None` when the answer already ended (`summary.finish` says
     /// why). The scheduler clears the slot when this fails or ends.
@@ -153,6 +161,9 @@ impl<S: Slots> Scheduler<S> {
                     Command::Prefill { reply, .. } => {
                         let _ = reply.send(Err(busy));
                     }
+                    Command::Score { out, .. } => {
+                        let _ = out.try_send(Err(busy));
+                    }
                     Command::Generate { events, .. } => {
                         let _ = events.send(GenEvent::Error(busy));
                     }
@@ -199,6 +210,19 @@ impl<S: Slots> Scheduler<S> {
                         continue;
                     }
                     self.begin(slot, job, events, in_flight);
+                }
+                Command::Score {
+                    tokens,
+                    out,
+                    in_flight,
+                } => {
+                    self.publish_active(1);
+                    if let Err(e) = self.slots.score(slot, &tokens, &out) {
+                        let _ = out.blocking_send(Err(e));
+                    }
+                    self.slots.clear(slot);
+                    self.publish_active(0);
+                    drop(in_flight);
                 }
                 Command::Tokenize { .. } => unreachable!("tokenize never waits for a slot"),
             }
@@ -370,6 +394,15 @@ mod tests {
                 token(slot as i32 * 100 + a.step as i32, false),
                 a.budget == 0,
             ))
+        }
+        fn score(
+            &mut self,
+            slot: usize,
+            _: &[i32],
+            _: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
+        ) -> Result<(), EngineError> {
+            self.log.lock().unwrap().push(format!("score {slot}"));
+            Ok(())
         }
         fn snapshot(&mut self, slot: usize, a: &FakeAnswer) -> Result<Snapshot, EngineError> {
             self.log.lock().unwrap().push(format!("snapshot {slot}"));

@@ -574,6 +574,42 @@ impl Slots for Worker<'_> {
         Ok((self.token_out(id), a.budget == 0))
     }
 
+    fn score(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        out: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
+    ) -> Result<(), EngineError> {
+        self.check_fits(tokens.len(), 0)?;
+        self.clear(slot);
+        // Batches of at most 64 positions, each with its logits: llama.cpp keeps one row
+        // of n_vocab floats per position asked for.
+        const SCORED: usize = 64;
+        for (c, chunk) in tokens.chunks(SCORED.min(self.n_batch)).enumerate() {
+            self.batch.clear();
+            for (i, t) in chunk.iter().enumerate() {
+                let pos = (c * SCORED.min(self.n_batch) + i) as i32;
+                self.batch
+                    .add(LlamaToken(*t), pos, &[0], true)
+                    .map_err(|e| EngineError::Decode(e.to_string()))?;
+            }
+            let ctx = &mut self.slots[slot].ctx;
+            ctx.decode(&mut self.batch)
+                .map_err(|e| EngineError::Decode(e.to_string()))?;
+            for i in 0..chunk.len() {
+                let logits = ctx.get_logits_ith(i as i32);
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
+                let log_z = max + sum.ln() as f32;
+                let logprobs = logits.iter().map(|l| l - log_z).collect();
+                if out.blocking_send(Ok(logprobs)).is_err() {
+                    return Ok(()); // the reader left
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn snapshot(&mut self, slot: usize, a: &Answer) -> Result<Snapshot, EngineError> {
         let t0 = Instant::now();
         let state = self.export(slot)?;

@@ -353,7 +353,14 @@ impl PrefillService {
         // go past its first token.
         let early = {
             let h = handoff.clone();
-            live::AbortOnDrop(tokio::spawn(async move { h.during_prefill(pieces).await }))
+            let whole = self.engine.info().sliding_window.then(|| live.clone());
+            live::AbortOnDrop(tokio::spawn(async move {
+                match whole {
+                    // Asked before the first step: the state right after the prefill.
+                    Some(live) => h.whole_at_first_token(&live).await,
+                    None => h.during_prefill(pieces).await,
+                }
+            }))
         };
         let protocol = || Status::internal("the engine did not prefill the live answer");
         let prefill_ms = match events.recv().await {

@@ -51,7 +51,7 @@ impl LiveHandoff {
         self: std::sync::Arc<Self>,
         mut events: mpsc::UnboundedReceiver<GenEvent>,
         live: Live,
-        mut early: AbortOnDrop<Result<Option<Sent>, String>>,
+        mut early: AbortOnDrop<Result<Early, String>>,
         tx: Events,
     ) {
         let (written_tx, written) = watch::channel(1usize);
@@ -60,12 +60,16 @@ impl LiveHandoff {
             // the answer ends first, dropping this future aborts that task, which closes
             // its connection: the decode node drops the pieces.
             let early = match (&mut early.0).await {
-                Ok(Ok(sent)) => sent,
+                Ok(Ok(Early::Whole(sw))) => return Ok(sw),
+                Ok(Err(e)) if self.sender.info.sliding_window => {
+                    return Err(Cancelled(e, 0));
+                }
+                Ok(Ok(Early::Sent(sent))) => Some(sent),
+                Ok(Ok(Early::Nothing)) | Err(_) => None,
                 Ok(Err(e)) => {
                     tracing::debug!(request_id = %self.request_id, error = %e, "live handoff: the pieces sent during prefill failed");
                     None
                 }
-                Err(_) => None,
             };
             self.rounds(&live, early, written).await
         };
@@ -187,10 +191,37 @@ impl LiveHandoff {
     /// newest one when several wait), so that the decode node holds most of it by the
     /// first token. `None` when no piece came (a prompt of one batch) or the state is not
     /// linear (it goes whole later).
+    /// A sliding-window model: its state cannot be cut into pieces, and, exported after
+    /// answer tokens were decoded, it does not continue exactly on another node (its
+    /// ring of cells is laid out anew there; issue 14). So the answer stops at the first
+    /// boundary, asked for before it comes, and the state of the prompt goes whole: the
+    /// `after` handoff, through the live protocol.
+    pub(crate) async fn whole_at_first_token(&self, live: &Live) -> Result<Early, String> {
+        let snap = Self::snapshot(live, true).await?;
+        let mut out = Sent::new(self.connect().await?);
+        let size = snap.state.len() as u64;
+        let t = Instant::now();
+        let frame = Frame::State(self.piece(snap.tokens, snap.state));
+        handoff::send_piece(&mut out.link, frame, &self.sender.limits)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.sender
+            .metrics
+            .handoff("v2-live", true, size, t.elapsed().as_secs_f64());
+        Ok(Early::Whole(pb::Switched {
+            answered: snap.answered,
+            bytes: size,
+            rounds: 1,
+            export_ms: snap.export_ms,
+            transfer_ms: t.elapsed().as_secs_f64() * 1000.0,
+            whole: true,
+        }))
+    }
+
     pub(crate) async fn during_prefill(
         &self,
         mut pieces: mpsc::UnboundedReceiver<Snapshot>,
-    ) -> Result<Option<Sent>, String> {
+    ) -> Result<Early, String> {
         let mut out: Option<Sent> = None;
         let mut linear = true;
         while let Some(mut p) = pieces.recv().await {
@@ -215,7 +246,10 @@ impl LiveHandoff {
             self.send(&mut sent, piece, false).await?;
             out = Some(sent);
         }
-        Ok(out.filter(|_| linear))
+        Ok(match out.filter(|_| linear) {
+            Some(sent) => Early::Sent(sent),
+            None => Early::Nothing,
+        })
     }
 
     /// Sends what the decode node lacks of the prompt's state (all of it when nothing
@@ -252,25 +286,9 @@ impl LiveHandoff {
                 let mut out = Sent::new(self.connect().await?);
                 out.sw.export_ms += snap.export_ms;
                 if !splice::is_linear(&snap.state) {
-                    // A sliding-window cache cannot be joined from pieces: the answer stops
-                    // at the next boundary and its state goes whole, as in the `after`
-                    // handoff.
-                    let snap = Self::snapshot(live, true).await?;
-                    out.sw.export_ms += snap.export_ms;
-                    let size = snap.state.len() as u64;
-                    let t = Instant::now();
-                    let frame = Frame::State(self.piece(snap.tokens, snap.state));
-                    handoff::send_piece(&mut out.link, frame, &self.sender.limits)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    *bytes += size;
-                    let mut sw = out.sw;
-                    sw.transfer_ms = t.elapsed().as_secs_f64() * 1000.0;
-                    sw.rounds = 1;
-                    sw.whole = true;
-                    sw.answered = snap.answered;
-                    sw.bytes = size;
-                    return Ok(sw);
+                    // Sliding-window models take `whole_at_first_token`; a state that is
+                    // not linear otherwise is not one this build can cut.
+                    return Err("the state cannot be cut into pieces".into());
                 }
                 self.send(&mut out, self.piece(snap.tokens, snap.state), false)
                     .await?;
@@ -316,6 +334,16 @@ impl LiveHandoff {
             }
         }
     }
+}
+
+/// What the live handoff did before the first token.
+pub(crate) enum Early {
+    /// Nothing yet (a prompt of one batch).
+    Nothing,
+    /// Pieces of the prompt's state.
+    Sent(Sent),
+    /// A sliding-window state, whole: the decode node takes over after the first token.
+    Whole(pb::Switched),
 }
 
 /// A task aborted when this is dropped (its connection closed with it).

@@ -182,6 +182,10 @@ async fn start_three(
         format!("http://{pg}"),
         a("--decode-url"),
         format!("http://{dg}"),
+        // The drains and kills here are those of the `after` handoff (the decode node's
+        // `Generate` waits for the state); as in `common::StackOptions`.
+        a("--handoff"),
+        a("after"),
     ];
     rargs.extend(router_extra.iter().map(|s| s.to_string()));
     let router = spawn("edgesplit-router", &rargs, &dir.join("router.log"));

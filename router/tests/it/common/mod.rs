@@ -70,6 +70,10 @@ pub struct StackOptions {
     pub decode_secret: Option<String>,
     /// The router's API key.
     pub api_key: Option<String>,
+    /// The router's default handoff mode. `after` here (the product's default is `live`):
+    /// a test names the live handoff when it checks it (`v2-live`, `live.rs`), so the
+    /// tests of the `after` handoff's retries and fallbacks keep checking what they say.
+    pub handoff: edgesplit_router::api::HandoffMode,
 }
 
 impl StackOptions {
@@ -95,6 +99,7 @@ impl StackOptions {
             secret: None,
             decode_secret: None,
             api_key: None,
+            handoff: edgesplit_router::api::HandoffMode::After,
         }
     }
 }
@@ -265,6 +270,7 @@ async fn serve(opts: StackOptions) -> Stack {
     };
     let mut rcfg = edgesplit_router::Config::new(prefill_url, router_decode);
     rcfg.max_in_flight = opts.max_in_flight;
+    rcfg.handoff = opts.handoff;
     rcfg.max_queue = opts.max_queue;
     rcfg.queue_timeout_s = opts.queue_timeout_s;
     rcfg.token_idle_timeout_ms = opts.token_idle_timeout_ms;
