@@ -140,6 +140,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         threads,
         parallel: Some(args.parallel),
         dir: out.join("services"),
+        stream_prefill: false,
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

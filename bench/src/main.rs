@@ -110,6 +110,10 @@ struct RunArgs {
     /// No progress bar (logs each attempt on a line instead).
     #[arg(long)]
     no_progress: bool,
+    /// Start the prefill node with `--stream-prefill` (live handoff: the prompt's state
+    /// crosses while it is prefilled).
+    #[arg(long)]
+    stream_prefill: bool,
 }
 
 impl RunArgs {
@@ -289,6 +293,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     threads,
                     parallel: None,
                     dir: out.join(format!("services-{model_name}")),
+                    stream_prefill: args.stream_prefill,
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))

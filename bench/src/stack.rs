@@ -32,6 +32,9 @@ pub struct StackConfig {
     pub parallel: Option<u32>,
     /// Logs and state files go here.
     pub dir: PathBuf,
+    /// The prefill node's `--stream-prefill` (live handoff: the prompt's state crosses
+    /// while it is prefilled).
+    pub stream_prefill: bool,
 }
 
 /// A running stack; its processes are killed on drop.
@@ -145,6 +148,9 @@ impl Stack {
             "--state-dir".into(),
             cfg.dir.join("prefill-state").display().to_string(),
         ]);
+        if cfg.stream_prefill {
+            pargs.push("--stream-prefill".into());
+        }
         stack.children.push(spawn(
             "edgesplit-prefill",
             &pargs,

@@ -65,6 +65,13 @@ pub struct Config {
     /// Folder for V1 state files while they are uploaded (deleted after each upload).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    /// Live handoff: send the prompt's state in pieces while it is prefilled (one per
+    /// prefill batch), so the decode node holds most of it by the first token. Each piece
+    /// costs an export on the engine thread and hashing beside it: worth it where the
+    /// prefill runs on a GPU; on a CPU prefill node it slowed the prefill (TTFT 1.20x on
+    /// this 2-core machine, docs/BENCHMARKS.md), hence off by default.
+    #[arg(long)]
+    pub stream_prefill: bool,
 }
 
 impl Config {
@@ -94,6 +101,7 @@ pub struct PrefillService {
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
     secret: Option<Arc<Secret>>,
+    stream_prefill: bool,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -130,7 +138,15 @@ impl PrefillService {
             http,
             metrics: Arc::default(),
             secret: None,
+            stream_prefill: false,
         })
+    }
+
+    /// Sends the prompt's state in pieces while it is prefilled (live handoff).
+    #[must_use]
+    pub fn with_stream_prefill(mut self, on: bool) -> Self {
+        self.stream_prefill = on;
+        self
     }
 
     /// Authenticates the V2 and V1 handoffs with the shared secret.
@@ -351,6 +367,14 @@ impl PrefillService {
         // The prompt's state starts crossing while it is prefilled; aborted (its
         // connection closed, the decode node dropping what it got) if the answer does not
         // go past its first token.
+        // Without `--stream-prefill` the pieces channel closes now, and the engine exports
+        // nothing during the prefill.
+        let pieces = if self.stream_prefill {
+            pieces
+        } else {
+            drop(pieces);
+            mpsc::unbounded_channel().1
+        };
         let early = {
             let h = handoff.clone();
             let whole = self.engine.info().sliding_window.then(|| live.clone());
@@ -594,7 +618,8 @@ pub async fn run(
     let secret = config.node.secret()?;
     let svc = PrefillService::new(engine, config.limits(), state_dir)
         .map_err(|e| anyhow::anyhow!("state folder: {e}"))?
-        .with_secret(secret.clone());
+        .with_secret(secret.clone())
+        .with_stream_prefill(config.stream_prefill);
     let drain = config.node.drain(shutdown);
     let app = metrics::router(svc.metrics.clone());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);

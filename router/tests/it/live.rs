@@ -75,6 +75,8 @@ fn stack() -> &'static common::Stack {
     S.get_or_init(|| {
         let mut o = common::StackOptions::new(common::SMOLLM2);
         o.handoff_proxy = Some(throttling_proxy);
+        // Scenario 1b sends the prompt's state during its prefill.
+        o.stream_prefill = true;
         common::start(o)
     })
 }

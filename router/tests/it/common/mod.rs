@@ -74,6 +74,8 @@ pub struct StackOptions {
     /// a test names the live handoff when it checks it (`v2-live`, `live.rs`), so the
     /// tests of the `after` handoff's retries and fallbacks keep checking what they say.
     pub handoff: edgesplit_router::api::HandoffMode,
+    /// The prefill node's `--stream-prefill`.
+    pub stream_prefill: bool,
 }
 
 impl StackOptions {
@@ -100,6 +102,7 @@ impl StackOptions {
             decode_secret: None,
             api_key: None,
             handoff: edgesplit_router::api::HandoffMode::After,
+            stream_prefill: false,
         }
     }
 }
@@ -234,6 +237,7 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_connect_timeout_s: 5,
         state_dir: Some(base.join("prefill")),
         metrics_listen: String::new(),
+        stream_prefill: opts.stream_prefill,
     };
     let dengine = edgesplit_engine::Engine::start(dcfg.engine())
         .await
