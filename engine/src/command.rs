@@ -64,6 +64,8 @@ pub(crate) struct GenerateJob {
 #[derive(Debug)]
 pub(crate) struct SnapshotAsk {
     pub stop: bool,
+    /// The first position wanted (the receiver holds the ones before).
+    pub from: usize,
     pub reply: oneshot::Sender<Result<Snapshot, EngineError>>,
 }
 

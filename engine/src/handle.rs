@@ -222,12 +222,12 @@ pub struct Live {
 }
 
 impl Live {
-    /// The answer's state before its next step; with `stop`, the answer ends there
-    /// ([`crate::Finish::Handover`]) and emits nothing more. `None` when the answer has
-    /// already ended (or never started).
-    pub async fn snapshot(&self, stop: bool) -> Option<Result<Snapshot, EngineError>> {
+    /// The answer's state before its next step, from position `from` on (0: all of it);
+    /// with `stop`, the answer ends there ([`crate::Finish::Handover`]) and emits nothing
+    /// more. `None` when the answer has already ended (or never started).
+    pub async fn snapshot(&self, stop: bool, from: usize) -> Option<Result<Snapshot, EngineError>> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(SnapshotAsk { stop, reply }).ok()?;
+        self.tx.send(SnapshotAsk { stop, from, reply }).ok()?;
         rx.await.ok()
     }
 }

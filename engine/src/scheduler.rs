@@ -53,7 +53,12 @@ pub(crate) trait Slots {
         answer: &mut Self::Answer,
     ) -> Result<(TokenOut, bool), EngineError>;
     /// The state of the answer in `slot`, between two steps.
-    fn snapshot(&mut self, slot: usize, answer: &Self::Answer) -> Result<Snapshot, EngineError>;
+    fn snapshot(
+        &mut self,
+        slot: usize,
+        answer: &Self::Answer,
+        from: usize,
+    ) -> Result<Snapshot, EngineError>;
     /// Empties `slot`'s sequence.
     fn clear(&mut self, slot: usize);
     /// Publishes how many slots are in use now.
@@ -300,7 +305,7 @@ impl<S: Slots> Scheduler<S> {
         }
         if let Some(live) = &mut r.live {
             while let Ok(ask) = live.try_recv() {
-                let snapshot = self.slots.snapshot(r.slot, &r.answer);
+                let snapshot = self.slots.snapshot(r.slot, &r.answer, ask.from);
                 let stop = ask.stop && snapshot.is_ok();
                 let _ = ask.reply.send(snapshot);
                 if stop {
@@ -404,10 +409,16 @@ mod tests {
             self.log.lock().unwrap().push(format!("score {slot}"));
             Ok(())
         }
-        fn snapshot(&mut self, slot: usize, a: &FakeAnswer) -> Result<Snapshot, EngineError> {
+        fn snapshot(
+            &mut self,
+            slot: usize,
+            a: &FakeAnswer,
+            from: usize,
+        ) -> Result<Snapshot, EngineError> {
             self.log.lock().unwrap().push(format!("snapshot {slot}"));
             Ok(Snapshot {
                 state: vec![slot as u8; a.step as usize],
+                from,
                 tokens: Vec::new(),
                 last: slot as i32 * 100 + a.step as i32,
                 answered: a.step,
@@ -554,7 +565,12 @@ mod tests {
         h.round();
         let ask = |stop| {
             let (reply, rx) = oneshot::channel();
-            asks.send(SnapshotAsk { stop, reply }).unwrap();
+            asks.send(SnapshotAsk {
+                stop,
+                from: 0,
+                reply,
+            })
+            .unwrap();
             rx
         };
         let mut first = ask(false);
@@ -589,6 +605,7 @@ mod tests {
         assert!(asks
             .send(SnapshotAsk {
                 stop: false,
+                from: 0,
                 reply: oneshot::channel().0
             })
             .is_err());

@@ -102,8 +102,11 @@ pub enum Finish {
 /// `Engine::generate_live`).
 #[derive(Debug)]
 pub struct Snapshot {
-    /// llama.cpp's raw sequence state: the KV of `tokens`.
+    /// llama.cpp's raw sequence state of the positions `from..` of `tokens` (all of them
+    /// when `from` is 0; else cut by `edgesplit_proto::splice::tail`).
     pub state: Vec<u8>,
+    /// The first position `state` holds.
+    pub from: usize,
     /// Every token whose KV the state holds: the prompt and the answer but its newest token.
     pub tokens: Vec<i32>,
     /// The newest answer token: sampled and sent, not yet decoded.

@@ -127,6 +127,7 @@ pub(crate) fn owner_thread(
         n_ctx,
         n_vocab: model.n_vocab(),
         gauges,
+        export_buf: Vec::new(),
     };
     if ready.send(Ok(info)).is_err() {
         return;
@@ -167,6 +168,8 @@ struct Worker<'m> {
     n_ctx: u32,
     n_vocab: i32,
     gauges: Arc<Gauges>,
+    /// Kept between the exports of a live handoff's pieces (see `export_from`).
+    export_buf: Vec<u8>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -263,6 +266,9 @@ impl Worker<'_> {
     ) -> Result<TokenOut, EngineError> {
         self.clear(slot);
         let last_chunk = (tokens.len() - 1) / self.n_batch;
+        // Where the last piece sent ended; pieces stop at the first that fails (the
+        // prefill does not: they are an optimisation, and the handoff sends what is left).
+        let mut sent = Some(0usize);
         for (c, chunk) in tokens.chunks(self.n_batch).enumerate() {
             self.batch.clear();
             for (i, t) in chunk.iter().enumerate() {
@@ -276,17 +282,22 @@ impl Worker<'_> {
                 .ctx
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
-            if let Some(tx) = pieces.filter(|tx| c < last_chunk && !tx.is_closed()) {
-                let t0 = Instant::now();
-                let covered = (c + 1) * self.n_batch;
-                let piece = Snapshot {
-                    state: self.export(slot)?,
-                    tokens: tokens[..covered].to_vec(),
-                    last: 0,
-                    answered: 0,
-                    export_ms: ms(t0),
-                };
-                let _ = tx.send(piece);
+            if let (Some(tx), Some(from)) = (pieces, sent) {
+                if c < last_chunk && !tx.is_closed() {
+                    let t0 = Instant::now();
+                    let covered = (c + 1) * self.n_batch;
+                    sent = self.export_from(slot, from).ok().and_then(|state| {
+                        let piece = Snapshot {
+                            state,
+                            tokens: tokens[..covered].to_vec(),
+                            from,
+                            last: 0,
+                            answered: 0,
+                            export_ms: ms(t0),
+                        };
+                        tx.send(piece).ok().map(|()| covered)
+                    });
+                }
             }
         }
         let ctx = &self.slots[slot].ctx;
@@ -373,7 +384,14 @@ impl Worker<'_> {
     }
 
     fn export(&self, slot: usize) -> Result<Vec<u8>, EngineError> {
-        let ctx = &self.slots[slot].ctx;
+        let mut buf = Vec::new();
+        Self::export_into(&self.slots[slot].ctx, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Exports the slot's state into `buf` (resized to it; a buffer kept between exports
+    /// has its pages already, so the copy runs at memory speed).
+    fn export_into(ctx: &LlamaContext<'_>, buf: &mut Vec<u8>) -> Result<(), EngineError> {
         let flags = LlamaStateSeqFlags::empty();
         let size = ctx.state_seq_get_size_ext(0, flags);
         if size == 0 {
@@ -381,7 +399,7 @@ impl Worker<'_> {
                 "llama.cpp reported an empty state".into(),
             ));
         }
-        let mut buf = vec![0u8; size];
+        buf.resize(size, 0);
         // SAFETY: `buf` holds exactly the size llama.cpp reported for this sequence, and the
         // context is not modified between the size query and the copy (same thread).
         let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
@@ -390,7 +408,19 @@ impl Worker<'_> {
                 "llama.cpp wrote {n} bytes, expected {size}"
             )));
         }
-        Ok(buf)
+        Ok(())
+    }
+
+    /// The slot's state from position `from` on (all of it for 0): exported into the
+    /// worker's kept buffer, and only the cells asked for copied out
+    /// (`edgesplit_proto::splice::tail`).
+    fn export_from(&mut self, slot: usize, from: usize) -> Result<Vec<u8>, EngineError> {
+        if from == 0 {
+            return self.export(slot);
+        }
+        Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
+        edgesplit_proto::splice::tail(&self.export_buf, from)
+            .map_err(|e| EngineError::Export(e.to_string()))
     }
 
     fn export_file(
@@ -610,11 +640,12 @@ impl Slots for Worker<'_> {
         Ok(())
     }
 
-    fn snapshot(&mut self, slot: usize, a: &Answer) -> Result<Snapshot, EngineError> {
+    fn snapshot(&mut self, slot: usize, a: &Answer, from: usize) -> Result<Snapshot, EngineError> {
         let t0 = Instant::now();
-        let state = self.export(slot)?;
+        let state = self.export_from(slot, from)?;
         Ok(Snapshot {
             state,
+            from,
             tokens: a.history.clone(),
             last: a.last,
             answered: a.step,

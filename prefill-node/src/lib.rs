@@ -381,7 +381,10 @@ impl PrefillService {
             live::AbortOnDrop(tokio::spawn(async move {
                 match whole {
                     // Asked before the first step: the state right after the prefill.
-                    Some(live) => h.whole_at_first_token(&live).await,
+                    Some(live) => {
+                        drop(pieces);
+                        h.whole_at_first_token(&live).await
+                    }
                     None => h.during_prefill(pieces).await,
                 }
             }))

@@ -132,8 +132,9 @@ impl LiveHandoff {
         }
     }
 
-    async fn snapshot(live: &Live, stop: bool) -> Result<Snapshot, String> {
-        match live.snapshot(stop).await {
+    /// The answer's state from position `from` on, cut on the engine thread.
+    async fn snapshot(live: &Live, stop: bool, from: usize) -> Result<Snapshot, String> {
+        match live.snapshot(stop, from).await {
             Some(Ok(s)) => Ok(s),
             Some(Err(e)) => Err(e.to_string()),
             None => Err("the answer ended".into()),
@@ -187,17 +188,17 @@ impl LiveHandoff {
         Ok(())
     }
 
-    /// While the prompt is prefilled: sends its state after each prefill batch (the
-    /// newest one when several wait), so that the decode node holds most of it by the
-    /// first token. `None` when no piece came (a prompt of one batch) or the state is not
-    /// linear (it goes whole later).
+    /// While the prompt is prefilled: sends its state after each prefill batch (each
+    /// piece the cells since the previous one, cut on the engine thread), so that the
+    /// decode node holds most of it by the first token. `Nothing` when no piece came (a
+    /// prompt of one batch).
     /// A sliding-window model: its state cannot be cut into pieces, and, exported after
     /// answer tokens were decoded, it does not continue exactly on another node (its
     /// ring of cells is laid out anew there; issue 14). So the answer stops at the first
     /// boundary, asked for before it comes, and the state of the prompt goes whole: the
     /// `after` handoff, through the live protocol.
     pub(crate) async fn whole_at_first_token(&self, live: &Live) -> Result<Early, String> {
-        let snap = Self::snapshot(live, true).await?;
+        let snap = Self::snapshot(live, true, 0).await?;
         let mut out = Sent::new(self.connect().await?);
         let size = snap.state.len() as u64;
         let t = Instant::now();
@@ -223,33 +224,23 @@ impl LiveHandoff {
         mut pieces: mpsc::UnboundedReceiver<Snapshot>,
     ) -> Result<Early, String> {
         let mut out: Option<Sent> = None;
-        let mut linear = true;
-        while let Some(mut p) = pieces.recv().await {
-            while let Ok(newer) = pieces.try_recv() {
-                p = newer;
-            }
-            linear = linear && splice::is_linear(&p.state);
-            if !linear {
-                continue;
-            }
+        while let Some(p) = pieces.recv().await {
             let mut sent = match out.take() {
                 Some(s) => s,
                 None => Sent::new(self.connect().await?),
             };
+            if p.from != sent.held {
+                return Err(format!(
+                    "a prefill piece starts at {}, the decode node holds {}",
+                    p.from, sent.held
+                ));
+            }
             sent.sw.export_ms += p.export_ms;
-            let piece = if sent.held == 0 {
-                self.piece(p.tokens, p.state)
-            } else {
-                let tail = splice::tail(&p.state, sent.held).map_err(|e| e.to_string())?;
-                self.piece(p.tokens[sent.held..].to_vec(), tail)
-            };
+            let piece = self.piece(p.tokens[p.from..].to_vec(), p.state);
             self.send(&mut sent, piece, false).await?;
             out = Some(sent);
         }
-        Ok(match out.filter(|_| linear) {
-            Some(sent) => Early::Sent(sent),
-            None => Early::Nothing,
-        })
+        Ok(out.map_or(Early::Nothing, Early::Sent))
     }
 
     /// Sends what the decode node lacks of the prompt's state (all of it when nothing
@@ -282,7 +273,7 @@ impl LiveHandoff {
         let mut out = match early {
             Some(s) => s,
             None => {
-                let snap = Self::snapshot(live, false).await?;
+                let snap = Self::snapshot(live, false, 0).await?;
                 let mut out = Sent::new(self.connect().await?);
                 out.sw.export_ms += snap.export_ms;
                 if !splice::is_linear(&snap.state) {
@@ -321,10 +312,9 @@ impl LiveHandoff {
                     .await
                     .map_err(|_| "the answer ended".to_string())?;
             }
-            let snap = Self::snapshot(live, last).await?;
+            let snap = Self::snapshot(live, last, out.held).await?;
             out.sw.export_ms += snap.export_ms;
-            let delta = splice::tail(&snap.state, out.held).map_err(|e| e.to_string())?;
-            let piece = self.piece(snap.tokens[out.held..].to_vec(), delta);
+            let piece = self.piece(snap.tokens[out.held..].to_vec(), snap.state);
             self.send(&mut out, piece, last).await?;
             *bytes = out.sw.bytes;
             tracing::debug!(request_id = %self.request_id, round = out.sw.rounds, pending, last, "live handoff piece sent");

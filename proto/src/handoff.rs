@@ -106,16 +106,9 @@ pub async fn send_state(
     secret: Option<&Secret>,
 ) -> Result<SendReport, HandoffError> {
     let start = Instant::now();
-    let stream = tokio::time::timeout(limits.connect, TcpStream::connect(addr))
-        .await
-        .map_err(|_| HandoffError::Timeout("connect"))?
-        .map_err(|source| HandoffError::Connect {
-            addr: addr.to_string(),
-            source,
-        })?;
-    stream.set_nodelay(true).ok();
-    let mut framed = Framed::new(stream, V2Codec::new(limits.max_frame));
-    let payload_bytes = send_on(&mut framed, ours, state, limits, secret).await?;
+    let mut framed = connect(addr, ours, limits, secret).await?;
+    let payload_bytes = state.payload.len() as u64;
+    send_piece(&mut framed, Frame::State(state), limits).await?;
     Ok(SendReport {
         payload_bytes,
         elapsed: start.elapsed(),

@@ -100,22 +100,8 @@ fn long_answer_after(n: usize, extra: Value) -> Value {
 
 /// The decode node's gauge of states (and live pieces) it holds.
 async fn pending_bytes(s: &common::Stack) -> f64 {
-    let url = s.v1_url.replace("/v1/handoff", "/metrics");
-    let text = common::client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix("edgesplit:pending_handoff_bytes ")?
-                .parse()
-                .ok()
-        })
-        .unwrap()
+    let text = common::scrape(&s.v1_url.replace("/v1/handoff", "/metrics")).await;
+    common::value(&text, "edgesplit:pending_handoff_bytes")
 }
 
 #[tokio::test]

@@ -4,26 +4,7 @@ use crate::common;
 
 use serde_json::json;
 
-async fn scrape(url: &str) -> String {
-    common::client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-/// The value of one series (name with labels, exactly as rendered), 0 if absent.
-fn value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-        })
-        .map_or(0.0, |v| v.trim().parse().unwrap())
-}
+use common::{scrape, value};
 
 #[tokio::test]
 async fn a_request_moves_the_series() {

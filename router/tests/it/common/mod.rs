@@ -326,6 +326,28 @@ pub fn smollm2() -> &'static Stack {
     S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
 }
 
+/// The text a GET of `url` returns (a `/metrics` page).
+pub async fn scrape(url: &str) -> String {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of one series (name with labels, exactly as rendered), 0 if absent.
+pub fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 /// The router's `/metrics` text.
 pub async fn metrics_text(stack: &Stack) -> String {
     client()
