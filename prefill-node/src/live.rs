@@ -5,9 +5,11 @@
 //! until `Switched`, then the decode node's.
 //!
 //! Where the link carries KV slower than this node writes tokens, the rounds do not shrink:
-//! the handoff gives up (`HandoffCancelled`) and the answer ends here, never later than a
-//! `local` one. When the answer ends before the handoff completes, the connection closes
-//! and the decode node drops what it received.
+//! the handoff gives up (`HandoffCancelled`) and the answer ends here, waiting for nothing
+//! (the state's export and hashing still share this machine's cores with it). When the
+//! answer ends before the handoff completes, the connection closes and the decode node
+//! drops what it received. A sliding-window model's state cannot be cut: it goes whole at
+//! the first token boundary (`whole_at_first_token`), the `after` handoff's stall.
 
 use std::time::{Duration, Instant};
 
@@ -33,7 +35,7 @@ fn event(e: pb::prefill_event::Event) -> Result<pb::PrefillEvent, Status> {
     Ok(pb::PrefillEvent { event: Some(e) })
 }
 
-/// One live answer after its first token.
+/// The live handoff of one answer.
 pub(crate) struct LiveHandoff {
     pub sender: Sender,
     pub handoff: pb::Handoff,
