@@ -177,8 +177,12 @@ impl Store {
     /// Bytes of all states held now, live handoffs' pieces included.
     #[must_use]
     pub fn held_bytes(&self) -> u64 {
-        self.lock().values().map(|e| e.state.bytes()).sum::<u64>()
-            + self.pieces.load(Ordering::SeqCst)
+        self.used(&self.lock())
+    }
+
+    /// Bytes of the states in `map` (the store's, locked) and of the live pieces.
+    fn used(&self, map: &HashMap<String, Entry>) -> u64 {
+        map.values().map(|e| e.state.bytes()).sum::<u64>() + self.pieces.load(Ordering::SeqCst)
     }
 
     /// True when `handoff_id` is held now.
@@ -216,8 +220,7 @@ impl Store {
                 format!("handoff {handoff_id} is already held"),
             ));
         }
-        let used: u64 =
-            map.values().map(|e| e.state.bytes()).sum::<u64>() + self.pieces.load(Ordering::SeqCst);
+        let used = self.used(&map);
         if used + bytes > self.limits.max_bytes {
             return Err(refuse(
                 NackCode::Capacity,
@@ -305,8 +308,7 @@ impl StateSink for Store {
             )));
         }
         let map = self.lock();
-        let used: u64 =
-            map.values().map(|e| e.state.bytes()).sum::<u64>() + self.pieces.load(Ordering::SeqCst);
+        let used = self.used(&map);
         if used + bytes > self.limits.max_bytes {
             return Err(refuse(format!(
                 "holding {used} bytes; {bytes} more would exceed the cap of {}",

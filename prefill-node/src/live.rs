@@ -164,17 +164,18 @@ impl LiveHandoff {
         .map_err(|e| e.to_string())
     }
 
-    /// Sends `piece` as PART (or LAST) and accounts for it.
-    async fn send(&self, out: &mut Sent, piece: StateFrame, last: bool) -> Result<(), String> {
+    /// Sends `piece` in a frame of kind `kind` (`Frame::Part`, `Frame::Last`, or
+    /// `Frame::State` for a whole state) and accounts for it.
+    async fn send(
+        &self,
+        out: &mut Sent,
+        piece: StateFrame,
+        kind: fn(StateFrame) -> Frame,
+    ) -> Result<(), String> {
         let size = piece.payload.len() as u64;
         let held = out.held + piece.tokens.len();
-        let frame = if last {
-            Frame::Last(piece)
-        } else {
-            Frame::Part(piece)
-        };
         let t = Instant::now();
-        handoff::send_piece(&mut out.link, frame, &self.sender.limits)
+        handoff::send_piece(&mut out.link, kind(piece), &self.sender.limits)
             .await
             .map_err(|e| e.to_string())?;
         let took = t.elapsed().as_secs_f64();
@@ -190,37 +191,36 @@ impl LiveHandoff {
         Ok(())
     }
 
-    /// While the prompt is prefilled: sends its state after each prefill batch (each
-    /// piece the cells since the previous one, cut on the engine thread), so that the
-    /// decode node holds most of it by the first token. `Nothing` when no piece came (a
-    /// prompt of one batch).
     /// A sliding-window model: its state cannot be cut into pieces, and, exported after
     /// answer tokens were decoded, it does not continue exactly on another node (its
     /// ring of cells is laid out anew there; issue 14). So the answer stops at the first
     /// boundary, asked for before it comes, and the state of the prompt goes whole: the
     /// `after` handoff, through the live protocol.
     pub(crate) async fn whole_at_first_token(&self, live: &Live) -> Result<Early, String> {
-        let snap = Self::snapshot(live, true, 0).await?;
-        let mut out = Sent::new(self.connect().await?);
-        let size = snap.state.len() as u64;
-        let t = Instant::now();
-        let frame = Frame::State(self.piece(snap.tokens, snap.state));
-        handoff::send_piece(&mut out.link, frame, &self.sender.limits)
-            .await
-            .map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        let mut bytes = 0;
+        let result = async {
+            let snap = Self::snapshot(live, true, 0).await?;
+            let mut out = Sent::new(self.connect().await?);
+            out.sw.export_ms = snap.export_ms;
+            self.send(&mut out, self.piece(snap.tokens, snap.state), Frame::State)
+                .await?;
+            bytes = out.sw.bytes;
+            out.sw.answered = snap.answered;
+            out.sw.whole = true;
+            Ok(Early::Whole(out.sw))
+        }
+        .await;
         self.sender
             .metrics
-            .handoff("v2-live", true, size, t.elapsed().as_secs_f64());
-        Ok(Early::Whole(pb::Switched {
-            answered: snap.answered,
-            bytes: size,
-            rounds: 1,
-            export_ms: snap.export_ms,
-            transfer_ms: t.elapsed().as_secs_f64() * 1000.0,
-            whole: true,
-        }))
+            .handoff("v2-live", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
+        result
     }
 
+    /// While the prompt is prefilled: sends its state after each prefill batch (each
+    /// piece the cells since the previous one, cut on the engine thread), so that the
+    /// decode node holds most of it by the first token. `Nothing` when no piece came (a
+    /// prompt of one batch).
     pub(crate) async fn during_prefill(
         &self,
         mut pieces: mpsc::UnboundedReceiver<Snapshot>,
@@ -239,7 +239,7 @@ impl LiveHandoff {
             }
             sent.sw.export_ms += p.export_ms;
             let piece = self.piece(p.tokens[p.from..].to_vec(), p.state);
-            self.send(&mut sent, piece, false).await?;
+            self.send(&mut sent, piece, Frame::Part).await?;
             out = Some(sent);
         }
         Ok(out.map_or(Early::Nothing, Early::Sent))
@@ -276,14 +276,14 @@ impl LiveHandoff {
             Some(s) => s,
             None => {
                 let snap = Self::snapshot(live, false, 0).await?;
-                let mut out = Sent::new(self.connect().await?);
-                out.sw.export_ms += snap.export_ms;
                 if !splice::is_linear(&snap.state) {
                     // Sliding-window models take `whole_at_first_token`; a state that is
                     // not linear otherwise is not one this build can cut.
                     return Err("the state cannot be cut into pieces".into());
                 }
-                self.send(&mut out, self.piece(snap.tokens, snap.state), false)
+                let mut out = Sent::new(self.connect().await?);
+                out.sw.export_ms += snap.export_ms;
+                self.send(&mut out, self.piece(snap.tokens, snap.state), Frame::Part)
                     .await?;
                 *bytes = out.sw.bytes;
                 out
@@ -317,7 +317,8 @@ impl LiveHandoff {
             let snap = Self::snapshot(live, last, out.held).await?;
             out.sw.export_ms += snap.export_ms;
             let piece = self.piece(snap.tokens[out.held..].to_vec(), snap.state);
-            self.send(&mut out, piece, last).await?;
+            let kind = if last { Frame::Last } else { Frame::Part };
+            self.send(&mut out, piece, kind).await?;
             *bytes = out.sw.bytes;
             tracing::debug!(request_id = %self.request_id, round = out.sw.rounds, pending, last, "live handoff piece sent");
             if last {

@@ -350,14 +350,7 @@ pub fn value(text: &str, series: &str) -> f64 {
 
 /// The router's `/metrics` text.
 pub async fn metrics_text(stack: &Stack) -> String {
-    client()
-        .get(format!("{}/metrics", stack.router))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    scrape(&format!("{}/metrics", stack.router)).await
 }
 
 /// A raw prompt the model keeps continuing (counting), for answers that hold a slot.
