@@ -141,6 +141,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         parallel: Some(args.parallel),
         dir: out.join("services"),
         stream_prefill: false,
+        direct: false,
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

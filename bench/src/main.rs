@@ -4,6 +4,7 @@
 //!   client does, beside a stock llama.cpp `llama-server` baseline in the same run.
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
+//! - `handoff`: where a handoff's time goes, beside the original EdgeSplit's V1 path.
 //! - `load`: N concurrent clients for a fixed time against the whole stack; failures,
 //!   wrong answers, latency percentiles and each process's peak memory.
 //!
@@ -24,6 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 mod client;
 mod engine_bench;
+mod handoff_bench;
 mod kv_quality;
 mod link;
 mod load;
@@ -52,6 +54,9 @@ enum Cli {
     /// What a quantized KV cache costs in quality against f16: KL divergence and top-1
     /// agreement of next-token distributions over a fixed text.
     KvQuality(kv_quality::QualityArgs),
+    /// Where a handoff's time goes (loopback, no link emulation), beside the original
+    /// EdgeSplit's V1 path (stock llama-server slot save, upload, restore) in one run.
+    Handoff(handoff_bench::HandoffArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -168,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::Engine(args) => engine_bench::run(&args).await,
         Cli::Load(args) => load::run(&args).await,
         Cli::KvQuality(args) => kv_quality::run(&args).await,
+        Cli::Handoff(args) => handoff_bench::run(&args).await,
     }
 }
 
@@ -294,6 +300,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     parallel: None,
                     dir: out.join(format!("services-{model_name}")),
                     stream_prefill: args.stream_prefill,
+                    direct: false,
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))

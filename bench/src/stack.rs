@@ -35,6 +35,9 @@ pub struct StackConfig {
     /// The prefill node's `--stream-prefill` (live handoff: the prompt's state crosses
     /// while it is prefilled).
     pub stream_prefill: bool,
+    /// No emulated links: the nodes talk straight over loopback (the handoff bench, which
+    /// measures our own CPU work, not a link's).
+    pub direct: bool,
 }
 
 /// A running stack; its processes are killed on drop.
@@ -94,9 +97,20 @@ impl Stack {
         std::fs::create_dir_all(&cfg.dir)?;
         let (decode_grpc, handoff, v1) = (free_port()?, free_port()?, free_port()?);
         let (prefill_grpc, prefill_metrics, router) = (free_port()?, free_port()?, free_port()?);
-        let handoff_link = Link::start(handoff.clone(), profile.clone()).await?;
-        let v1_link = Link::start(v1.clone(), profile.clone()).await?;
-        let grpc_link = Link::start(decode_grpc.clone(), profile).await?;
+        // Where each path is reached: through its emulated link, or straight.
+        let mut links = Vec::new();
+        let mut via = Vec::new();
+        for target in [&handoff, &v1, &decode_grpc] {
+            if cfg.direct {
+                via.push(target.clone());
+            } else {
+                let link = Link::start(target.clone(), profile.clone()).await?;
+                via.push(link.addr.to_string());
+                links.push(link);
+            }
+        }
+        let [handoff_at, v1_at, grpc_at]: [String; 3] =
+            via.try_into().expect("three paths, three addresses");
         let model = cfg.model.display().to_string();
         let common = |listen: &str| -> Vec<String> {
             let mut a: Vec<String> = vec![
@@ -118,7 +132,7 @@ impl Stack {
             router: format!("http://{router}"),
             flash_attn: false,
             chat: false,
-            links: vec![handoff_link.clone(), v1_link.clone(), grpc_link.clone()],
+            links,
             children: Vec::new(),
         };
         let mut dargs = common(&decode_grpc);
@@ -126,11 +140,11 @@ impl Stack {
             "--handoff-listen".into(),
             handoff,
             "--handoff-advertise".into(),
-            handoff_link.addr.to_string(),
+            handoff_at,
             "--v1-listen".into(),
             v1,
             "--v1-advertise".into(),
-            format!("http://{}/v1/handoff", v1_link.addr),
+            format!("http://{v1_at}/v1/handoff"),
             "--state-dir".into(),
             cfg.dir.join("decode-state").display().to_string(),
             "--handoff-wait-s".into(),
@@ -162,7 +176,7 @@ impl Stack {
             "--prefill-url".into(),
             format!("http://{prefill_grpc}"),
             "--decode-url".into(),
-            format!("http://{}", grpc_link.addr),
+            format!("http://{grpc_at}"),
         ];
         // The router reads the decode node's sequences at start, which may be before the
         // node listens: say it.

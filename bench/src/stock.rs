@@ -40,10 +40,29 @@ impl StockServer {
         threads: i32,
         flash_attn: bool,
     ) -> anyhow::Result<StockServer> {
+        Self::start_with(bin, model, n_ctx, threads, flash_attn, None).await
+    }
+
+    /// [`StockServer::start`], saving and restoring slots in `slot_dir` when given
+    /// (`--slot-save-path`: `POST /slots/0?action=save|restore`).
+    pub async fn start_with(
+        bin: &Path,
+        model: &Path,
+        n_ctx: u32,
+        threads: i32,
+        flash_attn: bool,
+        slot_dir: Option<&Path>,
+    ) -> anyhow::Result<StockServer> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        let child = Command::new(bin.join("llama-server"))
+        let mut cmd = Command::new(bin.join("llama-server"));
+        if let Some(dir) = slot_dir {
+            // llama-server joins the file name to this as a string: it needs the slash.
+            cmd.arg("--slot-save-path")
+                .arg(format!("{}/", dir.display()));
+        }
+        let child = cmd
             .arg("-m")
             .arg(model)
             .args(["-c", &n_ctx.to_string(), "-t", &threads.to_string()])

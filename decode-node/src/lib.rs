@@ -17,12 +17,13 @@ use std::time::Duration;
 
 use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
+use edgesplit_proto::frame::Receipt;
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 pub use store::{Held, Store, StoreLimits};
@@ -147,22 +148,35 @@ impl pb::decode_server::Decode for DecodeService {
             "generating from handoff"
         );
         // A file the engine never loads is deleted with the dropped command.
-        let start = match state {
-            Held::Frame(f) => Start::Imported {
-                // No copy when the frame owns its bytes alone (a joined live handoff).
-                state: Vec::from(f.payload),
-                tokens: f.tokens,
-                first,
-                answered: req.answered,
-            },
-            Held::File { file, .. } => Start::ImportedFile { file, first },
+        let (start, receipt) = match state {
+            Held::Frame(f, receipt) => (
+                Start::Imported {
+                    state: f.payload,
+                    tokens: f.tokens,
+                    first,
+                    answered: req.answered,
+                },
+                receipt,
+            ),
+            Held::File { file, .. } => (Start::ImportedFile { file, first }, Receipt::default()),
         };
         let rx = self
             .engine
             .generate(start, params, req.max_new_tokens)
             .await
             .map_err(|e| status(&e))?;
-        Ok(Response::new(Box::pin(token_events(rx))))
+        // The answer's last event reports what receiving its state took.
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let events = token_events(rx).map(move |ev| {
+            ev.map(|mut ev| {
+                if let Some(pb::token_event::Event::Finished(f)) = &mut ev.event {
+                    f.receive_ms = ms(receipt.receive);
+                    f.verify_ms = ms(receipt.verify);
+                }
+                ev
+            })
+        });
+        Ok(Response::new(Box::pin(events)))
     }
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use edgesplit_engine::StateFile;
-use edgesplit_proto::frame::{Nack, NackCode, StateFrame};
+use edgesplit_proto::frame::{Nack, NackCode, Receipt, StateFrame};
 use edgesplit_proto::handoff::StateSink;
 use tokio::sync::Notify;
 
@@ -36,8 +36,9 @@ pub struct Counters {
 /// A verified state.
 #[derive(Debug)]
 pub enum Held {
-    /// A V2 state frame (checksum, identity and descriptors verified).
-    Frame(StateFrame),
+    /// A V2 state frame (checksum, identity and descriptors verified), with what
+    /// receiving it took.
+    Frame(StateFrame, Receipt),
     /// A V1 sequence-state file (checksum, identity and header verified), renamed into
     /// place; deleted when dropped unloaded (TTL, refusal, drain).
     File { file: StateFile, bytes: u64 },
@@ -46,7 +47,7 @@ pub enum Held {
 impl Held {
     fn bytes(&self) -> u64 {
         match self {
-            Held::Frame(s) => s.payload.len() as u64,
+            Held::Frame(s, _) => s.payload.len() as u64,
             Held::File { bytes, .. } => *bytes,
         }
     }
@@ -262,7 +263,7 @@ impl Store {
 }
 
 impl StateSink for Store {
-    fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
+    fn accept(&self, state: StateFrame, receipt: Receipt) -> Result<u64, Nack> {
         if state.tokens.len() as u64 >= u64::from(self.limits.max_tokens) {
             return Err(Nack {
                 code: NackCode::SequenceTooLong,
@@ -283,7 +284,7 @@ impl StateSink for Store {
             "V2 state received and verified"
         );
         let id = state.handoff_id.clone();
-        self.insert(&id, Held::Frame(state))?;
+        self.insert(&id, Held::Frame(state, receipt))?;
         Ok(bytes)
     }
 
@@ -357,8 +358,8 @@ mod tests {
         let s2 = s.clone();
         let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
         tokio::task::yield_now().await;
-        s.accept(state("a", 10)).unwrap();
-        let Some(Held::Frame(f)) = waiter.await.unwrap() else {
+        s.accept(state("a", 10), Receipt::default()).unwrap();
+        let Some(Held::Frame(f, _)) = waiter.await.unwrap() else {
             panic!("frame expected")
         };
         assert_eq!(f.handoff_id, "a");
@@ -369,18 +370,25 @@ mod tests {
     #[test]
     fn refuses_duplicates_capacity_and_long_sequences() {
         let s = store();
-        s.accept(state("a", 60)).unwrap();
+        s.accept(state("a", 60), Receipt::default()).unwrap();
         assert_eq!(
-            s.accept(state("a", 1)).unwrap_err().code,
+            s.accept(state("a", 1), Receipt::default())
+                .unwrap_err()
+                .code,
             NackCode::DuplicateHandoff
         );
         assert_eq!(
-            s.accept(state("b", 41)).unwrap_err().code,
+            s.accept(state("b", 41), Receipt::default())
+                .unwrap_err()
+                .code,
             NackCode::Capacity
         );
         let mut long = state("c", 1);
         long.tokens = vec![0; 10];
-        assert_eq!(s.accept(long).unwrap_err().code, NackCode::SequenceTooLong);
+        assert_eq!(
+            s.accept(long, Receipt::default()).unwrap_err().code,
+            NackCode::SequenceTooLong
+        );
         assert_eq!(s.len(), 1);
     }
 
@@ -388,7 +396,9 @@ mod tests {
     async fn while_draining_only_awaited_states_come_in() {
         let s = std::sync::Arc::new(store());
         s.start_draining();
-        let refused = s.accept(state("early", 10)).unwrap_err();
+        let refused = s
+            .accept(state("early", 10), Receipt::default())
+            .unwrap_err();
         assert_eq!(refused.code, NackCode::Capacity);
         assert!(refused.reason.contains("draining"), "{}", refused.reason);
         let s2 = s.clone();
@@ -397,8 +407,8 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert!(s.admits("a") && !s.admits("b"));
-        s.accept(state("a", 10)).unwrap();
-        assert!(matches!(waiter.await.unwrap(), Some(Held::Frame(_))));
+        s.accept(state("a", 10), Receipt::default()).unwrap();
+        assert!(matches!(waiter.await.unwrap(), Some(Held::Frame(_, _))));
         // The call has its state: nothing waits for "a" any more.
         assert_eq!(s.awaited_count(), 0);
         assert!(!s.admits("a"));

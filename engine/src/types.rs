@@ -156,7 +156,8 @@ pub enum Start {
     /// `answered`-th token of the answer (1 when the state is the prompt's; more when a
     /// live answer was handed over after the prefill node wrote some of it).
     Imported {
-        state: Vec<u8>,
+        /// Shared, not copied: a received frame's payload is imported where it lies.
+        state: bytes::Bytes,
         tokens: Vec<i32>,
         first: i32,
         answered: u32,

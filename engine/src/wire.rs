@@ -147,6 +147,9 @@ pub fn finished(s: &crate::GenSummary) -> pb::Finished {
         import_ms: s.import_ms,
         prompt_tokens: s.prompt_tokens,
         prefill_ms: s.prefill_ms,
+        // Filled in by the decode node, which received the state.
+        receive_ms: 0.0,
+        verify_ms: 0.0,
     }
 }
 

@@ -73,7 +73,7 @@ async fn export_import_equals_colocated(cfg: EngineConfig, ggml_type: u32) -> us
         let (rest, done) = collect(
             b.generate(
                 Start::Imported {
-                    state,
+                    state: state.into(),
                     tokens: tokens.clone(),
                     first: pre.first.id,
                     answered: 1,
@@ -148,7 +148,7 @@ async fn garbage_state_is_refused_and_the_engine_keeps_working() {
     let (ids, done) = collect(
         e.generate(
             Start::Imported {
-                state: vec![1, 0, 0, 0, 5, 0, 0, 0, 1, 2, 3],
+                state: vec![1, 0, 0, 0, 5, 0, 0, 0, 1, 2, 3].into(),
                 tokens: vec![1, 2, 3, 4, 5],
                 first: 1,
                 answered: 1,

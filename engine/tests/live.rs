@@ -163,7 +163,7 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
         let mut rx = b
             .generate(
                 Start::Imported {
-                    state: joined,
+                    state: joined.into(),
                     tokens: last.tokens.clone(),
                     first: last.last,
                     answered: last.answered,

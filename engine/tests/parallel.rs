@@ -109,7 +109,7 @@ async fn parallel_answers_equal_the_answers_written_alone() {
     let c = par
         .generate(
             Start::Imported {
-                state,
+                state: state.into(),
                 tokens: prompts[2].clone(),
                 first: pre.first.id,
                 answered: 1,

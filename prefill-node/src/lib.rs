@@ -430,12 +430,23 @@ impl PrefillService {
     }
 }
 
-fn handoff_done(bytes: u64, export_ms: f64, transfer_ms: f64) -> pb::PrefillEvent {
+/// What one delivered handoff measured, sender side.
+#[derive(Debug, Clone, Copy, Default)]
+struct Delivered {
+    bytes: u64,
+    connect: Duration,
+    hash: Duration,
+}
+
+fn handoff_done(d: Delivered, export_ms: f64, transfer_ms: f64) -> pb::PrefillEvent {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     pb::PrefillEvent {
         event: Some(pb::prefill_event::Event::Handoff(pb::HandoffDone {
-            bytes,
+            bytes: d.bytes,
             export_ms,
             transfer_ms,
+            connect_ms: ms(d.connect),
+            hash_ms: ms(d.hash),
         })),
     }
 }
@@ -546,29 +557,42 @@ impl Sender {
         };
         let attempt = || async {
             match &outgoing {
-                Outgoing::File(file) => Ok(upload::upload(
-                    &self.http,
-                    &h.decode_addr,
-                    &h.handoff_id,
-                    &request_id,
-                    file.path(),
-                    &self.info,
-                    self.secret.as_deref(),
-                )
-                .await?),
-                Outgoing::Frame(frame) => Ok(handoff::send_state(
-                    &h.decode_addr,
-                    &self.info.identity(),
-                    frame.clone(),
-                    &self.limits,
-                    self.secret.as_deref(),
-                )
-                .await?
-                .payload_bytes),
+                Outgoing::File(file) => {
+                    let u = upload::upload(
+                        &self.http,
+                        &h.decode_addr,
+                        &h.handoff_id,
+                        &request_id,
+                        file.path(),
+                        &self.info,
+                        self.secret.as_deref(),
+                    )
+                    .await?;
+                    Ok(Delivered {
+                        bytes: u.bytes,
+                        connect: Duration::ZERO,
+                        hash: u.hash,
+                    })
+                }
+                Outgoing::Frame(frame) => {
+                    let r = handoff::send_state(
+                        &h.decode_addr,
+                        &self.info.identity(),
+                        frame.clone(),
+                        &self.limits,
+                        self.secret.as_deref(),
+                    )
+                    .await?;
+                    Ok(Delivered {
+                        bytes: r.payload_bytes,
+                        connect: r.connect,
+                        hash: r.hash,
+                    })
+                }
             }
         };
         let t0 = Instant::now();
-        let mut result: Result<u64, HandoffFailure> = attempt().await;
+        let mut result: Result<Delivered, HandoffFailure> = attempt().await;
         if let Err(e) = &result {
             if e.retryable() {
                 tracing::warn!(%request_id, transport, error = %e, "handoff failed; retrying once");
@@ -580,13 +604,13 @@ impl Sender {
         // A V1 file is deleted here (its guard), sent or not.
         drop(outgoing);
         let secs = t0.elapsed().as_secs_f64();
-        let bytes = *result.as_ref().unwrap_or(&0);
+        let bytes = result.as_ref().map_or(0, |d| d.bytes);
         self.metrics.handoff(transport, result.is_ok(), bytes, secs);
         match result {
-            Ok(bytes) => {
+            Ok(delivered) => {
                 let transfer_ms = secs * 1000.0;
                 tracing::info!(%request_id, handoff_id = %h.handoff_id, transport, bytes, transfer_ms, "handoff sent");
-                Ok(handoff_done(bytes, export_ms, transfer_ms))
+                Ok(handoff_done(delivered, export_ms, transfer_ms))
             }
             Err(e) => {
                 tracing::warn!(%request_id, transport, error = %e, "handoff failed");

@@ -66,7 +66,7 @@ impl LiveHandoff {
                 Ok(Err(e)) if self.sender.info.sliding_window => {
                     return Err(Cancelled(e, 0));
                 }
-                Ok(Ok(Early::Sent(sent))) => Some(sent),
+                Ok(Ok(Early::Sent(sent))) => Some(*sent),
                 Ok(Ok(Early::Nothing)) | Err(_) => None,
                 Ok(Err(e)) => {
                     tracing::debug!(request_id = %self.request_id, error = %e, "live handoff: the pieces sent during prefill failed");
@@ -242,7 +242,7 @@ impl LiveHandoff {
             self.send(&mut sent, piece, Frame::Part).await?;
             out = Some(sent);
         }
-        Ok(out.map_or(Early::Nothing, Early::Sent))
+        Ok(out.map_or(Early::Nothing, |s| Early::Sent(Box::new(s))))
     }
 
     /// Sends what the decode node lacks of the prompt's state (all of it when nothing
@@ -334,7 +334,7 @@ pub(crate) enum Early {
     /// Nothing yet (a prompt of one batch).
     Nothing,
     /// Pieces of the prompt's state.
-    Sent(Sent),
+    Sent(Box<Sent>),
     /// A sliding-window state, whole: the decode node takes over after the first token.
     Whole(pb::Switched),
 }

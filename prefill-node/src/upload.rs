@@ -53,6 +53,13 @@ impl UploadError {
     }
 }
 
+/// A delivered upload: its bytes, and the time its checksum took.
+#[derive(Debug, Clone, Copy)]
+pub struct Uploaded {
+    pub bytes: u64,
+    pub hash: std::time::Duration,
+}
+
 async fn sha256_file(path: &Path) -> std::io::Result<String> {
     let mut f = tokio::fs::File::open(path).await?;
     let mut h = Sha256::new();
@@ -79,8 +86,10 @@ pub async fn upload(
     path: &Path,
     info: &ModelInfo,
     secret: Option<&Secret>,
-) -> Result<u64, UploadError> {
+) -> Result<Uploaded, UploadError> {
+    let t0 = std::time::Instant::now();
     let sha = sha256_file(path).await?;
+    let hash = t0.elapsed();
     let file = tokio::fs::File::open(path).await?;
     let len = file.metadata().await?.len();
     let url = format!("{}/{handoff_id}", url_base.trim_end_matches('/'));
@@ -106,7 +115,7 @@ pub async fn upload(
         })?;
     let status = resp.status().as_u16();
     if resp.status().is_success() {
-        return Ok(len);
+        return Ok(Uploaded { bytes: len, hash });
     }
     let body: serde_json::Value = resp.json().await.unwrap_or_default();
     Err(UploadError::Refused {

@@ -5,13 +5,14 @@ use tokio_util::codec::{Decoder, Encoder};
 
 use crate::frame::{self, EncodeError, Frame, FrameError};
 
-/// Frames V2 messages on a byte stream, with a cap on any one frame's body.
-#[derive(Debug, Clone, Copy)]
+/// Frames V2 messages on a byte stream, with a cap on any one frame's body. A state
+/// frame's checksum is computed as its bytes arrive ([`frame::Decoder`]).
 pub struct V2Codec {
     max_frame: usize,
     /// The session key once an authenticated handshake derived one: STATE checksums are
     /// then HMAC-SHA256 under it.
     key: Option<[u8; 32]>,
+    decoder: frame::Decoder,
 }
 
 impl V2Codec {
@@ -21,7 +22,25 @@ impl V2Codec {
         Self {
             max_frame,
             key: None,
+            decoder: frame::Decoder::default(),
         }
+    }
+
+    /// The cap on one frame's body.
+    #[must_use]
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
+    }
+
+    /// The session key, once set.
+    #[must_use]
+    pub fn key(&self) -> Option<&[u8; 32]> {
+        self.key.as_ref()
+    }
+
+    /// How long the last state frame decoded took to arrive and to check (once).
+    pub fn take_receipt(&mut self) -> Option<frame::Receipt> {
+        self.decoder.take_receipt()
     }
 
     /// Switches STATE checksums to HMAC-SHA256 under `key` (both directions).
@@ -57,7 +76,9 @@ impl Decoder for V2Codec {
         if src.is_empty() {
             return Ok(None);
         }
-        Ok(frame::decode_keyed(src, self.max_frame, self.key.as_ref())?)
+        Ok(self
+            .decoder
+            .decode(src, self.max_frame, self.key.as_ref())?)
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, CodecError> {

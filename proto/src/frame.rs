@@ -337,6 +337,9 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, Fra
 /// [`decode`] on an authenticated link: a STATE frame's checksum is HMAC-SHA256 under
 /// `key` (the session key of the handshake) instead of SHA-256.
 ///
+/// One call sees one buffer: a caller that feeds a stream keeps a [`Decoder`] instead,
+/// which hashes a state's bytes as they arrive.
+///
 /// # Errors
 /// As [`decode`].
 pub fn decode_keyed(
@@ -344,7 +347,13 @@ pub fn decode_keyed(
     max_frame: usize,
     key: Option<&[u8; 32]>,
 ) -> Result<Option<Frame>, FrameError> {
-    // Fail fast on a wrong magic even before the whole header is here.
+    Decoder::default().decode(buf, max_frame, key)
+}
+
+/// The header's checks (magic first, even before the whole header is here; version;
+/// reserved bytes; the body's length against `max_frame`; the type): `(type, body length)`,
+/// or `None` while the header is incomplete.
+fn check_header(buf: &[u8], max_frame: usize) -> Result<Option<(Kind, usize)>, FrameError> {
     let seen = buf.len().min(4);
     if buf[..seen] != MAGIC[..seen] {
         return Err(FrameError::BadMagic(buf[..seen].to_vec()));
@@ -367,15 +376,119 @@ pub fn decode_keyed(
             max: max_frame as u64,
         });
     }
-    Kind::try_from(ty)?;
-    let total = HEADER_LEN + len;
-    if buf.len() < total {
-        buf.reserve(total - buf.len());
-        return Ok(None);
+    Ok(Some((Kind::try_from(ty)?, len)))
+}
+
+/// What receiving one state frame took: from its first bytes to its last, and how much
+/// of that went to its checksum (hashed as the bytes arrived).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Receipt {
+    pub receive: std::time::Duration,
+    pub verify: std::time::Duration,
+}
+
+impl std::ops::AddAssign for Receipt {
+    fn add_assign(&mut self, o: Receipt) {
+        self.receive += o.receive;
+        self.verify += o.verify;
     }
-    let mut frame = buf.split_to(total).freeze();
-    frame.advance(HEADER_LEN);
-    parse_body(ty, frame, key).map(Some)
+}
+
+/// A state frame being received: its checksum so far over the body's first `hashed` bytes.
+struct Pending {
+    digest: StateDigest,
+    hashed: usize,
+    started: std::time::Instant,
+    hashing: std::time::Duration,
+}
+
+/// Decodes frames from a buffer that grows as bytes arrive. A STATE, PART or LAST frame's
+/// body is hashed as it comes in, so its check at the end is a comparison, not a pass
+/// over tens of megabytes; nothing of the body is parsed before the check passed.
+#[derive(Default)]
+pub struct Decoder {
+    pending: Option<Pending>,
+    receipt: Option<Receipt>,
+}
+
+impl Decoder {
+    /// Decodes one frame from the front of `buf`, consuming it; `Ok(None)`: more bytes are
+    /// needed (and `buf` has been reserved for the declared body, within `max_frame`).
+    /// Call it again with the same buffer, grown, and the same `key`.
+    ///
+    /// # Errors
+    /// As [`decode`]; the decoder then starts over with the next frame.
+    pub fn decode(
+        &mut self,
+        buf: &mut BytesMut,
+        max_frame: usize,
+        key: Option<&[u8; 32]>,
+    ) -> Result<Option<Frame>, FrameError> {
+        let res = self.step(buf, max_frame, key);
+        if res.is_err() {
+            self.pending = None;
+        }
+        res
+    }
+
+    /// How long the last state frame took to arrive and to check, once (taken).
+    pub fn take_receipt(&mut self) -> Option<Receipt> {
+        self.receipt.take()
+    }
+
+    fn step(
+        &mut self,
+        buf: &mut BytesMut,
+        max_frame: usize,
+        key: Option<&[u8; 32]>,
+    ) -> Result<Option<Frame>, FrameError> {
+        let Some((kind, len)) = check_header(buf, max_frame)? else {
+            return Ok(None);
+        };
+        let total = HEADER_LEN + len;
+        let stateful = matches!(kind, Kind::State | Kind::Part | Kind::Last);
+        if stateful && len >= 32 {
+            let p = self.pending.get_or_insert_with(|| Pending {
+                digest: StateDigest::new(key),
+                hashed: 0,
+                started: std::time::Instant::now(),
+                hashing: std::time::Duration::ZERO,
+            });
+            // The checksum covers the body but its last 32 bytes (the checksum itself).
+            let upto = (buf.len() - HEADER_LEN).min(len - 32);
+            if upto > p.hashed {
+                let t0 = std::time::Instant::now();
+                p.digest
+                    .update(&buf[HEADER_LEN + p.hashed..HEADER_LEN + upto]);
+                p.hashing += t0.elapsed();
+                p.hashed = upto;
+            }
+        }
+        if buf.len() < total {
+            buf.reserve(total - buf.len());
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(total).freeze();
+        frame.advance(HEADER_LEN);
+        let Some(p) = self.pending.take() else {
+            return parse_body(kind, frame, key).map(Some);
+        };
+        // Verify first: nothing of the body is interpreted before its checksum passed.
+        let t0 = std::time::Instant::now();
+        if !p.digest.verify(&frame[len - 32..]) {
+            return Err(FrameError::Checksum);
+        }
+        self.receipt = Some(Receipt {
+            receive: p.started.elapsed(),
+            verify: p.hashing + t0.elapsed(),
+        });
+        let s = parse_state(frame.slice(..len - 32))?;
+        Ok(Some(match kind {
+            Kind::Part => Frame::Part(s),
+            Kind::Last => Frame::Last(s),
+            _ => Frame::State(s),
+        }))
+    }
 }
 
 fn get_32(b: &mut Bytes) -> Result<[u8; 32], FrameError> {
@@ -385,37 +498,58 @@ fn get_32(b: &mut Bytes) -> Result<[u8; 32], FrameError> {
     Ok(v)
 }
 
-/// The STATE checksum: SHA-256, or HMAC-SHA256 under the session key.
-fn state_digest(covered: &[u8], key: Option<&[u8; 32]>) -> [u8; 32] {
-    match key {
-        None => Sha256::digest(covered).into(),
-        Some(k) => {
-            use hmac::Mac;
-            let mut m =
-                hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length");
-            m.update(covered);
-            m.finalize().into_bytes().into()
+/// The STATE checksum: SHA-256, or HMAC-SHA256 under the session key, fed as the body
+/// leaves or arrives so that it costs no pass of its own.
+#[derive(Clone)]
+pub enum StateDigest {
+    Plain(Sha256),
+    Keyed(hmac::Hmac<Sha256>),
+}
+
+impl StateDigest {
+    /// SHA-256, or HMAC-SHA256 under `key` on an authenticated link.
+    #[must_use]
+    pub fn new(key: Option<&[u8; 32]>) -> Self {
+        use hmac::Mac;
+        match key {
+            None => StateDigest::Plain(Sha256::new()),
+            Some(k) => StateDigest::Keyed(
+                hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length"),
+            ),
+        }
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        use hmac::Mac;
+        match self {
+            StateDigest::Plain(h) => h.update(bytes),
+            StateDigest::Keyed(m) => m.update(bytes),
+        }
+    }
+
+    /// The 32-byte trailer.
+    #[must_use]
+    pub fn finalize(self) -> [u8; 32] {
+        use hmac::Mac;
+        match self {
+            StateDigest::Plain(h) => h.finalize().into(),
+            StateDigest::Keyed(m) => m.finalize().into_bytes().into(),
+        }
+    }
+
+    /// Checks a trailer; an HMAC is compared in constant time by the `hmac` crate
+    /// (`verify_slice`).
+    #[must_use]
+    pub fn verify(self, sum: &[u8]) -> bool {
+        use hmac::Mac;
+        match self {
+            StateDigest::Plain(h) => h.finalize().as_slice() == sum,
+            StateDigest::Keyed(m) => m.verify_slice(sum).is_ok(),
         }
     }
 }
 
-/// Checks the STATE frame's trailer: SHA-256 of `covered`, or on an authenticated link
-/// its HMAC, compared in constant time by the `hmac` crate (`verify_slice`).
-fn state_digest_matches(covered: &[u8], sum: &[u8], key: Option<&[u8; 32]>) -> bool {
-    match key {
-        None => Sha256::digest(covered).as_slice() == sum,
-        Some(k) => {
-            use hmac::Mac;
-            let mut m =
-                hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length");
-            m.update(covered);
-            m.verify_slice(sum).is_ok()
-        }
-    }
-}
-
-fn parse_body(ty: u8, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, FrameError> {
-    let kind = Kind::try_from(ty)?;
+fn parse_body(kind: Kind, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, FrameError> {
     let frame = match kind {
         Kind::Hello => Frame::Hello(get_identity(&mut body)?),
         Kind::HelloOk => Frame::HelloOk(get_identity(&mut body)?),
@@ -537,17 +671,23 @@ pub fn valid_id(id: &str) -> bool {
         && !id.starts_with('.')
 }
 
+/// A state body whose checksum has not been checked yet (a body too short to hold one).
 fn get_state(body: Bytes, key: Option<&[u8; 32]>) -> Result<StateFrame, FrameError> {
     // Verify first: nothing of the body is interpreted before its checksum passed.
     if body.len() < 32 {
         return Err(malformed("state frame shorter than its checksum"));
     }
     let (covered, sum) = body.split_at(body.len() - 32);
-    if !state_digest_matches(covered, sum, key) {
+    let mut digest = StateDigest::new(key);
+    digest.update(covered);
+    if !digest.verify(sum) {
         return Err(FrameError::Checksum);
     }
-    let mut b = body.slice(..body.len() - 32);
+    parse_state(body.slice(..body.len() - 32))
+}
 
+/// The fields of a state body whose checksum passed (`b` without its trailer).
+fn parse_state(mut b: Bytes) -> Result<StateFrame, FrameError> {
     let handoff_id = get_str(&mut b, MAX_ID_LEN)?;
     if !valid_id(&handoff_id) {
         return Err(malformed(
@@ -623,6 +763,8 @@ pub enum EncodeError {
     BadId(String),
     #[error("frame body of {len} bytes exceeds the cap of {max} bytes")]
     TooLarge { len: usize, max: usize },
+    #[error("the frame carries no state (or a state went to the wrong encoder)")]
+    NotState,
 }
 
 fn check_len(s: &str, max: usize, what: &'static str) -> Result<(), EncodeError> {
@@ -651,10 +793,57 @@ pub fn encode_keyed(
     max_frame: usize,
     key: Option<&[u8; 32]>,
 ) -> Result<(), EncodeError> {
+    if let Frame::State(s) | Frame::Part(s) | Frame::Last(s) = frame {
+        let start = out.len();
+        out.reserve(s.payload.len() + s.tokens.len() * 4 + s.descriptors.len() * 64 + 160);
+        encode_state_head(frame, out, max_frame)?;
+        out.put_slice(&s.payload);
+        let mut digest = StateDigest::new(key);
+        digest.update(&out[start + HEADER_LEN..]);
+        out.put_slice(&digest.finalize());
+        return Ok(());
+    }
     let start = out.len();
-    out.put_slice(&MAGIC);
-    out.put_u8(VERSION);
-    let kind = match frame {
+    put_header(out, kind_of(frame));
+    let body_start = out.len();
+    let res = encode_body(frame, out);
+    if let Err(e) = res {
+        out.truncate(start);
+        return Err(e);
+    }
+    patch_len(out, start, out.len() - body_start, max_frame)
+}
+
+/// The head of a STATE, PART or LAST frame: the frame header (its length counting the
+/// payload and the checksum) and the body up to the payload. A sender that streams the
+/// payload writes this, then the payload, then the checksum over the body so far
+/// ([`StateDigest`]): the same bytes as [`encode_keyed`], without copying the payload.
+///
+/// # Errors
+/// As [`encode`]; [`EncodeError::NotState`] for a frame that carries no state.
+pub fn encode_state_head(
+    frame: &Frame,
+    out: &mut BytesMut,
+    max_frame: usize,
+) -> Result<(), EncodeError> {
+    let (Frame::State(s) | Frame::Part(s) | Frame::Last(s)) = frame else {
+        return Err(EncodeError::NotState);
+    };
+    let start = out.len();
+    put_header(out, kind_of(frame));
+    let body_start = out.len();
+    if let Err(e) = put_state_fields(s, out) {
+        out.truncate(start);
+        return Err(e);
+    }
+    let len = (out.len() - body_start)
+        .saturating_add(s.payload.len())
+        .saturating_add(32);
+    patch_len(out, start, len, max_frame)
+}
+
+fn kind_of(frame: &Frame) -> Kind {
+    match frame {
         Frame::Hello(_) => Kind::Hello,
         Frame::HelloOk(_) => Kind::HelloOk,
         Frame::State(_) => Kind::State,
@@ -664,17 +853,26 @@ pub fn encode_keyed(
         Frame::Nack(_) => Kind::Nack,
         Frame::Challenge { .. } => Kind::Challenge,
         Frame::Auth { .. } => Kind::Auth,
-    };
+    }
+}
+
+/// Magic, version, type, reserved bytes, and a length patched by [`patch_len`].
+fn put_header(out: &mut BytesMut, kind: Kind) {
+    out.put_slice(&MAGIC);
+    out.put_u8(VERSION);
     out.put_u8(kind as u8);
     out.put_u16_le(0);
-    out.put_u32_le(0); // length, patched below
-    let body_start = out.len();
-    let res = encode_body(frame, out, key);
-    if let Err(e) = res {
-        out.truncate(start);
-        return Err(e);
-    }
-    let len = out.len() - body_start;
+    out.put_u32_le(0);
+}
+
+/// Writes the body length `len` into the header at `start`, or takes the frame back out
+/// of `out` when it is over the cap.
+fn patch_len(
+    out: &mut BytesMut,
+    start: usize,
+    len: usize,
+    max_frame: usize,
+) -> Result<(), EncodeError> {
     if len > max_frame || len > u32::MAX as usize {
         out.truncate(start);
         return Err(EncodeError::TooLarge {
@@ -686,11 +884,41 @@ pub fn encode_keyed(
     Ok(())
 }
 
-fn encode_body(
-    frame: &Frame,
-    out: &mut BytesMut,
-    key: Option<&[u8; 32]>,
-) -> Result<(), EncodeError> {
+/// A state frame's fields before its payload: ids, tokens, descriptors, payload length.
+fn put_state_fields(s: &StateFrame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    if !valid_id(&s.handoff_id) {
+        return Err(EncodeError::BadId(s.handoff_id.clone()));
+    }
+    check_len(&s.request_id, MAX_ID_LEN, "request id")?;
+    if s.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(EncodeError::TooLong("descriptor list"));
+    }
+    put_str(out, &s.handoff_id);
+    put_str(out, &s.request_id);
+    out.put_u32_le(s.tokens.len() as u32);
+    for t in &s.tokens {
+        out.put_i32_le(*t);
+    }
+    out.put_u32_le(s.descriptors.len() as u32);
+    for d in &s.descriptors {
+        check_len(&d.name, MAX_ID_LEN, "tensor name")?;
+        if d.dims.len() > MAX_RANK {
+            return Err(EncodeError::TooLong("tensor dims"));
+        }
+        put_str(out, &d.name);
+        out.put_u32_le(d.dtype);
+        out.put_u8(d.dims.len() as u8);
+        for dim in &d.dims {
+            out.put_u64_le(*dim);
+        }
+        out.put_u64_le(d.offset);
+        out.put_u64_le(d.nbytes);
+    }
+    out.put_u64_le(s.payload.len() as u64);
+    Ok(())
+}
+
+fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
     match frame {
         Frame::Challenge { nonce } => out.put_slice(nonce),
         Frame::Auth { nonce, mac } => {
@@ -701,41 +929,9 @@ fn encode_body(
             check_len(&id.build_id, MAX_TEXT_LEN, "build id")?;
             put_identity(out, id);
         }
-        Frame::State(s) | Frame::Part(s) | Frame::Last(s) => {
-            if !valid_id(&s.handoff_id) {
-                return Err(EncodeError::BadId(s.handoff_id.clone()));
-            }
-            check_len(&s.request_id, MAX_ID_LEN, "request id")?;
-            if s.descriptors.len() > MAX_DESCRIPTORS {
-                return Err(EncodeError::TooLong("descriptor list"));
-            }
-            let body_start = out.len();
-            out.reserve(s.payload.len() + s.tokens.len() * 4 + s.descriptors.len() * 64 + 128);
-            put_str(out, &s.handoff_id);
-            put_str(out, &s.request_id);
-            out.put_u32_le(s.tokens.len() as u32);
-            for t in &s.tokens {
-                out.put_i32_le(*t);
-            }
-            out.put_u32_le(s.descriptors.len() as u32);
-            for d in &s.descriptors {
-                check_len(&d.name, MAX_ID_LEN, "tensor name")?;
-                if d.dims.len() > MAX_RANK {
-                    return Err(EncodeError::TooLong("tensor dims"));
-                }
-                put_str(out, &d.name);
-                out.put_u32_le(d.dtype);
-                out.put_u8(d.dims.len() as u8);
-                for dim in &d.dims {
-                    out.put_u64_le(*dim);
-                }
-                out.put_u64_le(d.offset);
-                out.put_u64_le(d.nbytes);
-            }
-            out.put_u64_le(s.payload.len() as u64);
-            out.put_slice(&s.payload);
-            let digest = state_digest(&out[body_start..], key);
-            out.put_slice(&digest);
+        // Written by `encode_state_head` and the payload's writer.
+        Frame::State(_) | Frame::Part(_) | Frame::Last(_) => {
+            return Err(EncodeError::NotState);
         }
         Frame::Ack { handoff_id, bytes } => {
             check_len(handoff_id, MAX_ID_LEN, "handoff id")?;
@@ -1184,6 +1380,62 @@ mod tests {
                 bad[i] ^= 0x5a;
                 let got = decode(&mut bad, DEFAULT_MAX_FRAME);
                 prop_assert!(matches!(got, Err(FrameError::Checksum)), "{:?}", got);
+            }
+        }
+
+        #[test]
+        fn a_streamed_state_is_the_encoded_one_and_decodes_in_any_pieces(
+            st in arb_state(),
+            kind in 0..3usize,
+            keyed in any::<bool>(),
+            cuts in proptest::collection::vec(1..64usize, 1..40),
+            flip in any::<Option<prop::sample::Index>>(),
+        ) {
+            let kinds: [fn(StateFrame) -> Frame; 3] = [Frame::State, Frame::Part, Frame::Last];
+            let f = kinds[kind](st.clone());
+            let key = keyed.then_some([9u8; 32]);
+            let mut whole = BytesMut::new();
+            encode_keyed(&f, &mut whole, DEFAULT_MAX_FRAME, key.as_ref()).unwrap();
+            // What a streaming sender writes: the head, the payload, the running digest.
+            let mut streamed = BytesMut::new();
+            encode_state_head(&f, &mut streamed, DEFAULT_MAX_FRAME).unwrap();
+            let mut digest = StateDigest::new(key.as_ref());
+            digest.update(&streamed[HEADER_LEN..]);
+            digest.update(&st.payload);
+            streamed.extend_from_slice(&st.payload);
+            streamed.extend_from_slice(&digest.finalize());
+            prop_assert_eq!(&streamed, &whole);
+            // Fed to one decoder a few bytes at a time (hashing as they come), it decodes
+            // to the frame; one flipped byte anywhere in the body fails the check, even a
+            // byte hashed calls ago.
+            let mut wire = whole.to_vec();
+            if let Some(i) = flip {
+                let i = HEADER_LEN + i.index(wire.len() - HEADER_LEN);
+                wire[i] ^= 0x21;
+            }
+            let mut dec = Decoder::default();
+            let mut buf = BytesMut::new();
+            let (mut at, mut got) = (0, None);
+            for cut in cuts.iter().cycle() {
+                let end = (at + cut).min(wire.len());
+                buf.extend_from_slice(&wire[at..end]);
+                at = end;
+                got = Some(dec.decode(&mut buf, DEFAULT_MAX_FRAME, key.as_ref()));
+                if !matches!(got, Some(Ok(None))) || at == wire.len() {
+                    break;
+                }
+            }
+            match flip {
+                None => {
+                    prop_assert_eq!(got.unwrap().unwrap(), Some(f));
+                    prop_assert!(dec.take_receipt().is_some());
+                    prop_assert!(buf.is_empty());
+                }
+                Some(_) => prop_assert!(
+                    matches!(got, Some(Err(FrameError::Checksum))),
+                    "{:?}",
+                    got
+                ),
             }
         }
     }

@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::codec::Framed;
 
 use crate::auth::{self, Secret};
 use crate::codec::{CodecError, V2Codec};
-use crate::frame::{Frame, Identity, Nack, NackCode, StateFrame};
+use crate::frame::{self, Frame, Identity, Nack, NackCode, Receipt, StateFrame};
 use crate::layout;
 
 /// Time and size limits of a handoff connection.
@@ -77,7 +77,25 @@ pub struct SendReport {
     pub payload_bytes: u64,
     /// From connect to ACK.
     pub elapsed: Duration,
+    /// Of which: the connect and the handshake.
+    pub connect: Duration,
+    /// Of which: hashing the state as it was written (the rest is the writes and the wait
+    /// for the ACK).
+    pub hash: Duration,
 }
+
+/// A state frame the receiver acknowledged.
+#[derive(Debug, Clone, Copy)]
+pub struct Acked {
+    /// The bytes the receiver holds for the handoff.
+    pub bytes: u64,
+    /// Time spent hashing the frame as it was written.
+    pub hash: Duration,
+}
+
+/// Payload bytes per write of a state frame: large writes, each hashed just before it
+/// goes, so the hash of one overlaps the receiver's reading of the one before.
+const WRITE_CHUNK: usize = 512 * 1024;
 
 async fn next_frame<S>(
     framed: &mut Framed<S, V2Codec>,
@@ -107,11 +125,14 @@ pub async fn send_state(
 ) -> Result<SendReport, HandoffError> {
     let start = Instant::now();
     let mut framed = connect(addr, ours, limits, secret).await?;
+    let connect = start.elapsed();
     let payload_bytes = state.payload.len() as u64;
-    send_piece(&mut framed, Frame::State(state), limits).await?;
+    let acked = send_piece(&mut framed, Frame::State(state), limits).await?;
     Ok(SendReport {
         payload_bytes,
         elapsed: start.elapsed(),
+        connect,
+        hash: acked.hash,
     })
 }
 
@@ -148,7 +169,7 @@ pub async fn send_piece<S>(
     framed: &mut Framed<S, V2Codec>,
     piece: Frame,
     limits: &Limits,
-) -> Result<u64, HandoffError>
+) -> Result<Acked, HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -159,14 +180,14 @@ where
         )));
     };
     let handoff_id = s.handoff_id.clone();
-    tokio::time::timeout(limits.frame, framed.send(piece))
+    let hash = tokio::time::timeout(limits.frame, write_state(framed, &piece, s))
         .await
         .map_err(|_| HandoffError::Timeout("state transfer"))??;
     match next_frame(framed, limits.frame, "ack").await? {
         Some(Frame::Ack {
             handoff_id: h,
             bytes,
-        }) if h == handoff_id => Ok(bytes),
+        }) if h == handoff_id => Ok(Acked { bytes, hash }),
         Some(Frame::Nack(n)) => Err(HandoffError::Refused(n)),
         Some(other) => Err(HandoffError::Protocol(format!(
             "expected ACK for {handoff_id}, got {}",
@@ -174,6 +195,45 @@ where
         ))),
         None => Err(HandoffError::Protocol("receiver closed before ACK".into())),
     }
+}
+
+/// Writes a state frame straight to the connection: its head, then the payload in large
+/// writes from the state's own buffer (no copy into the codec's), hashed as it goes, then
+/// the checksum. The bytes are those `frame::encode_keyed` would write. Returns the time
+/// spent hashing.
+async fn write_state<S>(
+    framed: &mut Framed<S, V2Codec>,
+    piece: &Frame,
+    s: &StateFrame,
+) -> Result<Duration, HandoffError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    // Whatever the codec still buffers goes first.
+    SinkExt::<Frame>::flush(framed).await?;
+    let mut head = bytes::BytesMut::new();
+    frame::encode_state_head(piece, &mut head, framed.codec().max_frame())
+        .map_err(CodecError::from)?;
+    let mut digest = frame::StateDigest::new(framed.codec().key());
+    let mut hashing = Duration::ZERO;
+    let mut hash = |digest: &mut frame::StateDigest, b: &[u8]| {
+        let t0 = Instant::now();
+        digest.update(b);
+        hashing += t0.elapsed();
+    };
+    hash(&mut digest, &head[frame::HEADER_LEN..]);
+    let io = framed.get_mut();
+    io.write_all(&head).await.map_err(CodecError::from)?;
+    for chunk in s.payload.chunks(WRITE_CHUNK) {
+        hash(&mut digest, chunk);
+        io.write_all(chunk).await.map_err(CodecError::from)?;
+    }
+    let t0 = Instant::now();
+    let sum = digest.finalize();
+    let hashing = hashing + t0.elapsed();
+    io.write_all(&sum).await.map_err(CodecError::from)?;
+    io.flush().await.map_err(CodecError::from)?;
+    Ok(hashing)
 }
 
 /// The sender's side of one handoff on an open connection (exposed for tests that put a
@@ -287,12 +347,13 @@ fn frame_name(f: &Frame) -> &'static str {
 
 /// Where a receiver puts verified states.
 pub trait StateSink: Send + Sync + 'static {
-    /// Takes a state whose checksum and descriptors passed. Returns the bytes stored, or a
-    /// refusal (duplicate id, no room, sequence too long...).
+    /// Takes a state whose checksum and descriptors passed, with what receiving it took
+    /// (all its pieces, for a live handoff). Returns the bytes stored, or a refusal
+    /// (duplicate id, no room, sequence too long...).
     ///
     /// # Errors
     /// A NACK to send back; the sink must not keep anything of a refused state.
-    fn accept(&self, state: StateFrame) -> Result<u64, Nack>;
+    fn accept(&self, state: StateFrame, receipt: Receipt) -> Result<u64, Nack>;
 
     /// Counts a refusal (for metrics and tests).
     fn refused(&self, _nack: &Nack) {}
@@ -315,6 +376,8 @@ pub trait StateSink: Send + Sync + 'static {
 struct Pieces<'a> {
     sink: &'a dyn StateSink,
     held: std::collections::HashMap<String, StateFrame>,
+    /// What receiving each held handoff's pieces took, summed.
+    receipts: std::collections::HashMap<String, Receipt>,
 }
 
 impl Pieces<'_> {
@@ -324,7 +387,23 @@ impl Pieces<'_> {
 
     /// Takes a `Part` or `Last` piece whose checksum and descriptors passed; returns the
     /// handoff's joined state so far.
-    fn add(&mut self, piece: StateFrame) -> Result<&StateFrame, Nack> {
+    fn add(&mut self, piece: StateFrame, receipt: Receipt) -> Result<&StateFrame, Nack> {
+        let id = piece.handoff_id.clone();
+        match self.join(piece) {
+            Ok(joined) => {
+                *self.receipts.entry(id.clone()).or_default() += receipt;
+                Ok(self.held.entry(id).or_insert(joined))
+            }
+            Err(n) => {
+                self.receipts.remove(&id);
+                Err(n)
+            }
+        }
+    }
+
+    /// The handoff's pieces so far joined with `piece` (taken out of `held`), its room
+    /// reserved; on a refusal, the handoff's room is given back.
+    fn join(&mut self, piece: StateFrame) -> Result<StateFrame, Nack> {
         let id = piece.handoff_id.clone();
         let refuse = |code, reason: String| nack(code, &id, reason);
         let joined = match self.held.remove(&id) {
@@ -363,14 +442,15 @@ impl Pieces<'_> {
                 held
             }
         };
-        Ok(self.held.entry(id).or_insert(joined))
+        Ok(joined)
     }
 
-    /// Takes the handoff's joined state out (its room given back).
-    fn finish(&mut self, handoff_id: &str) -> Option<StateFrame> {
+    /// Takes the handoff's joined state out (its room given back), with its receipt.
+    fn finish(&mut self, handoff_id: &str) -> Option<(StateFrame, Receipt)> {
+        let receipt = self.receipts.remove(handoff_id).unwrap_or_default();
         let s = self.held.remove(handoff_id)?;
         self.sink.release(Self::reserved(&s));
-        Some(s)
+        Some((s, receipt))
     }
 }
 
@@ -506,6 +586,7 @@ where
     let mut pieces = Pieces {
         sink,
         held: std::collections::HashMap::new(),
+        receipts: std::collections::HashMap::new(),
     };
     loop {
         let frame = match next_frame(&mut framed, limits.frame, "state transfer").await {
@@ -537,18 +618,19 @@ where
             }
         };
         let handoff_id = state.handoff_id.clone();
+        let receipt = framed.codec_mut().take_receipt().unwrap_or_default();
         let result = check_descriptors(&state).and_then(|()| {
             if !piece {
-                return sink.accept(state);
+                return sink.accept(state, receipt);
             }
-            let bytes = pieces.add(state)?.payload.len() as u64;
+            let bytes = pieces.add(state, receipt)?.payload.len() as u64;
             if !last {
                 return Ok(bytes);
             }
-            let whole = pieces
+            let (whole, receipt) = pieces
                 .finish(&handoff_id)
                 .ok_or_else(|| nack(NackCode::Internal, &handoff_id, "joined state vanished"))?;
-            sink.accept(whole)
+            sink.accept(whole, receipt)
         });
         match result {
             Ok(bytes) => framed.send(Frame::Ack { handoff_id, bytes }).await?,
@@ -647,7 +729,7 @@ mod tests {
     }
 
     impl StateSink for Sink {
-        fn accept(&self, state: StateFrame) -> Result<u64, Nack> {
+        fn accept(&self, state: StateFrame, _receipt: Receipt) -> Result<u64, Nack> {
             self.accepted.lock().unwrap().push(state.handoff_id);
             self.payloads.lock().unwrap().push(state.payload.clone());
             Ok(state.payload.len() as u64)
@@ -715,7 +797,7 @@ mod tests {
         ])
         .await;
         let whole = crate::splice::testing::synthetic(0, 6, true, 1);
-        let acked: Vec<u64> = acks.into_iter().map(Result::unwrap).collect();
+        let acked: Vec<u64> = acks.into_iter().map(|a| a.unwrap().bytes).collect();
         assert_eq!(acked.last(), Some(&(whole.len() as u64)));
         assert_eq!(
             *sink.payloads.lock().unwrap(),

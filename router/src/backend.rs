@@ -95,6 +95,10 @@ pub enum Event {
         bytes: u64,
         export_ms: f64,
         transfer_ms: f64,
+        /// Of `transfer_ms`, as the sender measured it (an `after` handoff only): the
+        /// connect and handshake, and the hashing.
+        connect_ms: Option<f64>,
+        hash_ms: Option<f64>,
     },
     /// The generation ended on the node.
     Finished {
@@ -103,6 +107,10 @@ pub enum Event {
         decode_tokens: u32,
         decode_ms: f64,
         import_ms: f64,
+        /// The decode node received (and checked) the state in `receive_ms`, of which
+        /// `verify_ms` went to checking it.
+        receive_ms: f64,
+        verify_ms: f64,
         prompt_tokens: Option<u32>,
         prefill_ms: Option<f64>,
     },
@@ -468,6 +476,8 @@ fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
             decode_tokens: f.generated,
             decode_ms: f.decode_ms,
             import_ms: f.import_ms,
+            receive_ms: f.receive_ms,
+            verify_ms: f.verify_ms,
             prompt_tokens: with_prompt.then_some(f.prompt_tokens),
             prefill_ms: with_prompt.then_some(f.prefill_ms),
         },
@@ -656,6 +666,8 @@ impl SplitAnswer {
             bytes: sw.bytes,
             export_ms: sw.export_ms,
             transfer_ms: sw.transfer_ms,
+            connect_ms: None,
+            hash_ms: None,
         };
         if self.tx.send(handoff).await.is_err()
             || self.tx.send(Event::Switched { answered }).await.is_err()
@@ -695,6 +707,8 @@ impl SplitAnswer {
                 bytes: h.bytes,
                 export_ms: h.export_ms,
                 transfer_ms: h.transfer_ms,
+                connect_ms: Some(h.connect_ms),
+                hash_ms: Some(h.hash_ms),
             }),
             Ok(Err(st)) => Err(ApiError::from_status(&st, self.param)),
             _ => Err(ApiError::upstream(
@@ -900,6 +914,8 @@ fn finished_here(reason: FinishReason) -> Event {
         decode_tokens: 0,
         decode_ms: 0.0,
         import_ms: 0.0,
+        receive_ms: 0.0,
+        verify_ms: 0.0,
         prompt_tokens: None,
         prefill_ms: None,
     }

@@ -54,6 +54,14 @@ pub struct Timing {
     pub handoff_bytes: Option<u64>,
     pub handoff_ms: Option<f64>,
     pub export_ms: Option<f64>,
+    /// Of `handoff_ms` (an `after` handoff): the connect and handshake (V2), and the
+    /// sender's hashing of the state.
+    pub handoff_connect_ms: Option<f64>,
+    pub handoff_hash_ms: Option<f64>,
+    /// The decode node: from the state's first byte there to its last, checked; and the
+    /// time its check took (hashed as it arrived).
+    pub receive_ms: Option<f64>,
+    pub verify_ms: Option<f64>,
     pub import_ms: Option<f64>,
     pub decode_ms: Option<f64>,
     pub decode_tokens: u32,

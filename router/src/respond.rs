@@ -176,10 +176,14 @@ impl Answer {
                 bytes,
                 export_ms,
                 transfer_ms,
+                connect_ms,
+                hash_ms,
             } => {
                 self.timing.handoff_bytes = Some(bytes);
                 self.timing.export_ms = Some(export_ms);
                 self.timing.handoff_ms = Some(transfer_ms);
+                self.timing.handoff_connect_ms = connect_ms;
+                self.timing.handoff_hash_ms = hash_ms;
                 Step::Nothing
             }
             Event::Finished {
@@ -187,6 +191,8 @@ impl Answer {
                 decode_tokens,
                 decode_ms,
                 import_ms,
+                receive_ms,
+                verify_ms,
                 prompt_tokens,
                 prefill_ms,
             } => {
@@ -199,6 +205,8 @@ impl Answer {
                 self.timing.decode_ms = Some(decode_ms);
                 if self.meta.transport != Transport::Local {
                     self.timing.import_ms = Some(import_ms);
+                    self.timing.receive_ms = Some(receive_ms);
+                    self.timing.verify_ms = Some(verify_ms);
                 }
                 if let Some(p) = prompt_tokens {
                     self.prompt_tokens = p;
@@ -391,6 +399,8 @@ mod tests {
             decode_tokens: 2,
             decode_ms: 20.0,
             import_ms: 1.0,
+            receive_ms: 3.0,
+            verify_ms: 1.0,
             prompt_tokens: None,
             prefill_ms: None,
         }
@@ -410,7 +420,9 @@ mod tests {
             a.on_event(Event::Handoff {
                 bytes: 100,
                 export_ms: 1.0,
-                transfer_ms: 2.0
+                transfer_ms: 2.0,
+                connect_ms: Some(0.5),
+                hash_ms: Some(0.5),
             }),
             Step::Nothing
         );

@@ -40,6 +40,16 @@ async fn chat_completion_shape_and_usage() {
     assert!(t["handoff_ms"].as_f64().unwrap() > 0.0);
     assert!(t["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(t["decode_tokens"], 4);
+    // Where the handoff's time went, each part measured and inside the span it belongs to:
+    // the sender's connect and hashing inside its connect-to-ACK, the receiver's receipt
+    // too (it starts after the connect and ends before the ACK), its check inside that.
+    let part = |k: &str| t[k].as_f64().unwrap_or_else(|| panic!("no {k}: {t}"));
+    let whole = part("handoff_ms");
+    for k in ["handoff_connect_ms", "handoff_hash_ms", "receive_ms"] {
+        assert!(part(k) > 0.0 && part(k) <= whole, "{k}: {t}");
+    }
+    assert!(part("verify_ms") > 0.0 && part("verify_ms") <= part("receive_ms"), "{t}");
+    assert!(part("export_ms") > 0.0 && part("import_ms") > 0.0, "{t}");
 }
 
 #[tokio::test]
