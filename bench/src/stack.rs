@@ -145,8 +145,6 @@ impl Stack {
             v1,
             "--v1-advertise".into(),
             format!("http://{v1_at}/v1/handoff"),
-            "--state-dir".into(),
-            cfg.dir.join("decode-state").display().to_string(),
             "--handoff-wait-s".into(),
             "60".into(),
         ]);
@@ -156,12 +154,7 @@ impl Stack {
             &cfg.dir.join("decode.log"),
         )?);
         let mut pargs = common(&prefill_grpc);
-        pargs.extend([
-            "--metrics-listen".into(),
-            prefill_metrics,
-            "--state-dir".into(),
-            cfg.dir.join("prefill-state").display().to_string(),
-        ]);
+        pargs.extend(["--metrics-listen".into(), prefill_metrics]);
         if cfg.stream_prefill {
             pargs.push("--stream-prefill".into());
         }

@@ -9,7 +9,6 @@ pub mod store;
 pub mod upload;
 
 use std::future::{Future, IntoFuture};
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,7 +16,6 @@ use std::time::Duration;
 
 use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
-use edgesplit_proto::frame::Receipt;
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
@@ -59,9 +57,6 @@ pub struct Config {
     /// Base URL the prefill node should upload V1 files to (default: from the bound address).
     #[arg(long)]
     pub v1_advertise: Option<String>,
-    /// Folder for V1 state files between upload and import.
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
     /// Answers written at once, each in its own context (`n_ctx` tokens of KV each:
     /// `--plan` counts them). They take turns token by token, so a short answer is not
     /// stuck behind a long one; more wait for a free slot.
@@ -147,18 +142,12 @@ impl pb::decode_server::Decode for DecodeService {
             handoff_id = %req.handoff_id,
             "generating from handoff"
         );
-        // A file the engine never loads is deleted with the dropped command.
-        let (start, receipt) = match state {
-            Held::Frame(f, receipt) => (
-                Start::Imported {
-                    state: f.payload,
-                    tokens: f.tokens,
-                    first,
-                    answered: req.answered,
-                },
-                receipt,
-            ),
-            Held::File { file, .. } => (Start::ImportedFile { file, first }, Receipt::default()),
+        let Held { state: f, receipt } = state;
+        let start = Start::Imported {
+            state: f.payload,
+            tokens: f.tokens,
+            first,
+            answered: req.answered,
         };
         let rx = self
             .engine
@@ -288,17 +277,15 @@ pub async fn run(
         Some(u) => u.clone(),
         None => format!("http://{}/v1/handoff", v1_listener.local_addr()?),
     };
-    let state_dir = config.state_dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("edgesplit-decode-{}", std::process::id()))
-    });
-    std::fs::create_dir_all(&state_dir)?;
     let secret = config.node.secret()?;
     let upload_cfg = Arc::new(upload::UploadConfig {
         secret: secret.clone(),
         seen: Arc::default(),
         store: store.clone(),
-        dir: state_dir,
-        max_bytes: config.max_pending_bytes,
+        // A V1 body is received into memory: no larger than a V2 frame may be.
+        max_bytes: config
+            .max_pending_bytes
+            .min(u64::try_from(config.max_frame_bytes).unwrap_or(u64::MAX)),
         fingerprint_hex: engine.info().fingerprint_hex(),
         build_id: engine.info().build_id.clone(),
         kv_types: format!("{},{}", engine.info().type_k, engine.info().type_v),

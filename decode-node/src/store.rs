@@ -1,4 +1,4 @@
-//! Verified states waiting for their `Generate` call: V2 frames in memory, V1 files on disk.
+//! Verified states waiting for their `Generate` call, in memory (V2 frames and V1 files).
 //!
 //! The V2 receiver puts a state here only after its checksum, handshake and descriptors
 //! passed; `Generate` takes it out (waiting a bounded time for it to arrive). Entries older
@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use edgesplit_engine::StateFile;
 use edgesplit_proto::frame::{Nack, NackCode, Receipt, StateFrame};
 use edgesplit_proto::handoff::StateSink;
 use tokio::sync::Notify;
@@ -33,23 +32,18 @@ pub struct Counters {
     pub handoffs_refused: AtomicU64,
 }
 
-/// A verified state.
+/// A verified state - a V2 frame (checksum, identity and descriptors verified) or a V1
+/// upload (checksum, identity and file header verified; llama.cpp's reader checks the
+/// rest when it imports) - with what receiving it took.
 #[derive(Debug)]
-pub enum Held {
-    /// A V2 state frame (checksum, identity and descriptors verified), with what
-    /// receiving it took.
-    Frame(StateFrame, Receipt),
-    /// A V1 sequence-state file (checksum, identity and header verified), renamed into
-    /// place; deleted when dropped unloaded (TTL, refusal, drain).
-    File { file: StateFile, bytes: u64 },
+pub struct Held {
+    pub state: StateFrame,
+    pub receipt: Receipt,
 }
 
 impl Held {
     fn bytes(&self) -> u64 {
-        match self {
-            Held::Frame(s, _) => s.payload.len() as u64,
-            Held::File { bytes, .. } => *bytes,
-        }
+        self.state.payload.len() as u64
     }
 }
 
@@ -192,12 +186,40 @@ impl Store {
         self.lock().contains_key(handoff_id)
     }
 
-    /// Stores a verified V1 file under `handoff_id`.
+    /// Stores a verified V1 state under `handoff_id`.
     ///
     /// # Errors
-    /// A duplicate id or no room; the file is then deleted.
-    pub fn put_file(&self, handoff_id: &str, file: StateFile, bytes: u64) -> Result<(), Nack> {
-        self.insert(handoff_id, Held::File { file, bytes })
+    /// A duplicate id or no room; nothing is kept.
+    pub fn put_v1(
+        &self,
+        handoff_id: &str,
+        state: StateFrame,
+        receipt: Receipt,
+    ) -> Result<(), Nack> {
+        self.insert(handoff_id, Held { state, receipt })
+    }
+
+    /// Takes room for `bytes` not stored yet (a V1 body being received, a live handoff's
+    /// pieces), counted with the states held against the cap; give it back with
+    /// [`StateSink::release`].
+    ///
+    /// # Errors
+    /// A NACK when the room is not there.
+    pub fn room(&self, handoff_id: &str, bytes: u64) -> Result<(), Nack> {
+        let map = self.lock();
+        let used = self.used(&map);
+        if used + bytes > self.limits.max_bytes {
+            return Err(Nack {
+                code: NackCode::Capacity,
+                handoff_id: handoff_id.to_string(),
+                reason: format!(
+                    "holding {used} bytes; {bytes} more would exceed the cap of {}",
+                    self.limits.max_bytes
+                ),
+            });
+        }
+        self.pieces.fetch_add(bytes, Ordering::SeqCst);
+        Ok(())
     }
 
     fn insert(&self, handoff_id: &str, held: Held) -> Result<(), Nack> {
@@ -284,7 +306,7 @@ impl StateSink for Store {
             "V2 state received and verified"
         );
         let id = state.handoff_id.clone();
-        self.insert(&id, Held::Frame(state, receipt))?;
+        self.insert(&id, Held { state, receipt })?;
         Ok(bytes)
     }
 
@@ -296,28 +318,16 @@ impl StateSink for Store {
     }
 
     fn reserve(&self, handoff_id: &str, bytes: u64) -> Result<(), Nack> {
-        let refuse = |reason: String| Nack {
-            code: NackCode::Capacity,
-            handoff_id: handoff_id.to_string(),
-            reason,
-        };
         // A live handoff ends with a `Generate` call the router makes only after its last
         // piece: a draining node would refuse that call, so it takes no pieces.
         if self.draining.load(Ordering::SeqCst) {
-            return Err(refuse(format!(
-                "draining: no live handoff is taken ({handoff_id})"
-            )));
+            return Err(Nack {
+                code: NackCode::Capacity,
+                handoff_id: handoff_id.to_string(),
+                reason: format!("draining: no live handoff is taken ({handoff_id})"),
+            });
         }
-        let map = self.lock();
-        let used = self.used(&map);
-        if used + bytes > self.limits.max_bytes {
-            return Err(refuse(format!(
-                "holding {used} bytes; {bytes} more would exceed the cap of {}",
-                self.limits.max_bytes
-            )));
-        }
-        self.pieces.fetch_add(bytes, Ordering::SeqCst);
-        Ok(())
+        self.room(handoff_id, bytes)
     }
 
     fn release(&self, bytes: u64) {
@@ -359,7 +369,7 @@ mod tests {
         let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
         tokio::task::yield_now().await;
         s.accept(state("a", 10), Receipt::default()).unwrap();
-        let Some(Held::Frame(f, _)) = waiter.await.unwrap() else {
+        let Some(Held { state: f, .. }) = waiter.await.unwrap() else {
             panic!("frame expected")
         };
         assert_eq!(f.handoff_id, "a");
@@ -408,7 +418,7 @@ mod tests {
         }
         assert!(s.admits("a") && !s.admits("b"));
         s.accept(state("a", 10), Receipt::default()).unwrap();
-        assert!(matches!(waiter.await.unwrap(), Some(Held::Frame(_, _))));
+        assert!(waiter.await.unwrap().is_some());
         // The call has its state: nothing waits for "a" any more.
         assert_eq!(s.awaited_count(), 0);
         assert!(!s.admits("a"));

@@ -1,15 +1,17 @@
 //! V1 handoff, receiver side: `PUT /v1/handoff/{id}` takes llama.cpp's sequence-state file.
 //!
 //! Checks, in order, before anything is kept: a safe handoff id; the sender's model
-//! fingerprint and llama.cpp build; a SHA-256 header; a `Content-Length` within the cap.
-//! The body is streamed to `{id}.ggsq.part` in the state folder while it is hashed; a body
-//! longer or shorter than declared, a checksum mismatch, or a file header that is not a
-//! sequence-state file of our version with fewer tokens than the context, deletes the part
-//! file and answers 4xx with a reason. Only a file that passed everything is renamed to
-//! `{id}.ggsq` and handed to the store; the engine deletes it once loaded.
+//! fingerprint and llama.cpp build; a SHA-256 header; a `Content-Length` within the cap and
+//! within the store's room (taken before the body is read, so a body is never received
+//! into memory the store could not hold). The body is received into a buffer of its own
+//! ([`edgesplit_proto::buffers`]) and hashed as it arrives; a body longer or shorter than
+//! declared, a checksum mismatch, or a file header that is not a sequence-state file of
+//! our version with fewer tokens than the context, drops it and answers 4xx with a reason.
+//! Only a file that passed everything goes to the store, as the raw state the engine
+//! imports (made in place, `v1::raw_in_place`): no file on disk, no copy.
 
-use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -17,12 +19,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::put;
 use axum::{Json, Router};
-use edgesplit_engine::StateFile;
-use edgesplit_proto::{frame, v1};
+use edgesplit_proto::frame::{Receipt, StateFrame};
+use edgesplit_proto::handoff::StateSink;
+use edgesplit_proto::{buffers, frame, v1};
 use futures::StreamExt;
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncWriteExt;
 
 use crate::store::Store;
 
@@ -33,7 +35,7 @@ pub struct UploadConfig {
     pub secret: Option<Arc<edgesplit_proto::auth::Secret>>,
     pub seen: Arc<edgesplit_proto::auth::ReplayGuard>,
     pub store: Arc<Store>,
-    pub dir: PathBuf,
+    /// Largest body accepted (it is received into memory).
     pub max_bytes: u64,
     pub fingerprint_hex: String,
     pub build_id: String,
@@ -62,6 +64,24 @@ pub fn router(cfg: Arc<UploadConfig>) -> Router {
     Router::new()
         .route("/v1/handoff/{id}", put(put_handoff))
         .with_state(cfg)
+}
+
+/// Room taken in the store for a body being received, given back when dropped.
+struct Room<'a>(&'a Store, u64);
+
+impl Drop for Room<'_> {
+    fn drop(&mut self) {
+        self.0.release(self.1);
+    }
+}
+
+/// A header's value for logs (empty when absent or not text).
+fn header_value(h: &HeaderMap, name: &str) -> String {
+    header(h, name)
+        .unwrap_or_default()
+        .chars()
+        .take(frame::MAX_ID_LEN)
+        .collect()
 }
 
 /// The header's one value; a header sent twice counts as absent (no guessing which one).
@@ -202,28 +222,18 @@ async fn receive(
             format!("draining: no call is waiting for handoff {id}"),
         ));
     }
-    let part_path = cfg.dir.join(format!("{id}.ggsq.part"));
-    let mut file = tokio::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&part_path)
-        .await
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                Refusal(
-                    StatusCode::CONFLICT,
-                    "duplicate_handoff",
-                    format!("handoff {id} is already being uploaded"),
-                )
-            } else {
-                Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-            }
-        })?;
-    // Deleted on every way out but success.
-    let part = StateFile::new(part_path);
+    // Room in the store before a byte of the body is read; given back when this returns
+    // (the state, if it passed, is then stored against the same cap).
+    cfg.store
+        .room(id, declared)
+        .map_err(|n| Refusal(StatusCode::SERVICE_UNAVAILABLE, n.code.as_str(), n.reason))?;
+    let room = Room(&cfg.store, declared);
+    // `declared` is within the cap and the store's room.
+    let mut file = buffers::take(usize::try_from(declared).unwrap_or(usize::MAX));
     let mut hasher = Sha256::new();
-    let mut head = Vec::with_capacity(12);
     let mut written: u64 = 0;
+    let started = Instant::now();
+    let mut hashing = std::time::Duration::ZERO;
     let mut stream = body.into_data_stream();
     let deadline = tokio::time::Instant::now() + cfg.timeout;
     loop {
@@ -253,14 +263,10 @@ async fn receive(
                 format!("body is longer than the declared {declared} bytes"),
             ));
         }
-        if head.len() < 12 {
-            let take = (12 - head.len()).min(chunk.len());
-            head.extend_from_slice(&chunk[..take]);
-        }
+        let t0 = Instant::now();
         hasher.update(&chunk);
-        file.write_all(&chunk)
-            .await
-            .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+        hashing += t0.elapsed();
+        file.extend_from_slice(&chunk);
         written += chunk.len() as u64;
     }
     if written != declared {
@@ -269,38 +275,34 @@ async fn receive(
             format!("body has {written} bytes, {declared} were declared"),
         ));
     }
-    file.flush()
-        .await
-        .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    drop(file);
-    if hex::encode(hasher.finalize()) != sha {
+    let t0 = Instant::now();
+    let matches = hex::encode(hasher.finalize()) == sha;
+    let receipt = Receipt {
+        receive: started.elapsed(),
+        verify: hashing + t0.elapsed(),
+    };
+    if !matches {
         return Err(bad(
             "checksum_mismatch",
             "SHA-256 of the body does not match the declared checksum".into(),
         ));
     }
     // Header of a verified body: magic, version, and a token count that fits the context
-    // and the file. (llama.cpp's own reader bounds-checks the rest when it loads.)
-    let n_tokens = head
-        .get(8..12)
-        .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    let mut probe = head.clone();
-    probe.resize(12 + n_tokens.min(cfg.n_ctx) as usize * 4, 0);
-    v1::parse_header(&probe, cfg.n_ctx).map_err(|e| bad("invalid_state_file", e.to_string()))?;
-    if 12 + u64::from(n_tokens) * 4 > written {
-        return Err(bad(
-            "invalid_state_file",
-            format!("file of {written} bytes is shorter than its {n_tokens} token ids"),
-        ));
-    }
-    let final_path = cfg.dir.join(format!("{id}.ggsq"));
-    tokio::fs::rename(part.path(), &final_path)
-        .await
-        .map_err(|e| Refusal(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    let _renamed = part.keep();
-    // The store owns the file from here; a refused insert drops (deletes) it.
+    // and the file. (llama.cpp's own reader bounds-checks the rest when it imports.)
+    let header =
+        v1::parse_header(&file, cfg.n_ctx).map_err(|e| bad("invalid_state_file", e.to_string()))?;
+    let (start, tokens) = v1::raw_in_place(&mut file, &header);
+    let state = StateFrame {
+        handoff_id: id.to_string(),
+        request_id: header_value(headers, v1::HEADER_REQUEST),
+        tokens,
+        descriptors: Vec::new(),
+        payload: buffers::share(file).slice(start..),
+    };
+    // The room goes back first: the stored state counts against the same cap.
+    drop(room);
     cfg.store
-        .put_file(id, StateFile::new(final_path), written)
+        .put_v1(id, state, receipt)
         .map_err(|n| Refusal(StatusCode::CONFLICT, n.code.as_str(), n.reason))?;
     Ok(written)
 }

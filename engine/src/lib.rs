@@ -27,5 +27,5 @@ pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, StateFile, TokenOut,
+    Start, TokenOut,
 };

@@ -338,7 +338,7 @@ mod tests {
 
     use super::*;
     use crate::sampling::SamplingParams;
-    use crate::types::{Export, Start, StateFile};
+    use crate::types::{Export, Start};
 
     /// A scripted slot set: an answer emits `max_tokens` tokens numbered by slot and step,
     /// every call is logged, and a prompt token of -1 makes `begin` fail.
@@ -705,17 +705,15 @@ mod tests {
     }
 
     #[test]
-    fn a_waiting_answer_whose_reader_left_never_runs_and_its_file_is_deleted() {
-        let dir = std::env::temp_dir().join(format!("edgesplit-sched-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("held.ggsq");
-        std::fs::write(&path, b"state").unwrap();
+    fn a_waiting_answer_whose_reader_left_never_runs() {
         let mut h = harness(1);
         let _a = h.generate(3);
         let b = h.generate_from(
-            Start::ImportedFile {
-                file: StateFile::new(path.clone()),
+            Start::Imported {
+                state: bytes::Bytes::from_static(b"state"),
+                tokens: vec![1, 2],
                 first: 7,
+                answered: 1,
             },
             3,
         );
@@ -732,12 +730,7 @@ mod tests {
             .filter(|l| l.starts_with("begin"))
             .count();
         assert_eq!(begins, 1, "only the first answer began");
-        assert!(
-            !path.exists(),
-            "the held file went with the dropped command"
-        );
         assert_eq!(h.in_flight(), 0);
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

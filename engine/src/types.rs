@@ -1,8 +1,6 @@
 //! What goes in and out of an engine: inputs, tokens, prefill results, generation events,
 //! where an answer starts, and the errors. Plain data; no llama.cpp handle in here.
 
-use std::path::PathBuf;
-
 /// What went wrong in the engine. `PartialEq` so tests compare errors directly.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EngineError {
@@ -66,21 +64,16 @@ pub struct PrefillOutput {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Export {
     None,
-    /// Raw sequence state bytes (V2).
+    /// Raw sequence state bytes (both transports: V1 frames them as llama.cpp's
+    /// sequence-state file, `edgesplit_proto::v1`).
     Raw,
-    /// llama.cpp's sequence-state file at this path (V1).
-    File(PathBuf),
 }
 
 /// An exported state.
 #[derive(Debug)]
 pub enum Exported {
+    /// In a buffer from `edgesplit_proto::buffers`.
     Raw(Vec<u8>),
-    /// The file written (deleted when dropped), and its size.
-    File {
-        file: StateFile,
-        bytes: u64,
-    },
 }
 
 /// Why a generation stopped.
@@ -149,9 +142,6 @@ pub struct GenSummary {
 pub enum Start {
     /// Prefill these tokens here, then continue (the colocated run).
     Prompt(Vec<i32>),
-    /// Load a verified sequence-state file (V1), then continue from `first`. The file is
-    /// deleted once loaded, or when the command is dropped unrun.
-    ImportedFile { file: StateFile, first: i32 },
     /// Import a verified state covering `tokens`, then continue from `first`, the
     /// `answered`-th token of the answer (1 when the state is the prompt's; more when a
     /// live answer was handed over after the prefill node wrote some of it).
@@ -167,46 +157,4 @@ pub enum Start {
     /// then each answer token one at a time - and continue after the last answer token
     /// with the next step's sampler, so the text goes on exactly as it would have.
     Resume { prompt: Vec<i32>, answer: Vec<i32> },
-}
-
-/// A state file on disk that is deleted when this guard is dropped, unless [`kept`]: a V1
-/// file being written, uploaded, held or loaded. One guard for every such file, so no path
-/// (an error, a refusal, a dropped command) can leave one behind.
-///
-/// [`kept`]: StateFile::keep
-#[derive(Debug)]
-pub struct StateFile {
-    path: PathBuf,
-    keep: bool,
-}
-
-impl StateFile {
-    /// Takes charge of the file at `path` (which need not exist yet).
-    #[must_use]
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        StateFile {
-            path: path.into(),
-            keep: false,
-        }
-    }
-
-    #[must_use]
-    pub fn path(&self) -> &std::path::Path {
-        &self.path
-    }
-
-    /// Lets the file outlive the guard (it was renamed or handed on); returns its path.
-    #[must_use]
-    pub fn keep(mut self) -> PathBuf {
-        self.keep = true;
-        std::mem::take(&mut self.path)
-    }
-}
-
-impl Drop for StateFile {
-    fn drop(&mut self) {
-        if !self.keep {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
 }

@@ -24,7 +24,7 @@ use crate::sampling::{self, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
 use crate::types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, StateFile, TokenOut,
+    Start, TokenOut,
 };
 
 fn backend() -> &'static LlamaBackend {
@@ -378,19 +378,22 @@ impl Worker<'_> {
             _ if !continues => None,
             Export::None => None,
             Export::Raw => Some(Exported::Raw(self.export(slot)?)),
-            Export::File(path) => Some(self.export_file(slot, path, tokens)?),
         };
         Ok((first, state, prefill_ms, ms(t1)))
     }
 
+    /// The slot's whole state, in a buffer from `edgesplit_proto::buffers` (kept from
+    /// handoff to handoff: its pages are warm, and the copy runs at memory speed).
     fn export(&self, slot: usize) -> Result<Vec<u8>, EngineError> {
-        let mut buf = Vec::new();
-        Self::export_into(&self.slots[slot].ctx, &mut buf)?;
+        let ctx = &self.slots[slot].ctx;
+        let size = ctx.state_seq_get_size_ext(0, LlamaStateSeqFlags::empty());
+        let mut buf = edgesplit_proto::buffers::take(size);
+        Self::export_into(ctx, &mut buf)?;
         Ok(buf)
     }
 
-    /// Exports the slot's state into `buf` (resized to it; a buffer kept between exports
-    /// has its pages already, so the copy runs at memory speed).
+    /// Exports the slot's state into `buf`, replacing what it held (a buffer kept between
+    /// exports has its pages already, so the copy runs at memory speed).
     fn export_into(ctx: &LlamaContext<'_>, buf: &mut Vec<u8>) -> Result<(), EngineError> {
         let flags = LlamaStateSeqFlags::empty();
         let size = ctx.state_seq_get_size_ext(0, flags);
@@ -399,8 +402,9 @@ impl Worker<'_> {
                 "llama.cpp reported an empty state".into(),
             ));
         }
-        buf.resize(size, 0);
-        // SAFETY: `buf` holds exactly the size llama.cpp reported for this sequence, and the
+        buf.clear();
+        buf.reserve(size);
+        // SAFETY: `buf` has room for the size llama.cpp reported for this sequence, and the
         // context is not modified between the size query and the copy (same thread).
         let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
         if n != size {
@@ -408,6 +412,9 @@ impl Worker<'_> {
                 "llama.cpp wrote {n} bytes, expected {size}"
             )));
         }
+        // SAFETY: llama.cpp wrote the first `n` bytes (it returns what it wrote), and `n`
+        // is within the capacity reserved above.
+        unsafe { buf.set_len(n) };
         Ok(())
     }
 
@@ -421,45 +428,6 @@ impl Worker<'_> {
         Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
         edgesplit_proto::splice::tail(&self.export_buf, from)
             .map_err(|e| EngineError::Export(e.to_string()))
-    }
-
-    fn export_file(
-        &self,
-        slot: usize,
-        path: &std::path::Path,
-        tokens: &[i32],
-    ) -> Result<Exported, EngineError> {
-        // In charge of the file from before it exists: a failed save leaves nothing.
-        let file = StateFile::new(path);
-        let toks: Vec<LlamaToken> = tokens.iter().map(|t| LlamaToken(*t)).collect();
-        let bytes = self.slots[slot]
-            .ctx
-            .state_seq_save_file(file.path(), 0, &toks)
-            .map_err(|e| EngineError::Export(e.to_string()))?;
-        Ok(Exported::File {
-            file,
-            bytes: bytes as u64,
-        })
-    }
-
-    /// Loads a sequence-state file into the slot; returns the tokens it covers. The file
-    /// is deleted whatever happens (its guard is dropped here).
-    fn import_file(&mut self, slot: usize, file: StateFile) -> Result<Vec<i32>, EngineError> {
-        self.clear(slot);
-        let n_ctx = self.n_ctx as usize;
-        let res = self.slots[slot]
-            .ctx
-            .state_seq_load_file(file.path(), 0, n_ctx);
-        drop(file);
-        match res {
-            Ok((toks, _)) => {
-                self.set_kv(slot, toks.len());
-                Ok(toks.into_iter().map(|t| t.0).collect())
-            }
-            Err(e) => Err(EngineError::Import(format!(
-                "llama.cpp refused the state file: {e}"
-            ))),
-        }
     }
 
     fn import(&mut self, slot: usize, state: &[u8]) -> Result<(), EngineError> {
@@ -534,14 +502,6 @@ impl Slots for Worker<'_> {
                     return Ok(None);
                 }
                 (tokens, first, max_tokens.saturating_sub(1))
-            }
-            Start::ImportedFile { file, first } => {
-                let t0 = Instant::now();
-                let tokens = self.import_file(slot, file)?;
-                summary.import_ms = ms(t0);
-                self.check_fits(tokens.len(), max_tokens + 1)?;
-                summary.prompt_tokens = tokens.len() as u32;
-                (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
             Start::Imported {
                 state,

@@ -8,12 +8,10 @@ pub mod metrics;
 pub mod upload;
 
 use std::future::{Future, IntoFuture};
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
@@ -62,9 +60,6 @@ pub struct Config {
         default_value = "127.0.0.1:50063"
     )]
     pub metrics_listen: String,
-    /// Folder for V1 state files while they are uploaded (deleted after each upload).
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
     /// Live handoff: send the prompt's state in pieces while it is prefilled (one per
     /// prefill batch), so the decode node holds most of it by the first token. Each piece
     /// costs an export on the engine thread and hashing beside it: worth it where the
@@ -97,7 +92,6 @@ impl Config {
 pub struct PrefillService {
     engine: Engine,
     limits: Limits,
-    state_dir: PathBuf,
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
     secret: Option<Arc<Secret>>,
@@ -120,12 +114,11 @@ fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
 }
 
 impl PrefillService {
-    /// A service over a started engine; V1 files go to `state_dir` (created if missing).
+    /// A service over a started engine.
     ///
     /// # Errors
-    /// The state folder cannot be created.
-    pub fn new(engine: Engine, limits: Limits, state_dir: PathBuf) -> std::io::Result<Self> {
-        std::fs::create_dir_all(&state_dir)?;
+    /// The HTTP client (V1 uploads) cannot be built.
+    pub fn new(engine: Engine, limits: Limits) -> std::io::Result<Self> {
         let http = reqwest::Client::builder()
             .connect_timeout(limits.connect)
             .timeout(limits.frame)
@@ -134,7 +127,6 @@ impl PrefillService {
         Ok(Self {
             engine,
             limits,
-            state_dir,
             http,
             metrics: Arc::default(),
             secret: None,
@@ -243,10 +235,8 @@ impl pb::prefill_server::Prefill for PrefillService {
         }
         let export = match &handoff {
             None => Export::None,
-            Some(h) if v1 => Export::File(self.state_dir.join(format!("{}.ggsq", h.handoff_id))),
             Some(_) => Export::Raw,
         };
-        // A failed file export leaves no file: the engine's `StateFile` guard deletes it.
         let mut out = self
             .engine
             .prefill(tokens, params, max_tokens, export)
@@ -512,10 +502,10 @@ struct HandoffJob {
     export_ms: f64,
 }
 
-/// A state on its way: a V2 frame, or a V1 file (deleted when dropped).
+/// A state on its way: a V2 frame, or a V1 file (built in memory).
 enum Outgoing {
     Frame(StateFrame),
-    File(edgesplit_engine::StateFile),
+    File(upload::V1File),
 }
 
 /// What a handoff needs of the service, owned so that it runs in its own task.
@@ -537,19 +527,29 @@ impl Sender {
             prompt_tokens,
             export_ms,
         } = job;
-        // The payload moves into the frame (no copy); retries share it.
-        let outgoing = match state {
-            Exported::Raw(bytes) => {
-                let layout = layout::describe(&bytes);
-                Outgoing::Frame(StateFrame {
-                    handoff_id: h.handoff_id.clone(),
-                    request_id: request_id.clone(),
-                    tokens: prompt_tokens,
-                    descriptors: layout.descriptors,
-                    payload: Bytes::from(bytes),
-                })
-            }
-            Exported::File { file, .. } => Outgoing::File(file),
+        // The payload moves into the frame or the file (no copy); retries share it.
+        let Exported::Raw(bytes) = state;
+        let outgoing = if h.transport == pb::HandoffTransport::V1 as i32 {
+            let Some(at) = edgesplit_proto::v1::raw_sections(&bytes) else {
+                return Err(status_with_code(
+                    tonic::Code::Internal,
+                    "export_failed",
+                    "the exported state does not start with llama.cpp's state header".into(),
+                ));
+            };
+            Outgoing::File(upload::V1File {
+                head: edgesplit_proto::v1::file_head(&prompt_tokens).into(),
+                sections: edgesplit_proto::buffers::share(bytes).slice(at..),
+            })
+        } else {
+            let layout = layout::describe(&bytes);
+            Outgoing::Frame(StateFrame {
+                handoff_id: h.handoff_id.clone(),
+                request_id: request_id.clone(),
+                tokens: prompt_tokens,
+                descriptors: layout.descriptors,
+                payload: edgesplit_proto::buffers::share(bytes),
+            })
         };
         let transport = match outgoing {
             Outgoing::Frame(_) => "v2",
@@ -563,7 +563,7 @@ impl Sender {
                         &h.decode_addr,
                         &h.handoff_id,
                         &request_id,
-                        file.path(),
+                        file,
                         &self.info,
                         self.secret.as_deref(),
                     )
@@ -601,7 +601,7 @@ impl Sender {
                 result = attempt().await;
             }
         }
-        // A V1 file is deleted here (its guard), sent or not.
+        // The state's buffer goes back to the pool.
         drop(outgoing);
         let secs = t0.elapsed().as_secs_f64();
         let bytes = result.as_ref().map_or(0, |d| d.bytes);
@@ -638,13 +638,9 @@ pub async fn run(
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let state_dir = config
-        .state_dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join("edgesplit-prefill"));
     let secret = config.node.secret()?;
-    let svc = PrefillService::new(engine, config.limits(), state_dir)
-        .map_err(|e| anyhow::anyhow!("state folder: {e}"))?
+    let svc = PrefillService::new(engine, config.limits())
+        .map_err(|e| anyhow::anyhow!("HTTP client: {e}"))?
         .with_secret(secret.clone())
         .with_stream_prefill(config.stream_prefill);
     let drain = config.node.drain(shutdown);

@@ -149,7 +149,7 @@ impl LiveHandoff {
             request_id: self.request_id.clone(),
             tokens,
             descriptors: layout::describe(&payload).descriptors,
-            payload: payload.into(),
+            payload: edgesplit_proto::buffers::share(payload),
         }
     }
 

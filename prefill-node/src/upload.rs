@@ -1,20 +1,17 @@
-//! V1 handoff, sender side: stream a sequence-state file to the decode node by HTTP PUT.
-//! The file is read twice (hash, then upload) and never held in memory whole.
+//! V1 handoff, sender side: a sequence-state file sent to the decode node by HTTP PUT,
+//! built in memory from the exported state: the file header, then the state's own buffer
+//! in large chunks (no copy, no file on disk). Its SHA-256 goes in a header, so it is
+//! computed before the request, in one pass over memory.
 
-use edgesplit_proto::auth::{self, Secret};
-use std::path::Path;
-
+use bytes::Bytes;
 use edgesplit_engine::ModelInfo;
+use edgesplit_proto::auth::{self, Secret};
 use edgesplit_proto::v1;
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncReadExt;
-use tokio_util::io::ReaderStream;
 
 /// Why an upload failed.
 #[derive(Debug, thiserror::Error)]
 pub enum UploadError {
-    #[error("could not read the state file: {0}")]
-    Io(#[from] std::io::Error),
     #[error("upload to {url} failed: {source}")]
     Send { url: String, source: reqwest::Error },
     #[error("refused by the decode node ({status}, {code}): {message}")]
@@ -31,7 +28,6 @@ impl UploadError {
     #[must_use]
     pub fn retryable(&self) -> bool {
         match self {
-            UploadError::Io(_) => false,
             UploadError::Send { .. } => true,
             UploadError::Refused { status, code, .. } => {
                 *status >= 500 || code == "checksum_mismatch" || code == "truncated"
@@ -43,7 +39,6 @@ impl UploadError {
     #[must_use]
     pub fn code(&self) -> &str {
         match self {
-            UploadError::Io(_) => "export_failed",
             UploadError::Send { source, .. } if source.is_connect() || source.is_timeout() => {
                 "handoff_unreachable"
             }
@@ -60,38 +55,44 @@ pub struct Uploaded {
     pub hash: std::time::Duration,
 }
 
-async fn sha256_file(path: &Path) -> std::io::Result<String> {
-    let mut f = tokio::fs::File::open(path).await?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex::encode(h.finalize()))
+/// Body bytes per chunk handed to the HTTP client (slices of the state, not copies).
+const CHUNK: usize = 1 << 20;
+
+/// The file of a state: its header (`v1::file_head`) and the state's sections.
+#[derive(Debug, Clone)]
+pub struct V1File {
+    pub head: Bytes,
+    pub sections: Bytes,
 }
 
-/// Uploads `path` as handoff `handoff_id` to `url_base`; returns the bytes sent.
+/// Uploads `file` as handoff `handoff_id` to `url_base`; returns the bytes sent.
 ///
 /// # Errors
-/// Reading the file, the HTTP request, or a refusal by the decode node.
+/// The HTTP request, or a refusal by the decode node.
 pub async fn upload(
     client: &reqwest::Client,
     url_base: &str,
     handoff_id: &str,
     request_id: &str,
-    path: &Path,
+    file: &V1File,
     info: &ModelInfo,
     secret: Option<&Secret>,
 ) -> Result<Uploaded, UploadError> {
     let t0 = std::time::Instant::now();
-    let sha = sha256_file(path).await?;
+    let sha = hex::encode(
+        Sha256::new()
+            .chain_update(&file.head)
+            .chain_update(&file.sections)
+            .finalize(),
+    );
     let hash = t0.elapsed();
-    let file = tokio::fs::File::open(path).await?;
-    let len = file.metadata().await?.len();
+    let len = (file.head.len() + file.sections.len()) as u64;
+    let sections = file.sections.clone();
+    let chunks = std::iter::once(file.head.clone()).chain(
+        (0..sections.len())
+            .step_by(CHUNK)
+            .map(move |at| sections.slice(at..(at + CHUNK).min(sections.len()))),
+    );
     let url = format!("{}/{handoff_id}", url_base.trim_end_matches('/'));
     let resp = client
         .put(&url)
@@ -106,7 +107,9 @@ pub async fn upload(
         )
         .header(v1::HEADER_REQUEST, request_id)
         .headers(credentials(secret, handoff_id, &sha))
-        .body(reqwest::Body::wrap_stream(ReaderStream::new(file)))
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(
+            chunks.map(Ok::<_, std::io::Error>),
+        )))
         .send()
         .await
         .map_err(|source| UploadError::Send {

@@ -394,27 +394,49 @@ impl std::ops::AddAssign for Receipt {
     }
 }
 
-/// A state frame being received: its checksum so far over the body's first `hashed` bytes.
+/// A state frame being received: its checksum so far over the body's first `hashed`
+/// bytes; for a large frame, the body itself, moved out of the read buffer into a buffer of
+/// its own as it arrives.
 struct Pending {
+    kind: Kind,
+    len: usize,
     digest: StateDigest,
     hashed: usize,
     started: std::time::Instant,
     hashing: std::time::Duration,
+    /// A large frame's body so far ([`crate::buffers`]); `None`: the body stays in the
+    /// read buffer until whole.
+    body: Option<Vec<u8>>,
 }
+
+/// State frames whose body is at least this large are received into a buffer of their own
+/// from [`crate::buffers`] (reused from handoff to handoff, so its pages are warm), read
+/// through a window of this size.
+pub const POOLED_MIN: usize = 1024 * 1024;
 
 /// Decodes frames from a buffer that grows as bytes arrive. A STATE, PART or LAST frame's
 /// body is hashed as it comes in, so its check at the end is a comparison, not a pass
 /// over tens of megabytes; nothing of the body is parsed before the check passed.
-#[derive(Default)]
 pub struct Decoder {
     pending: Option<Pending>,
     receipt: Option<Receipt>,
+    pooled_min: usize,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Decoder {
+            pending: None,
+            receipt: None,
+            pooled_min: POOLED_MIN,
+        }
+    }
 }
 
 impl Decoder {
     /// Decodes one frame from the front of `buf`, consuming it; `Ok(None)`: more bytes are
-    /// needed (and `buf` has been reserved for the declared body, within `max_frame`).
-    /// Call it again with the same buffer, grown, and the same `key`.
+    /// needed (and `buf` has been reserved for them, within `max_frame`). Call it again
+    /// with the same buffer, grown, and the same `key`.
     ///
     /// # Errors
     /// As [`decode`]; the decoder then starts over with the next frame.
@@ -426,7 +448,9 @@ impl Decoder {
     ) -> Result<Option<Frame>, FrameError> {
         let res = self.step(buf, max_frame, key);
         if res.is_err() {
-            self.pending = None;
+            if let Some(body) = self.pending.take().and_then(|p| p.body) {
+                crate::buffers::give(body);
+            }
         }
         res
     }
@@ -436,24 +460,45 @@ impl Decoder {
         self.receipt.take()
     }
 
+    /// A decoder that receives state bodies from `n` bytes up into their own buffer.
+    #[cfg(test)]
+    fn with_pooled_min(n: usize) -> Self {
+        Decoder {
+            pooled_min: n,
+            ..Decoder::default()
+        }
+    }
+
     fn step(
         &mut self,
         buf: &mut BytesMut,
         max_frame: usize,
         key: Option<&[u8; 32]>,
     ) -> Result<Option<Frame>, FrameError> {
+        if self.pending.as_ref().is_some_and(|p| p.body.is_some()) {
+            return self.step_pooled(buf);
+        }
         let Some((kind, len)) = check_header(buf, max_frame)? else {
             return Ok(None);
         };
         let total = HEADER_LEN + len;
         let stateful = matches!(kind, Kind::State | Kind::Part | Kind::Last);
         if stateful && len >= 32 {
+            let pooled = len >= self.pooled_min;
             let p = self.pending.get_or_insert_with(|| Pending {
+                kind,
+                len,
                 digest: StateDigest::new(key),
                 hashed: 0,
                 started: std::time::Instant::now(),
                 hashing: std::time::Duration::ZERO,
+                // The declared length passed the cap above.
+                body: pooled.then(|| crate::buffers::take(len)),
             });
+            if p.body.is_some() {
+                buf.advance(HEADER_LEN);
+                return self.step_pooled(buf);
+            }
             // The checksum covers the body but its last 32 bytes (the checksum itself).
             let upto = (buf.len() - HEADER_LEN).min(len - 32);
             if upto > p.hashed {
@@ -470,20 +515,55 @@ impl Decoder {
         }
         let mut frame = buf.split_to(total).freeze();
         frame.advance(HEADER_LEN);
-        let Some(p) = self.pending.take() else {
-            return parse_body(kind, frame, key).map(Some);
+        match self.pending.take() {
+            None => parse_body(kind, frame, key).map(Some),
+            Some(p) => self.finish(p, frame),
+        }
+    }
+
+    /// A large state frame: what arrived moves from `buf` (whose room is reused) into the
+    /// frame's own buffer, hashed on the way.
+    fn step_pooled(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        let Some(p) = self.pending.as_mut() else {
+            return Ok(None);
         };
+        let Some(body) = p.body.as_mut() else {
+            return Ok(None);
+        };
+        let take = (p.len - body.len()).min(buf.len());
+        body.extend_from_slice(&buf[..take]);
+        buf.advance(take);
+        let upto = body.len().min(p.len - 32);
+        if upto > p.hashed {
+            let t0 = std::time::Instant::now();
+            p.digest.update(&body[p.hashed..upto]);
+            p.hashing += t0.elapsed();
+            p.hashed = upto;
+        }
+        if body.len() < p.len {
+            buf.reserve(POOLED_MIN.min(p.len - body.len()));
+            return Ok(None);
+        }
+        let Some(mut p) = self.pending.take() else {
+            return Ok(None);
+        };
+        let body = p.body.take().unwrap_or_default();
+        self.finish(p, crate::buffers::share(body))
+    }
+
+    /// A whole state body: its checksum, then its fields.
+    fn finish(&mut self, p: Pending, body: Bytes) -> Result<Option<Frame>, FrameError> {
         // Verify first: nothing of the body is interpreted before its checksum passed.
         let t0 = std::time::Instant::now();
-        if !p.digest.verify(&frame[len - 32..]) {
+        if !p.digest.verify(&body[p.len - 32..]) {
             return Err(FrameError::Checksum);
         }
         self.receipt = Some(Receipt {
             receive: p.started.elapsed(),
             verify: p.hashing + t0.elapsed(),
         });
-        let s = parse_state(frame.slice(..len - 32))?;
-        Ok(Some(match kind {
+        let s = parse_state(body.slice(..p.len - 32))?;
+        Ok(Some(match p.kind {
             Kind::Part => Frame::Part(s),
             Kind::Last => Frame::Last(s),
             _ => Frame::State(s),
@@ -1388,6 +1468,7 @@ mod tests {
             st in arb_state(),
             kind in 0..3usize,
             keyed in any::<bool>(),
+            pooled in any::<bool>(),
             cuts in proptest::collection::vec(1..64usize, 1..40),
             flip in any::<Option<prop::sample::Index>>(),
         ) {
@@ -1405,37 +1486,46 @@ mod tests {
             streamed.extend_from_slice(&st.payload);
             streamed.extend_from_slice(&digest.finalize());
             prop_assert_eq!(&streamed, &whole);
-            // Fed to one decoder a few bytes at a time (hashing as they come), it decodes
-            // to the frame; one flipped byte anywhere in the body fails the check, even a
-            // byte hashed calls ago.
+            // Fed to one decoder a few bytes at a time (hashing as they come; the body in
+            // the read buffer, or moved into a buffer of its own), followed by another
+            // frame, it decodes to the frame and then the other; one flipped byte anywhere
+            // in the body fails the check, even a byte hashed calls ago.
+            let state_len = whole.len();
+            let ack = Frame::Ack { handoff_id: "next".into(), bytes: 1 };
+            encode(&ack, &mut whole, DEFAULT_MAX_FRAME).unwrap();
             let mut wire = whole.to_vec();
             if let Some(i) = flip {
-                let i = HEADER_LEN + i.index(wire.len() - HEADER_LEN);
+                let i = HEADER_LEN + i.index(state_len - HEADER_LEN);
                 wire[i] ^= 0x21;
             }
-            let mut dec = Decoder::default();
+            let mut dec = if pooled { Decoder::with_pooled_min(0) } else { Decoder::default() };
             let mut buf = BytesMut::new();
-            let (mut at, mut got) = (0, None);
+            let (mut at, mut got) = (0, Vec::new());
             for cut in cuts.iter().cycle() {
                 let end = (at + cut).min(wire.len());
                 buf.extend_from_slice(&wire[at..end]);
                 at = end;
-                got = Some(dec.decode(&mut buf, DEFAULT_MAX_FRAME, key.as_ref()));
-                if !matches!(got, Some(Ok(None))) || at == wire.len() {
+                loop {
+                    match dec.decode(&mut buf, DEFAULT_MAX_FRAME, key.as_ref()) {
+                        Ok(Some(frame)) => got.push(Ok(frame)),
+                        Ok(None) => break,
+                        Err(e) => {
+                            got.push(Err(e));
+                            break;
+                        }
+                    }
+                }
+                if at == wire.len() || got.iter().any(Result::is_err) {
                     break;
                 }
             }
             match flip {
                 None => {
-                    prop_assert_eq!(got.unwrap().unwrap(), Some(f));
-                    prop_assert!(dec.take_receipt().is_some());
+                    prop_assert_eq!(got, vec![Ok(f), Ok(ack)]);
                     prop_assert!(buf.is_empty());
+                    prop_assert!(dec.take_receipt().is_some());
                 }
-                Some(_) => prop_assert!(
-                    matches!(got, Some(Err(FrameError::Checksum))),
-                    "{:?}",
-                    got
-                ),
+                Some(_) => prop_assert_eq!(got, vec![Err(FrameError::Checksum)]),
             }
         }
     }

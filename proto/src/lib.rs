@@ -5,6 +5,7 @@
 //! - [`layout`]: llama.cpp's raw sequence-state layout, read into tensor descriptors.
 
 pub mod auth;
+pub mod buffers;
 pub mod codec;
 pub mod frame;
 pub mod handoff;

@@ -87,6 +87,47 @@ pub fn parse_header(file: &[u8], max_tokens: u32) -> Result<FileHeader, FileErro
     })
 }
 
+/// The file header of a sequence state covering `tokens`: magic, version, token count,
+/// token ids. The file is this, then the state without its 8-byte io header
+/// ([`raw_sections`]): what `llama_state_seq_save_file` writes, built in memory.
+#[must_use]
+pub fn file_head(tokens: &[i32]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(12 + tokens.len() * 4);
+    f.extend_from_slice(&GGSQ_MAGIC.to_le_bytes());
+    f.extend_from_slice(&FILE_VERSION.to_le_bytes());
+    f.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for t in tokens {
+        f.extend_from_slice(&t.to_le_bytes());
+    }
+    f
+}
+
+/// Where the memory sections start in a raw state (`llama_state_seq_get_data`: `u32 magic,
+/// i32 seq id`, then the sections, which a file carries after its header), or `None` when
+/// `raw` does not start with that io header.
+#[must_use]
+pub fn raw_sections(raw: &[u8]) -> Option<usize> {
+    (u32_at(raw, 0)? == crate::layout::STATE_MAGIC && raw.len() >= 8).then_some(8)
+}
+
+/// Turns a verified file into a raw state in place: reads its token ids, then writes the
+/// raw state's io header (magic, sequence 0) over the 8 bytes just before the sections, so
+/// `file[start..]` is what `llama_state_seq_set_data` reads, without copying the state.
+/// Returns `(start, token ids)`.
+#[must_use]
+pub fn raw_in_place(file: &mut [u8], header: &FileHeader) -> (usize, Vec<i32>) {
+    let at = header.state_offset;
+    let tokens = file[12..at]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    // `at` is at least 12 (the fixed header), so the 8 bytes before it exist.
+    let start = at - 8;
+    file[start..start + 4].copy_from_slice(&crate::layout::STATE_MAGIC.to_le_bytes());
+    file[start + 4..at].copy_from_slice(&0i32.to_le_bytes());
+    (start, tokens)
+}
+
 /// Validates a whole file: header, and a state that walks exactly to the end with as many
 /// cells as tokens. Returns the header.
 ///
@@ -133,6 +174,25 @@ mod tests {
         }
         f.extend_from_slice(body);
         f
+    }
+
+    #[test]
+    fn a_file_built_in_memory_turns_back_into_the_raw_state_in_place() {
+        let mut raw = crate::layout::STATE_MAGIC.to_le_bytes().to_vec();
+        raw.extend_from_slice(&0i32.to_le_bytes());
+        raw.extend_from_slice(&body());
+        let tokens = [5, -6, 70_000];
+        for tokens in [&tokens[..], &tokens[..1], &[][..]] {
+            let at = raw_sections(&raw).unwrap();
+            let mut f = file_head(tokens);
+            f.extend_from_slice(&raw[at..]);
+            assert_eq!(f, file(tokens, &body()));
+            let h = parse_header(&f, 100).unwrap();
+            let (start, back) = raw_in_place(&mut f, &h);
+            assert_eq!(back, tokens);
+            assert_eq!(&f[start..], &raw[..]);
+        }
+        assert_eq!(raw_sections(&body()), None);
     }
 
     /// One stream, one cell, one layer, K and V of 4 bytes.

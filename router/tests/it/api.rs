@@ -48,7 +48,10 @@ async fn chat_completion_shape_and_usage() {
     for k in ["handoff_connect_ms", "handoff_hash_ms", "receive_ms"] {
         assert!(part(k) > 0.0 && part(k) <= whole, "{k}: {t}");
     }
-    assert!(part("verify_ms") > 0.0 && part("verify_ms") <= part("receive_ms"), "{t}");
+    assert!(
+        part("verify_ms") > 0.0 && part("verify_ms") <= part("receive_ms"),
+        "{t}"
+    );
     assert!(part("export_ms") > 0.0 && part("import_ms") > 0.0, "{t}");
 }
 

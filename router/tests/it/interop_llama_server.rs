@@ -11,6 +11,7 @@
 use crate::common;
 
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use edgesplit_proto::{pb, v1};
@@ -40,6 +41,8 @@ fn stock_bin() -> std::path::PathBuf {
 async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
     let bin = tokio::task::spawn_blocking(stock_bin).await.unwrap();
     let s = common::smollm2();
+    // The prefill node uploads through a proxy that keeps a copy of the file it sends.
+    let (upload_url, captured) = capturing_proxy(s.v1_url.clone()).await;
 
     // 1. Our prefill node writes and uploads the V1 file for a chat prompt (greedy).
     let mut prefill = pb::prefill_client::PrefillClient::connect(s.prefill_grpc.clone())
@@ -60,7 +63,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             handoff: Some(pb::Handoff {
                 live: false,
                 handoff_id: "interop-1".into(),
-                decode_addr: s.v1_url.clone(),
+                decode_addr: upload_url,
                 transport: pb::HandoffTransport::V1 as i32,
             }),
             kv_budget_bytes: 0,
@@ -83,8 +86,9 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
         panic!("handoff report expected")
     };
 
-    // 2. The file as our decode node received it, converted for the stock server.
-    let ours_v4 = std::fs::read(s.decode_state_dir.join("interop-1.ggsq")).unwrap();
+    // 2. The file as our prefill node sent it (and our decode node took it), converted
+    // for the stock server.
+    let ours_v4 = captured.lock().unwrap().clone();
     assert_eq!(ours_v4.len() as u64, done.bytes);
     let header = v1::validate(&ours_v4, 2048).unwrap();
     let prompt: Vec<i32> = ours_v4[12..header.state_offset]
@@ -99,7 +103,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
     )
     .unwrap();
 
-    // 3. Our decode node continues from the file (this also deletes it there).
+    // 3. Our decode node continues from the state it holds.
     let mut decode = pb::decode_client::DecodeClient::connect(s.decode_grpc.clone())
         .await
         .unwrap();
@@ -239,4 +243,45 @@ fn tempdir(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// A V1 upload endpoint that forwards each upload to `target` (the decode node's) with its
+/// headers, answers with the decode node's answer, and keeps a copy of the last body.
+async fn capturing_proxy(target: String) -> (String, Arc<Mutex<Vec<u8>>>) {
+    use axum::extract::{Path, State};
+    use axum::http::{HeaderMap, StatusCode};
+    let captured = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new()
+        .route(
+            "/{id}",
+            axum::routing::put(
+                |State((target, captured)): State<(String, Arc<Mutex<Vec<u8>>>)>,
+                 Path(id): Path<String>,
+                 headers: HeaderMap,
+                 body: axum::body::Bytes| async move {
+                    captured.lock().unwrap().clone_from(&body.to_vec());
+                    let mut fwd = reqwest::header::HeaderMap::new();
+                    for (k, v) in &headers {
+                        if k.as_str().starts_with("x-edgesplit") {
+                            fwd.insert(k.clone(), v.clone());
+                        }
+                    }
+                    let r = reqwest::Client::new()
+                        .put(format!("{target}/{id}"))
+                        .headers(fwd)
+                        .body(body)
+                        .send()
+                        .await
+                        .unwrap();
+                    let status = StatusCode::from_u16(r.status().as_u16()).unwrap();
+                    (status, r.bytes().await.unwrap())
+                },
+            ),
+        )
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state((target, captured.clone()));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, captured)
 }

@@ -144,8 +144,6 @@ async fn start_three(
         any(),
         a("--v1-listen"),
         any(),
-        a("--state-dir"),
-        dir.join("d").display().to_string(),
     ];
     dargs.extend(decode_extra.iter().map(|s| s.to_string()));
     let late = LateTarget::new();
@@ -164,8 +162,6 @@ async fn start_three(
             any(),
             a("--metrics-listen"),
             any(),
-            a("--state-dir"),
-            dir.join("p").display().to_string(),
         ],
         &dir.join("prefill.log"),
     );

@@ -117,8 +117,6 @@ pub struct Stack {
     pub handoff_addr: String,
     /// The decode node's V1 upload URL.
     pub v1_url: String,
-    /// Where the decode node keeps V1 files.
-    pub decode_state_dir: PathBuf,
     /// The prefill node's `/metrics` URL.
     pub prefill_metrics: String,
     /// The stack runs until the last clone of this is dropped.
@@ -160,7 +158,6 @@ async fn serve(opts: StackOptions) -> Stack {
     static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let base = std::env::temp_dir().join(format!("edgesplit-test-{}-{n}", std::process::id()));
-    let decode_state_dir = base.join("decode");
     let _ = std::fs::remove_dir_all(&base);
     let prefill_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let prefill_metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -175,7 +172,6 @@ async fn serve(opts: StackOptions) -> Stack {
         decode_grpc: decode_url.clone(),
         handoff_addr: handoff_addr.clone(),
         v1_url,
-        decode_state_dir: decode_state_dir.clone(),
         prefill_metrics: prefill_metrics_url,
         alive: None,
     };
@@ -213,7 +209,6 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),
         v1_listen: String::new(),
         v1_advertise: None,
-        state_dir: Some(decode_state_dir),
         parallel: opts.parallel,
         handoff_wait_s: 5,
         kv_budget_bytes: opts.kv_budget_bytes,
@@ -235,7 +230,6 @@ async fn serve(opts: StackOptions) -> Stack {
         parallel: opts.parallel,
         gpu_layers: None,
         handoff_connect_timeout_s: 5,
-        state_dir: Some(base.join("prefill")),
         metrics_listen: String::new(),
         stream_prefill: opts.stream_prefill,
     };
