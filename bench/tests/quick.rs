@@ -151,3 +151,66 @@ fn quick_run_writes_every_output() {
         .unwrap();
     assert!(finished.is_some());
 }
+
+/// `edgesplit-bench handoff`, one counted round on a short prompt: every path measured,
+/// our parts reported, the totals and ratios written. (The figures themselves are in
+/// docs/BENCHMARKS.md; here only that the harness measures what it says it measures.)
+#[test]
+fn the_handoff_bench_measures_every_path() {
+    let out = std::env::temp_dir().join(format!("edgesplit-bench-handoff-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = Command::new(env!("CARGO_BIN_EXE_edgesplit-bench"))
+        .args(["handoff", "--rounds", "1", "--prompt-tokens", "300"])
+        .arg("--out")
+        .arg(&out)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&run.stderr);
+    eprint!("{log}");
+    let tail: Vec<&str> = log.lines().rev().take(40).collect();
+    assert!(
+        run.status.success(),
+        "edgesplit-bench handoff failed ({}); the end of its log:\n{}",
+        run.status,
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
+    let samples: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("samples.json")).unwrap()).unwrap();
+    // One counted round (the warm-up is not kept), three paths.
+    assert_eq!(samples.len(), 3, "{samples:?}");
+    let by = |p: &str| samples.iter().find(|s| s["path"] == p).unwrap();
+    let parts = |s: &Value| -> Vec<(String, f64)> {
+        s["parts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_f64().unwrap()))
+            .collect()
+    };
+    let original = by("original");
+    let names: Vec<String> = parts(original).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["save", "upload", "restore"]);
+    // Ours: every part reported (V1 has no connect of its own), and the total is the sum
+    // of the serial ones.
+    for path in ["v1", "v2"] {
+        let s = by(path);
+        let p = parts(s);
+        let get = |n: &str| p.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap();
+        for n in ["export", "send (connect to ACK)", "receive", "of which verify", "import"] {
+            assert!(get(n) > 0.0, "{path} {n}: {s}");
+        }
+        let total = get("export") + get("send (connect to ACK)") + get("import");
+        assert!((s["total_ms"].as_f64().unwrap() - total).abs() < 1e-6, "{s}");
+    }
+    // The same state crosses on every path: ours and the original's, within the file
+    // header's few bytes and llama.cpp versions' format differences (v3 vs v4).
+    let bytes = |p: &str| by(p)["bytes"].as_f64().unwrap();
+    assert!((bytes("v1") - bytes("v2")).abs() / bytes("v2") < 0.01);
+    assert!((bytes("original") - bytes("v2")).abs() / bytes("v2") < 0.05);
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    for want in ["v1 / original", "v2 / original", "GB/s"] {
+        assert!(md.contains(want), "{want} missing:\n{md}");
+    }
+}
