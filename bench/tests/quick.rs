@@ -198,11 +198,20 @@ fn the_handoff_bench_measures_every_path() {
         let s = by(path);
         let p = parts(s);
         let get = |n: &str| p.iter().find(|(k, _)| k == n).map(|(_, v)| *v).unwrap();
-        for n in ["export", "send (connect to ACK)", "receive", "of which verify", "import"] {
+        for n in [
+            "export",
+            "send (connect to ACK)",
+            "receive",
+            "of which verify",
+            "import",
+        ] {
             assert!(get(n) > 0.0, "{path} {n}: {s}");
         }
         let total = get("export") + get("send (connect to ACK)") + get("import");
-        assert!((s["total_ms"].as_f64().unwrap() - total).abs() < 1e-6, "{s}");
+        assert!(
+            (s["total_ms"].as_f64().unwrap() - total).abs() < 1e-6,
+            "{s}"
+        );
     }
     // The same state crosses on every path: ours and the original's, within the file
     // header's few bytes and llama.cpp versions' format differences (v3 vs v4).

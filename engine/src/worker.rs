@@ -128,6 +128,7 @@ pub(crate) fn owner_thread(
         n_vocab: model.n_vocab(),
         gauges,
         export_buf: Vec::new(),
+        sliding_window: info.sliding_window,
     };
     if ready.send(Ok(info)).is_err() {
         return;
@@ -168,8 +169,11 @@ struct Worker<'m> {
     n_ctx: u32,
     n_vocab: i32,
     gauges: Arc<Gauges>,
-    /// Kept between the exports of a live handoff's pieces (see `export_from`).
+    /// Kept between the exports of a live handoff's pieces (see `export_from`), and for
+    /// the relayout of a sliding-window cache (see `lay_out_as_imported`).
     export_buf: Vec<u8>,
+    /// The model attends through a sliding window (its cache is a ring).
+    sliding_window: bool,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -303,8 +307,29 @@ impl Worker<'_> {
         let ctx = &self.slots[slot].ctx;
         let idx = self.batch.n_tokens() - 1;
         let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
+        if self.sliding_window {
+            self.lay_out_as_imported(slot)?;
+        }
         self.set_kv(slot, tokens.len());
         Ok(self.token_out(id))
+    }
+
+    /// After a prefill, a sliding-window cache holds the window's cells in a ring, at
+    /// indices that depend on how the prompt was batched and the window pruned; a state
+    /// imported on another node is laid out from index 0 in the order it was exported.
+    /// Attention over the same cells in another arrangement rounds differently in the
+    /// last bits, enough to change a sampled token (issue 14). So every path lays its
+    /// cache out the way an import does - exported, cleared, imported - right after the
+    /// prefill, before its first decode step: the colocated run, the prefill node before
+    /// it exports (what it sends is then exactly what it holds), a resumed answer. Every
+    /// node then decodes from the same arrangement. The first token is sampled before,
+    /// from the prefill's own logits, on every path alike.
+    fn lay_out_as_imported(&mut self, slot: usize) -> Result<(), EngineError> {
+        Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
+        let state = std::mem::take(&mut self.export_buf);
+        let res = self.import(slot, &state);
+        self.export_buf = state;
+        res
     }
 
     /// Appends `token` to the slot's sequence at the next position: one single-token

@@ -1,0 +1,164 @@
+//! Issue 14's root cause, shown in llama.cpp itself (no engine in between): after a prompt
+//! longer than Gemma-3's 512-token window, the prefilling context holds the window's cells
+//! in a ring at indices that depend on the batching and the pruning; a context that imports
+//! the exported state lays the same cells out from index 0. Decoding the same next token in
+//! both gives logits that differ in the last bits (flash attention off) - enough for a
+//! sampled token to differ, while greedy decoding hides it. Laid out the way an import lays
+//! it out (exported, cleared, imported: what the engine now does after every prefill of a
+//! sliding-window model, `Worker::lay_out_as_imported`), the prefilling context computes
+//! exactly what the importing one does: logits identical to the bit.
+
+use std::num::NonZeroU32;
+
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::session::LlamaStateSeqFlags;
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::token::LlamaToken;
+
+mod common;
+
+use common::gemma_path;
+
+const BATCH: usize = 512;
+
+/// Decodes `tokens` from position `at` in batches of [`BATCH`], logits for the last one.
+fn decode(ctx: &mut LlamaContext<'_>, tokens: &[LlamaToken], at: usize) {
+    let mut batch = LlamaBatch::new(BATCH, 1);
+    let last_chunk = (tokens.len() - 1) / BATCH;
+    for (c, chunk) in tokens.chunks(BATCH).enumerate() {
+        batch.clear();
+        for (i, t) in chunk.iter().enumerate() {
+            let pos = (at + c * BATCH + i) as i32;
+            let logits = c == last_chunk && i == chunk.len() - 1;
+            batch.add(*t, pos, &[0], logits).unwrap();
+        }
+        ctx.decode(&mut batch).unwrap();
+    }
+}
+
+fn export(ctx: &LlamaContext<'_>) -> Vec<u8> {
+    let flags = LlamaStateSeqFlags::empty();
+    let size = ctx.state_seq_get_size_ext(0, flags);
+    let mut buf = vec![0u8; size];
+    // SAFETY: `buf` holds the size llama.cpp reported; nothing runs in between.
+    let n = unsafe { ctx.state_seq_get_data_ext(buf.as_mut_ptr(), 0, flags) };
+    assert_eq!(n, size);
+    buf
+}
+
+fn import(ctx: &mut LlamaContext<'_>, state: &[u8]) {
+    ctx.clear_kv_cache_seq(Some(0), None, None).unwrap();
+    // SAFETY: the state was exported by a context of the same model, build and parameters.
+    assert!(unsafe { ctx.state_seq_set_data_ext(state, 0, LlamaStateSeqFlags::empty()) });
+}
+
+/// The logits of one decode step of `token` at position `at`.
+fn step(ctx: &mut LlamaContext<'_>, token: LlamaToken, at: usize) -> Vec<f32> {
+    decode(ctx, &[token], at);
+    ctx.get_logits_ith(0).to_vec()
+}
+
+/// The fixed tokens decoded after the prompt, one per step.
+fn token(i: usize) -> LlamaToken {
+    LlamaToken(if i == 0 {
+        1000
+    } else {
+        ((i * 7919) % 20000) as i32 + 100
+    })
+}
+
+const STEPS: usize = 48;
+
+#[test]
+fn a_ring_laid_out_like_an_import_computes_what_the_importer_does() {
+    let backend = LlamaBackend::init().unwrap();
+    let model =
+        LlamaModel::load_from_file(&backend, gemma_path(), &LlamaModelParams::default()).unwrap();
+    // The engine's context settings (flash attention off for a sliding-window model).
+    let cparams = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(2048))
+        .with_n_batch(BATCH as u32)
+        .with_n_ubatch(BATCH as u32)
+        .with_n_seq_max(1)
+        .with_n_threads(2)
+        .with_n_threads_batch(2)
+        .with_flash_attention_policy(llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED);
+    // Two prompt lengths where the two layouts part within the steps decoded here (662
+    // and 882 tokens: measured, at steps 8 and 45).
+    for reps in [30, 40] {
+        check(&backend, &model, &cparams, reps);
+    }
+}
+
+fn check(backend: &LlamaBackend, model: &LlamaModel, cparams: &LlamaContextParams, reps: usize) {
+    let text = "The harbour was quiet in the early morning, and the fishermen were already \
+        mending their nets on the stones. "
+        .repeat(reps);
+    let prompt = model.vocab().tokenize(text.as_bytes(), true, true);
+    // Past the window, and not a whole number of batches: the prompt's last batch lands
+    // after the first in the ring, and the window prunes the oldest cells.
+    assert!(
+        prompt.len() > 600 && prompt.len() % BATCH != 0,
+        "{}",
+        prompt.len()
+    );
+    let n = prompt.len();
+
+    // The prefilling context, as it is after its prefill, and one that imported its state.
+    let mut sender = model.new_context(backend, cparams.clone()).unwrap();
+    decode(&mut sender, &prompt, 0);
+    let state = export(&sender);
+    let mut receiver = model.new_context(backend, cparams.clone()).unwrap();
+    import(&mut receiver, &state);
+    // The same tokens decoded on both, step by step, until their logits part.
+    let mut first_diff = None;
+    for i in 0..STEPS {
+        let a = step(&mut sender, token(i), n + i);
+        let b = step(&mut receiver, token(i), n + i);
+        let differ = a
+            .iter()
+            .zip(&b)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        if differ > 0 {
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            eprintln!(
+                "prompt {n}: step {i}: {differ} of {} logits differ, by at most {worst:e}",
+                a.len()
+            );
+            first_diff = Some(i);
+            break;
+        }
+    }
+    eprintln!("prompt {n}: first differing step {first_diff:?}");
+    assert!(
+        first_diff.is_some(),
+        "the ring and the imported layout computed the same logits: the cause is elsewhere"
+    );
+
+    // The same prefill, laid out as an import lays it out, against a fresh importer: the
+    // same logits, to the bit, at every step.
+    let mut relaid = model.new_context(backend, cparams.clone()).unwrap();
+    decode(&mut relaid, &prompt, 0);
+    let mine = export(&relaid);
+    assert_eq!(mine, state, "the same prefill exports the same state");
+    import(&mut relaid, &mine);
+    let mut receiver = model.new_context(backend, cparams.clone()).unwrap();
+    import(&mut receiver, &state);
+    for i in 0..STEPS {
+        let a = step(&mut relaid, token(i), n + i);
+        let b = step(&mut receiver, token(i), n + i);
+        assert!(
+            a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "laid out like an import, step {i} still differs from the importer's"
+        );
+    }
+}
