@@ -102,7 +102,7 @@ fn check(backend: &LlamaBackend, model: &LlamaModel, cparams: &LlamaContextParam
     // Past the window, and not a whole number of batches: the prompt's last batch lands
     // after the first in the ring, and the window prunes the oldest cells.
     assert!(
-        prompt.len() > 600 && prompt.len() % BATCH != 0,
+        prompt.len() > 600 && !prompt.len().is_multiple_of(BATCH),
         "{}",
         prompt.len()
     );
