@@ -75,6 +75,8 @@ const STEPS: usize = 48;
 
 #[test]
 fn a_ring_laid_out_like_an_import_computes_what_the_importer_does() {
+    // llama.cpp's log to `tracing`, which nothing here prints (thousands of lines).
+    llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default());
     let backend = LlamaBackend::init().unwrap();
     let model =
         LlamaModel::load_from_file(&backend, gemma_path(), &LlamaModelParams::default()).unwrap();

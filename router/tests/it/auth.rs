@@ -28,6 +28,10 @@ fn secured() -> &'static common::Stack {
     })
 }
 
+/// Held by the tests that move states into [`secured`]'s decode node, so that the one
+/// reading its byte counters sees only its own traffic.
+static COUNTERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn secret(s: &str) -> Secret {
     Secret::new(s.as_bytes(), "test").unwrap()
 }
@@ -63,6 +67,7 @@ async fn decode_info(
 #[tokio::test]
 async fn with_the_secret_every_transport_gives_the_one_device_answer() {
     let s = secured();
+    let _counters = COUNTERS.lock().await;
     let url = format!("{}/v1/chat/completions", s.router);
     let ask = |t: &str| {
         common::chat_body(
@@ -89,6 +94,7 @@ async fn with_the_secret_every_transport_gives_the_one_device_answer() {
 #[tokio::test]
 async fn a_v2_sender_without_or_with_another_secret_is_refused() {
     let s = secured();
+    let _counters = COUNTERS.lock().await;
     let info = decode_info(s, Some(secret(SECRET))).await.unwrap();
     let id = common::identity(&info);
     let payload = Bytes::from_static(b"never read");
@@ -144,6 +150,7 @@ async fn a_v2_sender_without_or_with_another_secret_is_refused() {
 #[tokio::test]
 async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     let s = secured();
+    let _counters = COUNTERS.lock().await;
     let http = common::client();
     let sha = "0".repeat(64);
     let put = |token: Option<String>| {
