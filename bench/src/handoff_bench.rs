@@ -100,6 +100,7 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
         dir: out.join("services"),
         stream_prefill: false,
         direct: true,
+        flash_attn: "auto".into(),
     };
     let stack = Stack::start(
         &cfg,

@@ -142,6 +142,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         dir: out.join("services"),
         stream_prefill: false,
         direct: false,
+        flash_attn: "auto".into(),
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

@@ -119,6 +119,10 @@ struct RunArgs {
     /// crosses while it is prefilled).
     #[arg(long)]
     stream_prefill: bool,
+    /// Both nodes' `--flash-attn` (auto, on, off); the stock server follows what they
+    /// resolve to.
+    #[arg(long, default_value = "auto")]
+    flash_attn: String,
 }
 
 impl RunArgs {
@@ -301,6 +305,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     dir: out.join(format!("services-{model_name}")),
                     stream_prefill: args.stream_prefill,
                     direct: false,
+                    flash_attn: args.flash_attn.clone(),
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))

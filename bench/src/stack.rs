@@ -38,6 +38,8 @@ pub struct StackConfig {
     /// No emulated links: the nodes talk straight over loopback (the handoff bench, which
     /// measures our own CPU work, not a link's).
     pub direct: bool,
+    /// Both nodes' `--flash-attn` (auto, on, off).
+    pub flash_attn: String,
 }
 
 /// A running stack; its processes are killed on drop.
@@ -126,6 +128,7 @@ impl Stack {
             if let Some(n) = cfg.parallel {
                 a.extend(["--parallel".into(), n.to_string()]);
             }
+            a.extend(["--flash-attn".into(), cfg.flash_attn.clone()]);
             a
         };
         let mut stack = Stack {

@@ -66,9 +66,8 @@ pub(crate) fn owner_thread(
         }
     };
     let flash_on = match config.flash_attn {
-        FlashAttn::On => true,
+        FlashAttn::On | FlashAttn::Auto => true,
         FlashAttn::Off => false,
-        FlashAttn::Auto => !info::has_sliding_window(&model),
     };
     if config.cache_type_v.is_quantized() && !flash_on {
         let _ = ready.send(Err(load_err(

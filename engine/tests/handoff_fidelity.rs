@@ -3,23 +3,11 @@
 
 mod common;
 
-use common::model_path;
+use common::{collect, continue_imported, model_path};
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, FlashAttn, GenEvent, Input, KvType, SamplingParams,
     Start,
 };
-
-async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>) -> (Vec<i32>, GenEvent) {
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenEvent::Token(t) => ids.push(t.id),
-            GenEvent::Prefilled { .. } => {}
-            other => return (ids, other),
-        }
-    }
-    panic!("generation ended without a final event");
-}
 
 /// Exports a prefilled state from one engine and continues it in another, for greedy and
 /// seeded sampling; asserts the tokens equal the colocated run of the first engine with the
@@ -70,21 +58,7 @@ async fn export_import_equals_colocated(cfg: EngineConfig, ggml_type: u32) -> us
         assert_eq!(layout.max_cells, Some(tokens.len() as u64));
         assert_eq!(layout.descriptors.len(), 60);
         assert_eq!(layout.descriptors[0].dtype, ggml_type);
-        let (rest, done) = collect(
-            b.generate(
-                Start::Imported {
-                    state: state.into(),
-                    tokens: tokens.clone(),
-                    first: pre.first.id,
-                    answered: 1,
-                },
-                params.clone(),
-                23,
-            )
-            .await
-            .unwrap(),
-        )
-        .await;
+        let (rest, done) = continue_imported(&b, state, &tokens, pre.first.id, &params, 23).await;
         assert!(matches!(done, GenEvent::Done(_)), "{done:?}");
         let mut split = vec![pre.first.id];
         split.extend(rest);
@@ -99,7 +73,7 @@ async fn imported_state_continues_like_the_colocated_run() {
     cfg.n_ctx = 1024;
     let info = Engine::start(cfg.clone()).await.unwrap().info().clone();
     assert_eq!(info.kv_bytes_per_token, 23_040);
-    // Full attention only: flash attention resolves to on (V stored untransposed).
+    // Flash attention resolves to on (V stored untransposed).
     assert!(info.flash_attn);
     export_import_equals_colocated(cfg, edgesplit_engine::GGML_TYPE_F16).await;
 }
@@ -189,8 +163,8 @@ async fn sliding_window_state_is_walked_into_two_sections() {
     let mut cfg = EngineConfig::new(path);
     cfg.n_ctx = 1024;
     let e = Engine::start(cfg).await.unwrap();
-    // Sliding-window attention: flash attention resolves to off (see `FlashAttn`).
-    assert!(!e.info().flash_attn);
+    // Sliding-window attention: flash attention resolves to on too (see `FlashAttn`).
+    assert!(e.info().flash_attn);
     let prompt = (0..80)
         .map(|i| format!("line {i} of the log."))
         .collect::<Vec<_>>()

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::gemma_path;
+use common::{collect, continue_imported, gemma_path};
 
 /// The engine end to end: a Gemma-3 prompt past the window, prefilled and exported by one
 /// engine and continued by another, samples the same tokens as the colocated run, for
@@ -20,19 +20,8 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
     cfg.n_threads = 2;
     let a = Engine::start(cfg.clone()).await.unwrap();
     let b = Engine::start(cfg).await.unwrap();
-    assert!(a.info().sliding_window && !a.info().flash_attn);
-    let collect = |mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>| async move {
-        let mut ids = Vec::new();
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                GenEvent::Token(t) => ids.push(t.id),
-                GenEvent::Done(_) => return ids,
-                GenEvent::Prefilled { .. } => {}
-                other => panic!("{other:?}"),
-            }
-        }
-        panic!("no end");
-    };
+    // The default: flash attention on, for sliding-window models too (issue 14).
+    assert!(a.info().sliding_window && a.info().flash_attn);
     for reps in [30, 40] {
         let text = "The harbour was quiet in the early morning, and the fishermen were already \
             mending their nets on the stones. "
@@ -44,7 +33,7 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
                 seed,
                 ..SamplingParams::default()
             };
-            let colocated = collect(
+            let (colocated, _) = collect(
                 a.generate(Start::Prompt(tokens.clone()), params.clone(), 64)
                     .await
                     .unwrap(),
@@ -57,21 +46,9 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
             let Some(Exported::Raw(state)) = pre.state else {
                 panic!("state exported")
             };
-            let rest = collect(
-                b.generate(
-                    Start::Imported {
-                        state: state.into(),
-                        tokens: tokens.clone(),
-                        first: pre.first.id,
-                        answered: 1,
-                    },
-                    params.clone(),
-                    63,
-                )
-                .await
-                .unwrap(),
-            )
-            .await;
+            let (rest, done) =
+                continue_imported(&b, state, &tokens, pre.first.id, &params, 63).await;
+            assert!(matches!(done, GenEvent::Done(_)), "{done:?}");
             let mut split = vec![pre.first.id];
             split.extend(rest);
             assert_eq!(

@@ -1,6 +1,49 @@
 //! What the engine's integration tests share: the models' paths (each test file uses
-//! one or the other).
+//! one or the other), and reading an answer's events.
 #![allow(dead_code)]
+
+use edgesplit_engine::{Engine, GenEvent, SamplingParams, Start};
+
+/// An answer's token ids and the event that ended it.
+pub async fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenEvent>,
+) -> (Vec<i32>, GenEvent) {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token(t) => ids.push(t.id),
+            GenEvent::Prefilled { .. } => {}
+            other => return (ids, other),
+        }
+    }
+    panic!("generation ended without a final event");
+}
+
+/// Continues a prefilled answer in `engine` from its exported `state` (the prompt's
+/// `tokens` and the `first` token the prefill sampled): the tokens after the first, and the
+/// event that ended them.
+pub async fn continue_imported(
+    engine: &Engine,
+    state: Vec<u8>,
+    tokens: &[i32],
+    first: i32,
+    params: &SamplingParams,
+    max_tokens: u32,
+) -> (Vec<i32>, GenEvent) {
+    let start = Start::Imported {
+        state: state.into(),
+        tokens: tokens.to_vec(),
+        first,
+        answered: 1,
+    };
+    collect(
+        engine
+            .generate(start, params.clone(), max_tokens)
+            .await
+            .unwrap(),
+    )
+    .await
+}
 
 /// SmolLM2's GGUF (`EDGESPLIT_MODEL` overrides), which `scripts/test.sh` fetches.
 pub fn model_path() -> std::path::PathBuf {
