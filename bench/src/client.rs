@@ -86,15 +86,15 @@ pub fn prompt(target: usize) -> String {
     format!("{log}\nSummarise the weather log.")
 }
 
+/// A chat of one user message, as users send it: no system message (both servers render
+/// the model's own template, which may add a default one; issue 22).
+pub fn chat_messages(prompt: &str) -> Value {
+    json!([{"role": "user", "content": prompt}])
+}
+
 pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow::Result<Measure> {
     let mut body = if ask.chat {
-        // An explicit system message: without one, SmolLM2's Jinja template (which stock
-        // llama-server renders) inserts a default one that llama.cpp's built-in template
-        // (which we use) does not, and the two servers would read different prompts.
-        json!({"messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": ask.prompt},
-        ]})
+        json!({ "messages": chat_messages(&ask.prompt) })
     } else {
         json!({"prompt": ask.prompt})
     };

@@ -19,6 +19,7 @@ use std::time::Instant;
 use anyhow::Context;
 use serde_json::{json, Value};
 
+use crate::client::chat_messages;
 use crate::stack::{Stack, StackConfig};
 use crate::stock::{self, StockServer};
 
@@ -156,14 +157,6 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn messages(prompt: &str) -> Value {
-    // The same explicit system message as `run`: both servers then read the same prompt.
-    json!([
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": prompt},
-    ])
-}
-
 /// One split request of ours; its parts from the `edgesplit` object.
 async fn edgesplit(
     http: &reqwest::Client,
@@ -177,7 +170,7 @@ async fn edgesplit(
         edgesplit["handoff"] = json!("after");
     }
     let body = json!({
-        "messages": messages(prompt), "max_tokens": 2, "temperature": 0, "seed": 42,
+        "messages": chat_messages(prompt), "max_tokens": 2, "temperature": 0, "seed": 42,
         "edgesplit": edgesplit,
     });
     let v: Value = http
@@ -220,7 +213,7 @@ async fn original(
     round: usize,
 ) -> anyhow::Result<Sample> {
     let body = json!({
-        "messages": messages(prompt), "max_tokens": 1, "temperature": 0, "seed": 42,
+        "messages": chat_messages(prompt), "max_tokens": 1, "temperature": 0, "seed": 42,
         // Keep the prompt's KV in the slot for the save (and prefill it anew each round).
         "cache_prompt": true,
     });

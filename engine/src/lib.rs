@@ -16,6 +16,7 @@ mod handle;
 mod info;
 pub mod sampling;
 mod scheduler;
+mod template;
 mod types;
 pub mod wire;
 mod worker;

@@ -12,7 +12,7 @@ use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
-use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
+use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::{mpsc, oneshot};
 
@@ -22,6 +22,7 @@ use crate::exit_guard::{park_forever, Busy};
 use crate::info::{self, ModelInfo};
 use crate::sampling::{self, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
+use crate::template::{ChatTemplate, SpecialTokens};
 use crate::types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
     Start, TokenOut,
@@ -128,6 +129,7 @@ pub(crate) fn owner_thread(
         gauges,
         export_buf: Vec::new(),
         sliding_window: info.sliding_window,
+        chat: chat_template(&model),
     };
     if ready.send(Ok(info)).is_err() {
         return;
@@ -173,6 +175,38 @@ struct Worker<'m> {
     export_buf: Vec<u8>,
     /// The model attends through a sliding window (its cache is a ring).
     sliding_window: bool,
+    /// The GGUF's chat template, compiled (None: the GGUF has none; an error: it does not
+    /// compile, said to each chat request).
+    chat: Option<Result<ChatTemplate, String>>,
+}
+
+/// The model's chat template with its BOS/EOS text, as llama-server reads them: the tokens
+/// as text with special tokens rendered, and whether tokenizing adds them.
+fn chat_template(model: &LlamaModel) -> Option<Result<ChatTemplate, String>> {
+    let source = model.chat_template(None).ok()?;
+    let source = match source.to_str() {
+        Ok(s) => s,
+        Err(e) => return Some(Err(format!("the chat template is not UTF-8: {e}"))),
+    };
+    let vocab = model.vocab();
+    let text = |t: LlamaToken| {
+        if t.0 < 0 {
+            String::new()
+        } else {
+            String::from_utf8_lossy(&vocab.token_to_piece(t, true, None)).into_owned()
+        }
+    };
+    let special = SpecialTokens {
+        bos: text(vocab.bos()),
+        eos: text(vocab.eos()),
+        add_bos: vocab.should_add_bos(),
+        add_eos: vocab.should_add_eos(),
+    };
+    let compiled = ChatTemplate::new(source, special);
+    if let Err(e) = &compiled {
+        tracing::warn!(error = %e, "the model's chat template does not compile; chat requests will be refused");
+    }
+    Some(compiled)
 }
 
 fn ms(since: Instant) -> f64 {
@@ -188,20 +222,11 @@ impl Worker<'_> {
                 }
                 return self.tokenize_text(&p);
             }
-            Input::Chat(messages) => {
-                let tmpl = self
-                    .model
-                    .chat_template(None)
-                    .map_err(|_| EngineError::NoChatTemplate)?;
-                let msgs = messages
-                    .into_iter()
-                    .map(|(r, c)| LlamaChatMessage::new(r, c))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| EngineError::Template(e.to_string()))?;
-                self.model
-                    .apply_chat_template(&tmpl, &msgs, true)
-                    .map_err(|e| EngineError::Template(e.to_string()))?
-            }
+            Input::Chat(messages) => match &self.chat {
+                None => return Err(EngineError::NoChatTemplate),
+                Some(Err(e)) => return Err(EngineError::Template(e.clone())),
+                Some(Ok(t)) => t.render(&messages).map_err(EngineError::Template)?,
+            },
         };
         self.tokenize_text(&text)
     }

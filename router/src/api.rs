@@ -192,7 +192,8 @@ fn boolean(obj: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
     }
 }
 
-/// Text of a message's `content`: a string, or an array of `{"type":"text","text":...}` parts.
+/// Text of a message's `content`: a string, or an array of `{"type":"text","text":...}` parts
+/// joined with newlines (as llama-server joins them).
 fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
@@ -200,7 +201,13 @@ fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
             let mut out = String::new();
             for (j, p) in parts.iter().enumerate() {
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
+                    // Joined with a newline, as llama-server joins them.
+                    (Some("text"), Some(Value::String(t))) => {
+                        if j > 0 {
+                            out.push('\n');
+                        }
+                        out.push_str(t);
+                    }
                     _ => return Err(ApiError::invalid(
                         Some(format!("{param}[{j}]")),
                         "only text content parts ({\"type\":\"text\",\"text\":...}) are supported",
@@ -570,6 +577,6 @@ mod tests {
     fn text_parts_are_joined_and_developer_is_system() {
         let r = chat(r#"{"messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#)
             .unwrap();
-        assert_eq!(r.input, Input::Chat(vec![("system".into(), "ab".into())]));
+        assert_eq!(r.input, Input::Chat(vec![("system".into(), "a\nb".into())]));
     }
 }

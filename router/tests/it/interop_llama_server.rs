@@ -9,37 +9,15 @@
 //! compatible pairing, and this test is its proof.
 
 use crate::common;
+use crate::common::stock::{tempdir, StockServer};
 
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use edgesplit_proto::{pb, v1};
 use serde_json::{json, Value};
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn stock_bin() -> std::path::PathBuf {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new("bash")
-        .arg(root.join("scripts/stock-llama.sh"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("bash runs");
-    assert!(out.status.success(), "building stock llama.cpp failed");
-    std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
-
 #[tokio::test]
 async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
-    let bin = tokio::task::spawn_blocking(stock_bin).await.unwrap();
     let s = common::smollm2();
     // The prefill node uploads through a proxy that keeps a copy of the file it sends.
     let (upload_url, captured) = capturing_proxy(s.v1_url.clone()).await;
@@ -128,64 +106,16 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
     assert_eq!(ours.len(), (N - 1) as usize);
 
     // 4. Stock llama-server: restore the slot, then continue after the first token.
-    // Port 0: llama-server binds a free port itself and logs it (no port picked by us,
-    // freed, and raced for by other tests).
-    let log_path = tempdir("interop-log").join("llama-server.log");
     let mut slot_path = slots.display().to_string();
     slot_path.push('/');
-    let _server = Server(
-        Command::new(bin.join("llama-server"))
-            .args(["-m", common::model(common::SMOLLM2).to_str().unwrap()])
-            .args([
-                "-c",
-                "2048",
-                "-t",
-                "2",
-                "-np",
-                "1",
-                "-fa",
-                "on",
-                "--no-webui",
-            ])
-            .args(["--host", "127.0.0.1", "--port", "0"])
-            .args(["--slot-save-path", &slot_path])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap())
-            .spawn()
-            .expect("llama-server starts"),
-    );
-    let t0 = Instant::now();
-    let base = loop {
-        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-        if let Some(url) = log
-            .lines()
-            .find_map(|l| l.split("listening on ").nth(1))
-            .map(str::trim)
-        {
-            break url.trim_end_matches('/').to_string();
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "llama-server did not report its address:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let stock = StockServer::start(
+        "interop",
+        &common::model(common::SMOLLM2),
+        &["--slot-save-path", &slot_path],
+    )
+    .await;
+    let base = &stock.base;
     let http = common::client();
-    let t0 = Instant::now();
-    while http
-        .get(format!("{base}/health"))
-        .send()
-        .await
-        .map(|r| r.status().as_u16())
-        .ok()
-        != Some(200)
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "llama-server did not become healthy"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
     let restored: Value = http
         .post(format!("{base}/slots/0?action=restore"))
         .json(&json!({"filename": "interop.bin"}))
@@ -236,13 +166,6 @@ fn greedy() -> pb::Sampling {
         repeat_penalty: 1.0,
         ..Default::default()
     }
-}
-
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("edgesplit-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// A V1 upload endpoint that forwards each upload to `target` (the decode node's) with its

@@ -13,6 +13,7 @@ mod api;
 mod auth;
 mod backpressure;
 mod cancel;
+mod chat_template;
 mod concurrency;
 mod dashboard;
 mod documented;

@@ -9,6 +9,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
+pub mod stock;
+
 /// Where the models live (`scripts/fetch-models.sh` puts them there).
 pub fn model(file: &str) -> PathBuf {
     let dir = std::env::var("EDGESPLIT_MODELS_DIR").map_or_else(

@@ -1,0 +1,338 @@
+//! The model's own chat template (`tokenizer.chat_template` in the GGUF), rendered the way
+//! llama-server renders it, so that a chat request becomes the same prompt on both.
+//!
+//! llama-server (its `--jinja` path, the default) renders the template with a Jinja engine
+//! and these variables: `messages` (each `{role, content}`), `bos_token` and `eos_token`
+//! (the vocabulary's BOS and EOS as text), `add_generation_prompt` (true for a chat
+//! request), `enable_thinking` (true), and the functions `raise_exception` and
+//! `strftime_now`; blocks are trimmed (`trim_blocks`, `lstrip_blocks`, as Hugging Face's
+//! `apply_chat_template` does). Then, where the vocabulary adds BOS itself, a BOS the
+//! template wrote at the start is cut (tokenizing adds it back once), and likewise a
+//! trailing EOS where the vocabulary adds EOS. We do the same with minijinja, plus its
+//! Python-compatible string and dict methods (`.strip()`, `.startswith()`, `.items()`...)
+//! and loop controls, which chat templates use, and a `tojson` that writes JSON the way
+//! Python's `json.dumps` does (`", "` and `": "`, no HTML escaping).
+//!
+//! A template is operator input (it comes with the model file) but rendering runs over
+//! client input, so each render has a fuel budget: a template that loops without end fails
+//! with an error instead of holding the engine thread.
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, Error, ErrorKind};
+
+/// Fuel for one render: minijinja counts instructions; real chat templates use a few
+/// thousand per message.
+const FUEL: u64 = 50_000_000;
+
+/// A compiled chat template with the vocabulary facts its rendering needs.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+    /// The vocabulary adds BOS when tokenizing: a leading BOS in the text is cut.
+    strip_bos: bool,
+    /// The vocabulary adds EOS when tokenizing: a trailing EOS in the text is cut.
+    strip_eos: bool,
+}
+
+/// The text of the model's BOS and EOS tokens, and whether tokenizing adds them.
+pub struct SpecialTokens {
+    pub bos: String,
+    pub eos: String,
+    pub add_bos: bool,
+    pub add_eos: bool,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`. The error is the template's syntax error, with its line.
+    pub fn new(source: &str, special: SpecialTokens) -> Result<Self, String> {
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(|e| describe(&e))?,
+        );
+        env.set_fuel(Some(FUEL));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned("chat", source.to_owned())
+            .map_err(|e| describe(&e))?;
+        Ok(ChatTemplate {
+            env,
+            bos: special.bos,
+            eos: special.eos,
+            strip_bos: special.add_bos,
+            strip_eos: special.add_eos,
+        })
+    }
+
+    /// The prompt for `messages` (role, content): ending with the assistant's turn, or,
+    /// when the last message is the assistant's, ending with that message's content for
+    /// the model to continue (llama-server's "assistant prefill": the conversation before
+    /// it, then the template's generation prompt, then the content).
+    pub fn render(&self, messages: &[(String, String)]) -> Result<String, String> {
+        let is_assistant = |m: Option<&(String, String)>| m.is_some_and(|(r, _)| r == "assistant");
+        let Some((last, head)) = messages.split_last().filter(|(l, _)| is_assistant(Some(l)))
+        else {
+            return self.render_turns(messages, true);
+        };
+        if is_assistant(head.last()) {
+            return Err("Cannot have 2 or more assistant messages at the end of the list.".into());
+        }
+        // The generation prompt is what rendering with it adds to rendering without it.
+        let without = self.render_turns(head, false)?;
+        let with = self.render_turns(head, true)?;
+        let common = without
+            .bytes()
+            .zip(with.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        let mut text = without.into_bytes();
+        text.extend_from_slice(&with.as_bytes()[common..]);
+        text.extend_from_slice(last.1.as_bytes());
+        Ok(String::from_utf8_lossy(&text).into_owned())
+    }
+
+    /// The template over `messages`, with or without the generation prompt, with a BOS or
+    /// EOS that tokenizing adds anyway cut.
+    fn render_turns(
+        &self,
+        messages: &[(String, String)],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => messages,
+            bos_token => self.bos.as_str(),
+            eos_token => self.eos.as_str(),
+            add_generation_prompt => add_generation_prompt,
+            enable_thinking => true,
+        };
+        let tmpl = self.env.get_template("chat").map_err(|e| describe(&e))?;
+        let mut text = tmpl.render(ctx).map_err(|e| describe(&e))?;
+        if self.strip_bos && !self.bos.is_empty() && text.starts_with(&self.bos) {
+            text.drain(..self.bos.len());
+        }
+        if self.strip_eos && !self.eos.is_empty() && text.ends_with(&self.eos) {
+            text.truncate(text.len() - self.eos.len());
+        }
+        Ok(text)
+    }
+}
+
+/// An error with its cause chain and, where known, the template line.
+fn describe(e: &Error) -> String {
+    let mut s = match e.line() {
+        Some(line) => format!("{e} (template line {line})"),
+        None => e.to_string(),
+    };
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        s.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    s
+}
+
+/// `raise_exception(message)`: the template refuses the conversation (for example a role
+/// order it does not support); the message reaches the client in the 400.
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(format)`: the local time, formatted as C's `strftime` does.
+fn strftime_now(format: String) -> Result<Value, Error> {
+    let now = jiff::ZonedDateTime::now();
+    jiff::fmt::strtime::format(format.as_bytes(), &now)
+        .map(Value::from)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))
+}
+
+/// `value | tojson(indent=None)`: JSON as Python's `json.dumps(value, ensure_ascii=False,
+/// indent=indent)` writes it (keys in their order, `", "` and `": "`), which is what the
+/// templates were written against.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    python_json(&value, indent, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn python_json(
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    use minijinja::value::ValueKind as K;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    // Python's separators: ", " between items without indent, "," with it; ": " always.
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    let quote = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+    match v.kind() {
+        K::Undefined | K::None => out.push_str("null"),
+        K::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        K::Number => out.push_str(&v.to_string()),
+        K::String => out.push_str(&quote(v.as_str().unwrap_or_default())),
+        K::Seq | K::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                python_json(item, indent, depth + 1, out)?;
+            }
+            if !items.is_empty() {
+                newline(out, depth);
+            }
+            out.push(']');
+        }
+        K::Map => {
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&quote(&k.to_string()));
+                out.push_str(": ");
+                python_json(&v.get_item(k)?, indent, depth + 1, out)?;
+            }
+            if !keys.is_empty() {
+                newline(out, depth);
+            }
+            out.push('}');
+        }
+        _ => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: cannot serialize a {}", v.kind()),
+            ))
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn special(add_bos: bool) -> SpecialTokens {
+        SpecialTokens {
+            bos: "<s>".into(),
+            eos: "</s>".into(),
+            add_bos,
+            add_eos: false,
+        }
+    }
+
+    fn msgs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(r, c)| ((*r).to_string(), (*c).to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn renders_with_trimmed_blocks_and_python_methods() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}\n  {% if m['role'] == 'user' %}\n[{{ m['content'].strip() | upper }}]\n  {% endif %}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}",
+            special(false),
+        )
+        .unwrap();
+        let out = t
+            .render(&msgs(&[("user", "  hi "), ("system", "x")]))
+            .unwrap();
+        assert_eq!(out, "<s>[HI]\n>");
+    }
+
+    #[test]
+    fn a_leading_bos_is_cut_when_the_vocabulary_adds_it() {
+        let src = "{{ bos_token }}{{ messages[0]['content'] }}";
+        let one = msgs(&[("user", "a")]);
+        assert_eq!(
+            ChatTemplate::new(src, special(true))
+                .unwrap()
+                .render(&one)
+                .unwrap(),
+            "a"
+        );
+        assert_eq!(
+            ChatTemplate::new(src, special(false))
+                .unwrap()
+                .render(&one)
+                .unwrap(),
+            "<s>a"
+        );
+    }
+
+    #[test]
+    fn a_final_assistant_message_is_continued() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            special(false),
+        )
+        .unwrap();
+        let conv = msgs(&[("user", "hi"), ("assistant", "Hel")]);
+        assert_eq!(t.render(&conv).unwrap(), "<user>hi</><assistant>Hel");
+        let two = msgs(&[("user", "hi"), ("assistant", "a"), ("assistant", "b")]);
+        assert!(t.render(&two).unwrap_err().contains("2 or more assistant"));
+    }
+
+    #[test]
+    fn raise_exception_and_syntax_errors_are_reported() {
+        let t = ChatTemplate::new(
+            "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user turn') }}{% endif %}",
+            special(false),
+        )
+        .unwrap();
+        let e = t.render(&msgs(&[("system", "x")])).unwrap_err();
+        assert!(
+            e.contains("Conversations must start with a user turn"),
+            "{e}"
+        );
+        let e = ChatTemplate::new("{% for m in messages %}", special(false))
+            .err()
+            .unwrap();
+        assert!(e.contains("line"), "{e}");
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let t = ChatTemplate::new(
+            "{% for a in range(10000) %}{% for b in range(10000) %}{% for c in range(10000) %}x{% endfor %}{% endfor %}{% endfor %}",
+            special(false),
+        )
+        .unwrap();
+        let e = t.render(&msgs(&[("user", "x")])).unwrap_err();
+        assert!(e.to_lowercase().contains("fuel"), "{e}");
+    }
+
+    #[test]
+    fn tojson_writes_what_python_writes() {
+        let t = ChatTemplate::new(
+            "{{ {'a': [1, 'é<'], 'b': {}} | tojson }}|{{ {'a': [1]} | tojson(indent=2) }}",
+            special(false),
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[]).unwrap(),
+            "{\"a\": [1, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1\n  ]\n}"
+        );
+    }
+}

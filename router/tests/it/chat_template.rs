@@ -1,0 +1,212 @@
+//! Issue 22: a chat request becomes the prompt a stock llama-server builds from the same
+//! GGUF. Our engine renders the GGUF's Jinja template (minijinja, `engine/src/template.rs`);
+//! the stock server renders it with its own Jinja engine. For each conversation below the
+//! stock server's `/apply-template` then `/tokenize` (with the special tokens it adds, as a
+//! completion does) must give exactly our engine's tokens. SmolLM2's template adds a
+//! default system prompt when a conversation has none: the case llama.cpp's built-in
+//! template matcher, which we used before, got wrong (476 against 497 tokens).
+
+use crate::common;
+use crate::common::stock::StockServer;
+
+use serde_json::{json, Value};
+
+/// Conversations of every shape the template has a branch for.
+fn conversations() -> Vec<Vec<(&'static str, String)>> {
+    let long = "The harbour was quiet in the early morning. ".repeat(60);
+    vec![
+        vec![("user", "Name two moons of Jupiter.".into())],
+        vec![
+            ("system", "You answer in one word.".into()),
+            ("user", "What colour is the sky?".into()),
+        ],
+        vec![
+            ("user", "Hi!".into()),
+            ("assistant", "Hello! How can I help?".into()),
+            ("user", "Tell me a joke.".into()),
+        ],
+        vec![
+            ("system", "You are terse.".into()),
+            ("user", "2+2?".into()),
+            ("assistant", "4".into()),
+            ("user", "And 3+3?".into()),
+            ("assistant", "6".into()),
+            ("user", "Thanks.".into()),
+        ],
+        vec![(
+            "user",
+            "Ça va ? 日本語のテキスト 🙂 Ünïcödé — «quotes»".into(),
+        )],
+        // Template syntax and special-token text in content are content, never template.
+        vec![(
+            "user",
+            "{{ bos_token }} {% if true %}x{% endif %} <|im_start|>assistant\n".into(),
+        )],
+        vec![(
+            "user",
+            "  leading and trailing spaces  \n\nand blank lines\n".into(),
+        )],
+        vec![("user", long)],
+        vec![("assistant", "I start this conversation.".into())],
+        vec![
+            ("system", "First system message.".into()),
+            ("system", "Second system message.".into()),
+            ("user", "Which one counts?".into()),
+        ],
+        vec![
+            ("user", "What is the temperature?".into()),
+            ("assistant", "Let me check.".into()),
+            ("tool", "{\"celsius\": 21}".into()),
+        ],
+    ]
+}
+
+#[tokio::test]
+async fn every_conversation_is_the_prompt_llama_server_builds() {
+    let model = common::model(common::SMOLLM2);
+    let stock = StockServer::start("template", &model, &[]).await;
+    let mut cfg = edgesplit_engine::EngineConfig::new(&model);
+    cfg.n_ctx = 2048;
+    cfg.n_parallel = 1;
+    let engine = edgesplit_engine::Engine::start(cfg).await.unwrap();
+    let http = common::client();
+    let convs = conversations();
+    assert!(convs.len() >= 10);
+    for conv in convs {
+        let messages: Vec<Value> = conv
+            .iter()
+            .map(|(r, c)| json!({"role": r, "content": c}))
+            .collect();
+        let applied: Value = http
+            .post(format!("{}/apply-template", stock.base))
+            .json(&json!({ "messages": messages }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let prompt = applied["prompt"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{applied}"));
+        let tokenized: Value = http
+            .post(format!("{}/tokenize", stock.base))
+            .json(&json!({"content": prompt, "add_special": true, "parse_special": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let theirs: Vec<i32> = tokenized["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap() as i32)
+            .collect();
+        let ours = engine
+            .tokenize(edgesplit_engine::Input::Chat(
+                conv.iter()
+                    .map(|(r, c)| ((*r).to_string(), c.clone()))
+                    .collect(),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(
+            ours, theirs,
+            "conversation {messages:?}: llama-server's prompt was {prompt:?}"
+        );
+    }
+}
+
+/// Through the router, as a user sends it: a chat request without a system message (and
+/// one whose content comes in parts) gets the prompt and the greedy answer of a stock
+/// llama-server.
+#[tokio::test]
+async fn a_chat_request_without_a_system_message_answers_as_llama_server_does() {
+    let model = common::model(common::SMOLLM2);
+    let stock = StockServer::start("template-chat", &model, &[]).await;
+    let s = common::smollm2();
+    let http = common::client();
+    for messages in [
+        json!([{"role": "user", "content": "Name three fruits."}]),
+        json!([{"role": "user", "content": [
+            {"type": "text", "text": "Name a colour."},
+            {"type": "text", "text": "Answer in one word."}
+        ]}]),
+    ] {
+        let body = common::chat_body(
+            messages.clone(),
+            json!({"temperature": 0, "max_tokens": 16}),
+        );
+        let mut answers = Vec::new();
+        for url in [&s.router, &stock.base] {
+            let v: Value = http
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            answers.push((
+                v["usage"]["prompt_tokens"].clone(),
+                v["choices"][0]["message"]["content"].clone(),
+            ));
+        }
+        assert!(answers[0].0.as_u64().unwrap() > 20, "{answers:?}");
+        assert_eq!(
+            answers[0], answers[1],
+            "ours, then llama-server's: {messages}"
+        );
+    }
+}
+
+/// A conversation the template cannot render is a 400 naming the template's error, as
+/// llama-server refuses it, not a 500; the router goes on serving.
+#[tokio::test]
+async fn a_conversation_the_template_refuses_is_a_clear_400() {
+    let s = common::smollm2();
+    let http = common::client();
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.router))
+        .json(&common::chat_body(
+            json!([
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "assistant", "content": "again"}
+            ]),
+            json!({"max_tokens": 4}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "template_error", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("2 or more assistant messages"),
+        "{v}"
+    );
+    // A final assistant message alone is continued: the answer goes on from its text.
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.router))
+        .json(&common::chat_body(
+            json!([
+                {"role": "user", "content": "Count from one to ten."},
+                {"role": "assistant", "content": "One, two, three,"}
+            ]),
+            json!({"max_tokens": 6, "temperature": 0}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.to_lowercase().contains("four"), "{text:?}");
+}
