@@ -1,5 +1,7 @@
 //! OpenAI request parsing: a JSON body becomes a [`ValidRequest`] once, or an error naming
-//! the field that failed. Unknown fields are ignored, as OpenAI-compatible servers do.
+//! the field that failed. A field we would not use is refused by name, as OpenAI itself
+//! refuses unrecognized arguments: an ignored field gives an answer that looks right and
+//! is not what was asked for (see [`known_fields`]).
 
 use serde_json::{Map, Value};
 
@@ -253,6 +255,17 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError>
                 "each message must be an object",
             ));
         };
+        // Fields a message may carry that we would not use (`name`, `tool_calls`, ...) are
+        // refused rather than dropped; a null one is not set.
+        if let Some((k, _)) = m
+            .iter()
+            .find(|(k, v)| !matches!(k.as_str(), "role" | "content") && !v.is_null())
+        {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].{k}")),
+                format!("unsupported message field {k:?}"),
+            ));
+        }
         let role = match m.get("role") {
             Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
             Some(Value::String(r)) => {
@@ -309,6 +322,90 @@ fn stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
+/// Top-level fields both endpoints take. (`user` is OpenAI's end-user id: metadata that
+/// changes no answer, accepted and not used.)
+const FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "repeat_penalty",
+    "edgesplit",
+    "user",
+];
+const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens"];
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+/// OpenAI fields we do not implement (yet) but accept at the value that asks for nothing:
+/// the field, whether a value asks for nothing, and what the 400 says otherwise.
+type Inert = (&'static str, fn(&Value) -> bool, &'static str);
+const INERT: &[Inert] = &[
+    ("logprobs", |v| matches!(v, Value::Bool(false)), "logprobs are not supported yet"),
+    ("top_logprobs", |v| v.as_u64() == Some(0), "logprobs are not supported yet"),
+    (
+        "response_format",
+        |v| v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|o| o.len() == 1),
+        "only response_format {\"type\": \"text\"} is supported; structured output is not supported yet",
+    ),
+    ("tools", |v| v.as_array().is_some_and(Vec::is_empty), "tool calls are not supported yet"),
+    ("tool_choice", |v| v == "none", "tool calls are not supported yet"),
+    ("parallel_tool_calls", |v| v.is_boolean(), "parallel_tool_calls must be a boolean"),
+    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty), "logit_bias is not supported"),
+    ("echo", |v| matches!(v, Value::Bool(false)), "echo is not supported"),
+    ("best_of", |v| v.as_u64() == Some(1), "only best_of=1 is supported"),
+    ("suffix", |v| v.as_str().is_some_and(str::is_empty), "suffix is not supported"),
+];
+
+/// Refuses every field the endpoint does not take, naming it, and every unimplemented
+/// OpenAI field set to ask for something (null is always "not set"). A field silently
+/// ignored would give an answer that looks right and is not what was asked for.
+fn known_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiError> {
+    let own = match endpoint {
+        Endpoint::Chat => CHAT_FIELDS,
+        Endpoint::Completion => COMPLETION_FIELDS,
+    };
+    for (key, value) in obj {
+        if FIELDS.contains(&key.as_str()) || own.contains(&key.as_str()) || value.is_null() {
+            continue;
+        }
+        match INERT.iter().find(|(name, ..)| name == key) {
+            Some((_, inert, _)) if inert(value) => {}
+            Some((_, _, why)) => return Err(ApiError::invalid(Some(key.clone()), *why)),
+            None => {
+                return Err(ApiError::invalid(
+                    Some(key.clone()),
+                    format!("unsupported field {key:?}"),
+                ))
+            }
+        }
+    }
+    let nested: [(&str, &[&str]); 2] = [
+        ("edgesplit", &["transport", "handoff", "return_token_ids"]),
+        ("stream_options", &["include_usage"]),
+    ];
+    for (outer, allowed) in nested {
+        if let Some(Value::Object(o)) = obj.get(outer) {
+            if let Some(k) = o.keys().find(|k| !allowed.contains(&k.as_str())) {
+                return Err(ApiError::invalid(
+                    Some(format!("{outer}.{k}")),
+                    format!("unsupported field {outer}.{k}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Parses and validates a request body for `endpoint`.
 ///
 /// `random_seed` supplies the seed when the request samples (temperature > 0) without one,
@@ -330,6 +427,7 @@ pub fn parse(
             "the request body must be a JSON object",
         ));
     };
+    known_fields(endpoint, &obj)?;
     let model = match obj.get("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -487,11 +585,10 @@ mod tests {
     }
 
     #[test]
-    fn accepts_a_minimal_chat_and_ignores_unknown_fields() {
-        let r = chat(
-            r#"{"messages":[{"role":"user","content":"hi"}],"foo":{"bar":1},"logit_bias":null}"#,
-        )
-        .unwrap();
+    fn accepts_a_minimal_chat_and_null_fields() {
+        let r =
+            chat(r#"{"messages":[{"role":"user","content":"hi"}],"foo":null,"logit_bias":null}"#)
+                .unwrap();
         assert_eq!(r.input, Input::Chat(vec![("user".into(), "hi".into())]));
         assert_eq!(r.max_tokens, 0);
         assert_eq!(r.sampling.seed, 7);
@@ -571,6 +668,80 @@ mod tests {
         assert_eq!(r.input, Input::Prompt("Once".into()));
         let e = parse(Endpoint::Completion, br#"{"prompt":""}"#, || 1).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn fields_we_would_ignore_are_refused_by_name() {
+        for (body, param) in [
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#,
+                "logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+                "tools",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#,
+                "tool_choice",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"frobnicate":1}"#,
+                "frobnicate",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"prompt":"y"}"#,
+                "prompt",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x","name":"bob"}]}"#,
+                "messages[0].name",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"edgesplit":{"transprot":"v2"}}"#,
+                "edgesplit.transprot",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true,"x":1}}"#,
+                "stream_options.x",
+            ),
+        ] {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
+        let e = parse(Endpoint::Completion, br#"{"prompt":"x","echo":true}"#, || 1).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
+        let e = parse(
+            Endpoint::Completion,
+            br#"{"prompt":"x","messages":[]}"#,
+            || 1,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn unimplemented_fields_that_ask_for_nothing_are_accepted() {
+        chat(
+            r#"{"messages":[{"role":"user","content":"x","name":null}],"logprobs":false,"top_logprobs":null,
+               "response_format":{"type":"text"},"tools":[],"tool_choice":"none","user":"u1",
+               "parallel_tool_calls":true,"logit_bias":{}}"#,
+        )
+        .unwrap();
+        parse(
+            Endpoint::Completion,
+            br#"{"prompt":"x","echo":false,"best_of":1,"suffix":null}"#,
+            || 1,
+        )
+        .unwrap();
     }
 
     #[test]

@@ -18,7 +18,7 @@ async fn chat_completion_shape_and_usage() {
     let body = chat_body(
         hi(),
         json!({"temperature": 0, "max_tokens": 5, "edgesplit": {"return_token_ids": true},
-               "some_future_field": {"x": [1, 2]}, "user": "tester"}),
+               "user": "tester", "logprobs": false}),
     );
     let (status, _, v) = post(&url, &body).await;
     assert_eq!(status, 200, "{v}");
@@ -53,6 +53,19 @@ async fn chat_completion_shape_and_usage() {
         "{t}"
     );
     assert!(part("export_ms") > 0.0 && part("import_ms") > 0.0, "{t}");
+
+    // What we would not honour is refused by name, never answered as if it were.
+    for (extra, param) in [
+        (json!({"logprobs": true}), "logprobs"),
+        (
+            json!({"some_future_field": {"x": [1, 2]}}),
+            "some_future_field",
+        ),
+    ] {
+        let (status, _, v) = post(&url, &chat_body(hi(), extra)).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
 }
 
 #[tokio::test]
