@@ -1,31 +1,55 @@
-#!/data/data/com.termux/files/usr/bin/bash
-# Phone side (Android, Termux): builds the decode node natively and runs it.
-#   bash deploy/termux.sh MODEL.gguf [N_CTX]
-# PARALLEL (default 2) answers are written at once, each with its own N_CTX tokens of KV.
-# Cannot be run on this development machine (needs Termux on aarch64); the test suite
-# only lints it.
+#!/usr/bin/env bash
+# Phone side (Android, Termux), native: builds the decode node with Termux's own Rust,
+# clang and protoc, and serves it.
+#   bash deploy/termux.sh [--dry-run] MODEL.gguf [N_CTX]
+# Two things stop a plain `cargo build` in Termux, where Rust's host and target are both
+# aarch64-linux-android (issue 20): the vendored protoc has no Android binary (so PROTOC
+# points at Termux's `protobuf` package; proto/build.rs honours it), and llama-cpp-sys-2's
+# build script wants an Android NDK for any Android target (so a copy of the crate, patched
+# by patches/llama-cpp-sys-2-android-native.patch to build natively when host and target
+# are the same, replaces it for this build only, through cargo's --config patch).
+# --dry-run prints every command instead of running it (the test suite checks it). If the
+# native build fails on your phone, deploy/termux-proot.sh builds inside Debian instead.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-MODEL="${1:?usage: deploy/termux.sh MODEL.gguf [N_CTX]}"
+DRY=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+MODEL="${1:?usage: deploy/termux.sh [--dry-run] MODEL.gguf [N_CTX]}"
 N_CTX="${2:-4096}"
-PARALLEL="${PARALLEL:-2}"
+run() {
+    if ((DRY)); then echo "+ $*"; else "$@"; fi
+}
 
 # Toolchain and build tools from Termux's own repository (no rustup needed).
-pkg install -y rust clang cmake make python binutils
+run pkg install -y rust clang cmake make python binutils protobuf patch
 # Keep the CPU awake while serving: Android suspends background processes otherwise.
-command -v termux-wake-lock >/dev/null && termux-wake-lock
+if command -v termux-wake-lock >/dev/null || ((DRY)); then run termux-wake-lock; fi
 
 cd "$ROOT"
+# The pinned llama-cpp-sys-2 (workspace Cargo.toml), copied out of cargo's registry and
+# patched; the registry's copy stays untouched.
+VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
+PATCHED="$ROOT/target/phone/llama-cpp-sys-2-$VERSION"
+run cargo fetch
+SRC="${CARGO_HOME:-$HOME/.cargo}/registry/src/*/llama-cpp-sys-2-$VERSION"
+if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
+    run rm -rf "$PATCHED"
+    run mkdir -p "$ROOT/target/phone"
+    if ((DRY)); then
+        echo "+ cp -r $SRC $PATCHED"
+    else
+        # shellcheck disable=SC2086 # the glob picks the registry folder
+        cp -r $SRC "$PATCHED"
+    fi
+    run patch -p1 -d "$PATCHED" -i "$ROOT/patches/llama-cpp-sys-2-android-native.patch"
+    run touch "$PATCHED/.edgesplit-patched"
+fi
 # No -C target-cpu=native (see ARCHITECTURE.md): ggml's defaults target ARMv8 NEON, which
-# every phone has. Two threads per big core cluster is a good start; see --threads.
-cargo build --release -p edgesplit-decode
+# every phone has.
+run env PROTOC="${PREFIX:-/data/data/com.termux/files/usr}/bin/protoc" \
+    cargo build --release -p edgesplit-decode \
+    --config "patch.crates-io.llama-cpp-sys-2.path=\"$PATCHED\""
 
-IP="$(ip -4 addr show wlan0 2>/dev/null | awk '/inet /{print $2}' | cut -d/ -f1)"
-echo "[termux] memory plan for this phone now:" >&2
-./target/release/edgesplit-decode --model "$MODEL" --parallel "$PARALLEL" --plan
-BUDGET="$(./target/release/edgesplit-decode --model "$MODEL" --parallel "$PARALLEL" --plan 2>/dev/null \
-    | awk '/--kv-budget-bytes/{for(i=1;i<=NF;i++) if($i=="--kv-budget-bytes") print $(i+1)}')"
-exec ./target/release/edgesplit-decode --model "$MODEL" --n-ctx "$N_CTX" --parallel "$PARALLEL" \
-    --listen 0.0.0.0:50052 --handoff-listen 0.0.0.0:50061 --v1-listen 0.0.0.0:50062 \
-    --handoff-advertise "${IP:-127.0.0.1}:50061" --v1-advertise "http://${IP:-127.0.0.1}:50062/v1/handoff" \
-    --kv-budget-bytes "${BUDGET:-0}"
+DRY_FLAG=()
+((DRY)) && DRY_FLAG=(--dry-run)
+exec bash "$ROOT/deploy/serve-decode.sh" "${DRY_FLAG[@]}" "$ROOT/target/release/edgesplit-decode" "$MODEL" "$N_CTX"

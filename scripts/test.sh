@@ -5,12 +5,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh --gemma
-# Test-only packages: shellcheck, and Debian's Chromium + ChromeDriver for the dashboard's
-# browser test (router/tests/it/dashboard.rs).
+# Test-only packages: shellcheck, Debian's Chromium + ChromeDriver for the dashboard's
+# browser test (router/tests/it/dashboard.rs), and protoc for the phone build's check.
 missing=()
 command -v shellcheck >/dev/null || missing+=(shellcheck)
 [[ -x /usr/bin/chromium ]] || missing+=(chromium)
 [[ -x /usr/bin/chromedriver ]] || missing+=(chromium-driver)
+command -v protoc >/dev/null || missing+=(protobuf-compiler) # scripts/check-phone.sh
 if ((${#missing[@]})); then
     echo "[test] installing: ${missing[*]}" >&2
     SUDO=""
@@ -20,6 +21,8 @@ if ((${#missing[@]})); then
 fi
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
+echo "[test] the phone build (scripts/check-phone.sh)" >&2
+bash scripts/check-phone.sh
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all --check
 # --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Serves the decode node on all interfaces with the memory plan of this device now: the
+# part every phone-side script shares (Termux, Debian under proot, plain aarch64 Linux).
+#   deploy/serve-decode.sh [--dry-run] BIN MODEL.gguf [N_CTX]
+# BIN is the edgesplit-decode binary. PARALLEL (default 2) answers are written at once,
+# each with its own N_CTX tokens of KV. --dry-run prints the commands instead.
+set -euo pipefail
+DRY=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+BIN="${1:?usage: deploy/serve-decode.sh [--dry-run] BIN MODEL.gguf [N_CTX]}"
+MODEL="${2:?usage: deploy/serve-decode.sh [--dry-run] BIN MODEL.gguf [N_CTX]}"
+N_CTX="${3:-4096}"
+PARALLEL="${PARALLEL:-2}"
+
+IP="$(ip -4 addr show wlan0 2>/dev/null | awk '/inet /{print $2}' | cut -d/ -f1 || true)"
+if ((DRY)); then
+    BUDGET="<from the plan>"
+    echo "+ $BIN --model $MODEL --parallel $PARALLEL --plan"
+else
+    echo "[decode] memory plan for this device now:" >&2
+    "$BIN" --model "$MODEL" --parallel "$PARALLEL" --plan
+    BUDGET="$("$BIN" --model "$MODEL" --parallel "$PARALLEL" --plan 2>/dev/null \
+        | awk '/--kv-budget-bytes/{for(i=1;i<=NF;i++) if($i=="--kv-budget-bytes") print $(i+1)}')"
+fi
+cmd=("$BIN" --model "$MODEL" --n-ctx "$N_CTX" --parallel "$PARALLEL"
+    --listen 0.0.0.0:50052 --handoff-listen 0.0.0.0:50061 --v1-listen 0.0.0.0:50062
+    --handoff-advertise "${IP:-127.0.0.1}:50061" --v1-advertise "http://${IP:-127.0.0.1}:50062/v1/handoff"
+    --kv-budget-bytes "${BUDGET:-0}")
+if ((DRY)); then
+    echo "+ ${cmd[*]}"
+else
+    exec "${cmd[@]}"
+fi
