@@ -15,8 +15,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("cargo:warning=protoc from PROTOC: {}", path.display());
         }
         None => {
-            let protoc = protoc_bin_vendored::protoc_bin_path()
-                .map_err(|e| format!("{e}; set PROTOC to a protoc binary (Termux: pkg install protobuf)"))?;
+            let protoc = protoc_bin_vendored::protoc_bin_path().map_err(|e| {
+                format!("{e}; set PROTOC to a protoc binary (Termux: pkg install protobuf)")
+            })?;
             // SAFETY: build scripts are single-threaded; nothing else reads the environment
             // concurrently.
             unsafe { std::env::set_var("PROTOC", protoc) };

@@ -102,6 +102,7 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
         stream_prefill: false,
         direct: true,
         flash_attn: "auto".into(),
+        cache_type: "f16".into(),
     };
     let stack = Stack::start(
         &cfg,
@@ -112,8 +113,10 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir_a)?;
     std::fs::create_dir_all(&dir_b)?;
     let fa = stack.flash_attn;
-    let a = StockServer::start_with(&bin, &model, args.n_ctx, threads, fa, Some(&dir_a)).await?;
-    let b = StockServer::start_with(&bin, &model, args.n_ctx, threads, fa, Some(&dir_b)).await?;
+    let a =
+        StockServer::start_with(&bin, &model, args.n_ctx, threads, fa, "f16", Some(&dir_a)).await?;
+    let b =
+        StockServer::start_with(&bin, &model, args.n_ctx, threads, fa, "f16", Some(&dir_b)).await?;
     let upload = Uploads::start(dir_b.clone()).await?;
     let http = reqwest::Client::new();
     let prompt = crate::client::prompt(args.prompt_tokens);

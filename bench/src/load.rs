@@ -143,6 +143,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         stream_prefill: false,
         direct: false,
         flash_attn: "auto".into(),
+        cache_type: "f16".into(),
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

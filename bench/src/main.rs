@@ -123,6 +123,9 @@ struct RunArgs {
     /// resolve to.
     #[arg(long, default_value = "auto")]
     flash_attn: String,
+    /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0), and the stock server's.
+    #[arg(long, default_value = "f16")]
+    cache_type: String,
 }
 
 impl RunArgs {
@@ -306,15 +309,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     stream_prefill: args.stream_prefill,
                     direct: false,
                     flash_attn: args.flash_attn.clone(),
+                    cache_type: args.cache_type.clone(),
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))
             }
         };
         let stock = match &stock_bin {
-            Some(bin) => {
-                Some(stock::StockServer::start(bin, &path, args.n_ctx, threads, flash_attn).await?)
-            }
+            Some(bin) => Some(
+                stock::StockServer::start(
+                    bin,
+                    &path,
+                    args.n_ctx,
+                    threads,
+                    flash_attn,
+                    &args.cache_type,
+                )
+                .await?,
+            ),
             None => None,
         };
         let mut targets: Vec<Target> = args

@@ -599,7 +599,60 @@ pub fn plots(configs: &[(Config, Vec<Line>)], out: &Path) -> anyhow::Result<Vec<
         )?;
         files.push(file.to_string());
     }
+    plot(
+        &out.join("token_gaps.png"),
+        "Gaps between tokens through one answer (longest prompt, last pair)",
+        "time since the request, ms (log scale)",
+        "gap before the token, ms",
+        &gap_series(configs),
+    )?;
+    files.push("token_gaps.png".to_string());
     Ok(files)
+}
+
+/// For each (model, link) at its longest prompt, one answer per transport (the last
+/// retained pair's): each token's gap to the one before, at the time it came. A handoff
+/// that stalls the answer shows as one tall point after the first token.
+fn gap_series(configs: &[(Config, Vec<Line>)]) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut longest: BTreeMap<(String, String), &Config> = BTreeMap::new();
+    for (c, _) in configs {
+        let e = longest
+            .entry((c.model.clone(), c.profile.clone()))
+            .or_insert(c);
+        if c.target_prompt_tokens > e.target_prompt_tokens {
+            *e = c;
+        }
+    }
+    let several_models = longest
+        .keys()
+        .map(|k| &k.0)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
+        > 1;
+    let mut series = Vec::new();
+    for ((model, profile), c) in longest {
+        let Some(pair) = c.pairs.iter().skip(1).next_back() else {
+            continue;
+        };
+        for a in pair {
+            let Ok(m) = &a.result else { continue };
+            let mut at = m.ttft_ms;
+            let points = m
+                .itl_ms
+                .iter()
+                .map(|gap| {
+                    at += gap;
+                    (at, *gap)
+                })
+                .collect();
+            let mut name = format!("{} @ {profile}", a.transport);
+            if several_models {
+                name = format!("{model}: {name}");
+            }
+            series.push((name, points));
+        }
+    }
+    series
 }
 
 #[cfg(test)]

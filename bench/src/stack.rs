@@ -40,6 +40,8 @@ pub struct StackConfig {
     pub direct: bool,
     /// Both nodes' `--flash-attn` (auto, on, off).
     pub flash_attn: String,
+    /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0).
+    pub cache_type: String,
 }
 
 /// A running stack; its processes are killed on drop.
@@ -129,6 +131,8 @@ impl Stack {
                 a.extend(["--parallel".into(), n.to_string()]);
             }
             a.extend(["--flash-attn".into(), cfg.flash_attn.clone()]);
+            a.extend(["--cache-type-k".into(), cfg.cache_type.clone()]);
+            a.extend(["--cache-type-v".into(), cfg.cache_type.clone()]);
             a
         };
         let mut stack = Stack {

@@ -33,14 +33,17 @@ pub fn build(repo: &Path) -> anyhow::Result<PathBuf> {
 }
 
 impl StockServer {
+    /// A stock server with our nodes' settings: context, threads, flash attention and the
+    /// KV cache type (`-ctk`/`-ctv`).
     pub async fn start(
         bin: &Path,
         model: &Path,
         n_ctx: u32,
         threads: i32,
         flash_attn: bool,
+        cache_type: &str,
     ) -> anyhow::Result<StockServer> {
-        Self::start_with(bin, model, n_ctx, threads, flash_attn, None).await
+        Self::start_with(bin, model, n_ctx, threads, flash_attn, cache_type, None).await
     }
 
     /// [`StockServer::start`], saving and restoring slots in `slot_dir` when given
@@ -51,6 +54,7 @@ impl StockServer {
         n_ctx: u32,
         threads: i32,
         flash_attn: bool,
+        cache_type: &str,
         slot_dir: Option<&Path>,
     ) -> anyhow::Result<StockServer> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -67,6 +71,7 @@ impl StockServer {
             .arg(model)
             .args(["-c", &n_ctx.to_string(), "-t", &threads.to_string()])
             .args(["-np", "1", "-fa", if flash_attn { "on" } else { "off" }])
+            .args(["-ctk", cache_type, "-ctv", cache_type])
             .args([
                 "--no-webui",
                 "--host",

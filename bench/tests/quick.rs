@@ -132,7 +132,12 @@ fn quick_run_writes_every_output() {
     ] {
         assert!(md.contains(s), "summary.md lacks {s:?}:\n{md}");
     }
-    for p in ["ttft_vs_prompt.png", "decode_tps.png", "handoff_bytes.png"] {
+    for p in [
+        "ttft_vs_prompt.png",
+        "decode_tps.png",
+        "handoff_bytes.png",
+        "token_gaps.png",
+    ] {
         assert_eq!(png_size(&out.join(p)), (900, 560));
     }
 
