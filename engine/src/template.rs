@@ -187,37 +187,35 @@ fn python_json(
         K::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         K::Number => out.push_str(&v.to_string()),
         K::String => out.push_str(&quote(v.as_str().unwrap_or_default())),
-        K::Seq | K::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
+        K::Seq | K::Iterable | K::Map => {
+            // (key, value) for a map's entries, (None, item) for a list's.
+            let is_map = v.kind() == K::Map;
+            let entries = v
+                .try_iter()?
+                .map(|x| {
+                    if is_map {
+                        Ok((Some(x.to_string()), v.get_item(&x)?))
+                    } else {
+                        Ok((None, x))
+                    }
+                })
+                .collect::<Result<Vec<_>, Error>>()?;
+            out.push(if is_map { '{' } else { '[' });
+            for (i, (key, item)) in entries.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
+                if let Some(k) = key {
+                    out.push_str(&quote(k));
+                    out.push_str(": ");
+                }
                 python_json(item, indent, depth + 1, out)?;
             }
-            if !items.is_empty() {
+            if !entries.is_empty() {
                 newline(out, depth);
             }
-            out.push(']');
-        }
-        K::Map => {
-            let keys: Vec<Value> = v.try_iter()?.collect();
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, depth + 1);
-                out.push_str(&quote(&k.to_string()));
-                out.push_str(": ");
-                python_json(&v.get_item(k)?, indent, depth + 1, out)?;
-            }
-            if !keys.is_empty() {
-                newline(out, depth);
-            }
-            out.push('}');
+            out.push(if is_map { '}' } else { ']' });
         }
         _ => {
             return Err(Error::new(

@@ -69,7 +69,6 @@ async fn every_conversation_is_the_prompt_llama_server_builds() {
     cfg.n_ctx = 2048;
     cfg.n_parallel = 1;
     let engine = edgesplit_engine::Engine::start(cfg).await.unwrap();
-    let http = common::client();
     let convs = conversations();
     assert!(convs.len() >= 10);
     for conv in convs {
@@ -77,27 +76,19 @@ async fn every_conversation_is_the_prompt_llama_server_builds() {
             .iter()
             .map(|(r, c)| json!({"role": r, "content": c}))
             .collect();
-        let applied: Value = http
-            .post(format!("{}/apply-template", stock.base))
-            .json(&json!({ "messages": messages }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, _, applied) = common::post(
+            &format!("{}/apply-template", stock.base),
+            &json!({ "messages": messages }),
+        )
+        .await;
         let prompt = applied["prompt"]
             .as_str()
             .unwrap_or_else(|| panic!("{applied}"));
-        let tokenized: Value = http
-            .post(format!("{}/tokenize", stock.base))
-            .json(&json!({"content": prompt, "add_special": true, "parse_special": true}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, _, tokenized) = common::post(
+            &format!("{}/tokenize", stock.base),
+            &json!({"content": prompt, "add_special": true, "parse_special": true}),
+        )
+        .await;
         let theirs: Vec<i32> = tokenized["tokens"]
             .as_array()
             .unwrap()
@@ -127,7 +118,6 @@ async fn a_chat_request_without_a_system_message_answers_as_llama_server_does() 
     let model = common::model(common::SMOLLM2);
     let stock = StockServer::start("template-chat", &model, &[]).await;
     let s = common::smollm2();
-    let http = common::client();
     for messages in [
         json!([{"role": "user", "content": "Name three fruits."}]),
         json!([{"role": "user", "content": [
@@ -141,15 +131,7 @@ async fn a_chat_request_without_a_system_message_answers_as_llama_server_does() 
         );
         let mut answers = Vec::new();
         for url in [&s.router, &stock.base] {
-            let v: Value = http
-                .post(format!("{url}/v1/chat/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let (_, _, v) = common::post(&format!("{url}/v1/chat/completions"), &body).await;
             answers.push((
                 v["usage"]["prompt_tokens"].clone(),
                 v["choices"][0]["message"]["content"].clone(),
@@ -168,22 +150,20 @@ async fn a_chat_request_without_a_system_message_answers_as_llama_server_does() 
 #[tokio::test]
 async fn a_conversation_the_template_refuses_is_a_clear_400() {
     let s = common::smollm2();
-    let http = common::client();
-    let r = http
-        .post(format!("{}/v1/chat/completions", s.router))
-        .json(&common::chat_body(
+    let url = format!("{}/v1/chat/completions", s.router);
+    let (status, _, v) = common::post(
+        &url,
+        &common::chat_body(
             json!([
                 {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello"},
                 {"role": "assistant", "content": "again"}
             ]),
             json!({"max_tokens": 4}),
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 400);
-    let v: Value = r.json().await.unwrap();
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["code"], "template_error", "{v}");
     assert!(
         v["error"]["message"]
@@ -193,20 +173,18 @@ async fn a_conversation_the_template_refuses_is_a_clear_400() {
         "{v}"
     );
     // A final assistant message alone is continued: the answer goes on from its text.
-    let r = http
-        .post(format!("{}/v1/chat/completions", s.router))
-        .json(&common::chat_body(
+    let (status, _, v) = common::post(
+        &url,
+        &common::chat_body(
             json!([
                 {"role": "user", "content": "Count from one to ten."},
                 {"role": "assistant", "content": "One, two, three,"}
             ]),
             json!({"max_tokens": 6, "temperature": 0}),
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let v: Value = r.json().await.unwrap();
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.to_lowercase().contains("four"), "{text:?}");
 }
