@@ -33,6 +33,9 @@ pub struct EngineConfig {
     /// a quantized V cache needs flash attention (llama.cpp's rule).
     pub cache_type_k: KvType,
     pub cache_type_v: KvType,
+    /// A Jinja chat template read from this file instead of the GGUF's (llama-server's
+    /// `--chat-template-file`): for a GGUF that has none, or a wrong one.
+    pub chat_template_file: Option<PathBuf>,
 }
 
 impl EngineConfig {
@@ -50,6 +53,7 @@ impl EngineConfig {
             n_parallel: 1,
             cache_type_k: KvType::F16,
             cache_type_v: KvType::F16,
+            chat_template_file: None,
         }
     }
 }
@@ -180,6 +184,11 @@ pub struct EngineArgs {
     /// V cache type: f16, q8_0 or q4_0; a quantized V cache needs `--flash-attn on`.
     #[arg(long, default_value = "f16")]
     pub cache_type_v: KvType,
+    /// A Jinja chat template file used instead of the GGUF's (as llama-server's flag): for
+    /// a GGUF without one. Read at start; a file that does not compile refuses chat
+    /// requests with a 400 naming the error.
+    #[arg(long)]
+    pub chat_template_file: Option<PathBuf>,
 }
 
 impl EngineArgs {
@@ -194,6 +203,7 @@ impl EngineArgs {
             flash_attn: FlashAttn::Auto,
             cache_type_k: KvType::F16,
             cache_type_v: KvType::F16,
+            chat_template_file: None,
         }
     }
 
@@ -207,6 +217,7 @@ impl EngineArgs {
         e.n_parallel = parallel;
         e.cache_type_k = self.cache_type_k;
         e.cache_type_v = self.cache_type_v;
+        e.chat_template_file.clone_from(&self.chat_template_file);
         if let Some(t) = self.threads {
             e.n_threads = t;
         }

@@ -84,7 +84,8 @@ impl ModelInfo {
             type_k: config.cache_type_k.ggml_type(),
             type_v: config.cache_type_v.ggml_type(),
             flash_attn,
-            has_chat_template: model.chat_template(None).is_ok(),
+            has_chat_template: config.chat_template_file.is_some()
+                || model.chat_template(None).is_ok(),
             n_layer,
             n_ctx_train: model.n_ctx_train(),
             parallel: config.n_parallel.max(1),

@@ -2,6 +2,7 @@
 //! context per sequence slot, and the [`Worker`] that prefills, imports, exports and steps.
 
 use std::num::NonZeroU32;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -118,6 +119,14 @@ pub(crate) fn owner_thread(
         kv_bytes_per_token = info.kv_bytes_per_token,
         "model loaded"
     );
+    let chat = chat_template(&model, config.chat_template_file.as_deref());
+    // A template file asked for by name and unusable is a configuration error: refused at
+    // start, as llama-server refuses it. (A GGUF's own broken template only refuses chat
+    // requests: raw completions still work.)
+    if let (Some(_), Some(Err(e))) = (&config.chat_template_file, &chat) {
+        let _ = ready.send(Err(load_err(e.clone())));
+        return;
+    }
     let n_batch = config.n_batch as usize;
     let worker = Worker {
         model: &model,
@@ -129,7 +138,7 @@ pub(crate) fn owner_thread(
         gauges,
         export_buf: Vec::new(),
         sliding_window: info.sliding_window,
-        chat: chat_template(&model),
+        chat,
     };
     if ready.send(Ok(info)).is_err() {
         return;
@@ -180,13 +189,23 @@ struct Worker<'m> {
     chat: Option<Result<ChatTemplate, String>>,
 }
 
-/// The model's chat template with its BOS/EOS text, as llama-server reads them: the tokens
-/// as text with special tokens rendered, and whether tokenizing adds them.
-fn chat_template(model: &LlamaModel) -> Option<Result<ChatTemplate, String>> {
-    let source = model.chat_template(None).ok()?;
-    let source = match source.to_str() {
+/// The chat template (`--chat-template-file`'s, else the GGUF's) with the model's BOS/EOS
+/// text, as llama-server reads them: the tokens as text with special tokens rendered, and
+/// whether tokenizing adds them.
+fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Option<Result<ChatTemplate, String>> {
+    let source = match file {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| format!("chat template file {}: {e}", path.display())),
+        None => {
+            let t = model.chat_template(None).ok()?;
+            t.to_str()
+                .map(str::to_owned)
+                .map_err(|e| format!("the chat template is not UTF-8: {e}"))
+        }
+    };
+    let source = match source {
         Ok(s) => s,
-        Err(e) => return Some(Err(format!("the chat template is not UTF-8: {e}"))),
+        Err(e) => return Some(Err(e)),
     };
     let vocab = model.vocab();
     let text = |t: LlamaToken| {
@@ -202,7 +221,7 @@ fn chat_template(model: &LlamaModel) -> Option<Result<ChatTemplate, String>> {
         add_bos: vocab.should_add_bos(),
         add_eos: vocab.should_add_eos(),
     };
-    let compiled = ChatTemplate::new(source, special);
+    let compiled = ChatTemplate::new(&source, special);
     if let Err(e) = &compiled {
         tracing::warn!(error = %e, "the model's chat template does not compile; chat requests will be refused");
     }

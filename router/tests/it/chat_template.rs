@@ -188,3 +188,147 @@ async fn a_conversation_the_template_refuses_is_a_clear_400() {
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.to_lowercase().contains("four"), "{text:?}");
 }
+
+/// Gemma-3's chat template (Google's, as published with the instruction-tuned models). Our
+/// Gemma-3 GGUF carries none; `--chat-template-file` supplies it, as with llama-server.
+const GEMMA3_TEMPLATE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"#;
+
+/// `--chat-template-file`, on the Gemma-3 GGUF that has no template: the same tokens as a
+/// stock llama-server given the same file (its BOS written by the template and cut, the
+/// system message folded into the first turn, slicing, `trim`), the template's own
+/// refusal as our error, and an unusable file refused at start.
+#[tokio::test]
+async fn a_template_file_gives_llama_servers_prompt_and_a_bad_one_is_refused_at_start() {
+    let model = common::model(common::GEMMA3);
+    let dir = common::stock::tempdir("gemma-template");
+    let file = dir.join("gemma3.jinja");
+    std::fs::write(&file, GEMMA3_TEMPLATE).unwrap();
+    let stock = StockServer::start(
+        "gemma-template",
+        &model,
+        &["--jinja", "--chat-template-file", file.to_str().unwrap()],
+    )
+    .await;
+    let mut cfg = edgesplit_engine::EngineConfig::new(&model);
+    cfg.n_ctx = 1024;
+    cfg.chat_template_file = Some(file.clone());
+    let engine = edgesplit_engine::Engine::start(cfg.clone()).await.unwrap();
+    assert!(engine.info().has_chat_template);
+    for conv in [
+        vec![("user", "Name two moons of Jupiter.")],
+        vec![
+            ("system", "Answer in one word."),
+            ("user", "  Sky colour?  "),
+        ],
+        vec![
+            ("user", "Hi"),
+            ("assistant", "Hello!"),
+            ("user", "Ça va ? 🙂"),
+        ],
+    ] {
+        let messages: Vec<Value> = conv
+            .iter()
+            .map(|(r, c)| json!({"role": r, "content": c}))
+            .collect();
+        let (_, _, applied) = common::post(
+            &format!("{}/apply-template", stock.base),
+            &json!({ "messages": messages }),
+        )
+        .await;
+        let prompt = applied["prompt"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{applied}"));
+        let (_, _, tokenized) = common::post(
+            &format!("{}/tokenize", stock.base),
+            &json!({"content": prompt, "add_special": true, "parse_special": true}),
+        )
+        .await;
+        let theirs: Vec<i32> = tokenized["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap() as i32)
+            .collect();
+        let chat = conv
+            .iter()
+            .map(|(r, c)| ((*r).to_string(), (*c).to_string()))
+            .collect();
+        let ours = engine
+            .tokenize(edgesplit_engine::Input::Chat(chat))
+            .await
+            .unwrap();
+        assert_eq!(
+            ours, theirs,
+            "{messages:?}: llama-server's prompt was {prompt:?}"
+        );
+    }
+    let refused = engine
+        .tokenize(edgesplit_engine::Input::Chat(vec![
+            ("user".into(), "a".into()),
+            ("user".into(), "b".into()),
+        ]))
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("Conversation roles must alternate"),
+        "{refused}"
+    );
+
+    for (contents, says) in [
+        (None, "gemma3-missing.jinja"),
+        (Some("{% for m in messages %}"), "line"),
+    ] {
+        let mut bad = cfg.clone();
+        let path = dir.join("gemma3-missing.jinja");
+        if let Some(text) = contents {
+            std::fs::write(&path, text).unwrap();
+        }
+        bad.chat_template_file = Some(path);
+        let Err(e) = edgesplit_engine::Engine::start(bad).await else {
+            panic!("started with an unusable template file")
+        };
+        assert!(e.to_string().contains(says), "{e}");
+    }
+}
