@@ -7,6 +7,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SRC="$ROOT/.build/stock-llama.cpp"
 BIN="$SRC/build/bin"
+mkdir -p "$ROOT/.build"
+# One build at a time: tests running in parallel (the bench's, the router's) all call this
+# script, and a second run must wait for the first instead of removing its sources.
+exec 9>"$ROOT/.build/stock-llama.lock"
+flock 9
 if [[ ! -x "$BIN/llama-server" || ! -x "$BIN/llama-bench" ]]; then
     mkdir -p "$ROOT/.build"
     if [[ ! -f "$SRC/CMakeLists.txt" ]]; then

@@ -23,6 +23,10 @@ echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
 echo "[test] the phone build (scripts/check-phone.sh)" >&2
 bash scripts/check-phone.sh
+# The stock llama-server that the bench and the interoperability tests compare against:
+# built here, once, so that no test waits on (or races) its build.
+echo "[test] stock llama.cpp (scripts/stock-llama.sh)" >&2
+bash scripts/stock-llama.sh >/dev/null
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all --check
 # --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.
