@@ -26,6 +26,8 @@ pub struct ModelInfo {
     pub type_k: u32,
     pub type_v: u32,
     pub flash_attn: bool,
+    /// The model has a chat template of its own (the GGUF's, or `--chat-template-file`);
+    /// false: chat requests use llama-server's ChatML fallback.
     pub has_chat_template: bool,
     pub n_layer: u32,
     /// The context length the model was trained for.

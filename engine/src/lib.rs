@@ -28,5 +28,5 @@ pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, TokenOut,
+    Start, TokenLogprobs, TokenOut, TopLogprob,
 };

@@ -30,7 +30,13 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// How many recent tokens the penalties look at.
     pub penalty_last_n: i32,
+    /// Log-probabilities to report per token: None = none; n = the sampled token's and
+    /// the n most likely (at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<u32>,
 }
+
+/// Most alternatives reported per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -44,6 +50,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             penalty_last_n: 64,
+            logprobs: None,
         }
     }
 }
@@ -115,6 +122,40 @@ pub fn sample(
     sampler.sample(ctx, idx)
 }
 
+/// `ln(sum(exp(logits)))`, the log of the softmax's normaliser (summed in f64).
+#[must_use]
+pub fn log_normaliser(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
+    max + sum.ln() as f32
+}
+
+/// The log-probability of `chosen` and the `n` most likely tokens (ids and
+/// log-probabilities, most likely first, the lower id first on ties), from raw logits.
+#[must_use]
+pub fn logprobs(logits: &[f32], chosen: i32, n: usize) -> (f32, Vec<(i32, f32)>) {
+    let log_z = log_normaliser(logits);
+    let mut top: Vec<(i32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() == n && l <= top[n - 1].1 {
+                continue;
+            }
+            let at = top.partition_point(|&(_, x)| x >= l);
+            top.insert(at, (i as i32, l));
+            top.truncate(n);
+        }
+    }
+    let chosen = usize::try_from(chosen)
+        .ok()
+        .and_then(|c| logits.get(c))
+        .map_or(f32::NEG_INFINITY, |l| l - log_z);
+    (
+        chosen,
+        top.into_iter().map(|(i, l)| (i, l - log_z)).collect(),
+    )
+}
+
 /// Index of the first maximum (llama.cpp's greedy sampler keeps the first on ties).
 fn argmax(logits: &[f32]) -> i32 {
     let mut best = 0;
@@ -129,6 +170,25 @@ fn argmax(logits: &[f32]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let (lp, top) = logprobs(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        assert!((f64::from(lp) - (2.0 - z.ln())).abs() < 1e-6, "{lp}");
+        // 3.0 twice: the lower id first; then 2.0.
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top[0].1 - top[1].1).abs() < f32::EPSILON);
+        let total: f64 = logits
+            .iter()
+            .map(|&l| f64::from(l - log_normaliser(&logits)).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(logprobs(&logits, 0, 0).1.is_empty());
+        assert_eq!(logprobs(&logits, 9, 1).0, f32::NEG_INFINITY);
+        assert_eq!(logprobs(&logits, 4, 9).1.len(), logits.len());
+    }
 
     #[test]
     fn argmax_keeps_the_first_maximum() {

@@ -439,6 +439,7 @@ mod tests {
             id,
             piece: Vec::new(),
             eog,
+            logprobs: None,
         }
     }
 

@@ -20,6 +20,17 @@
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 
+/// The template for a GGUF without one: llama-server's fallback (`CHATML_TEMPLATE_SRC` in
+/// llama.cpp's common/chat.cpp), so that such a model answers a chat request with the
+/// prompt llama-server gives it. ChatML may not be the format the model was trained on:
+/// `--chat-template-file` gives it its own.
+pub const CHATML_FALLBACK: &str = r"{%- for message in messages -%}
+  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}";
+
 /// Fuel for one render: minijinja counts instructions; real chat templates use a few
 /// thousand per message.
 const FUEL: u64 = 50_000_000;
@@ -55,6 +66,10 @@ impl ChatTemplate {
                 .map_err(|e| describe(&e))?,
         );
         env.set_fuel(Some(FUEL));
+        // As llama.cpp's Jinja engine: a member or index of an undefined value is
+        // undefined, not an error (Gemma's template reads `messages[0]['role']` of a
+        // conversation that, once its final assistant message is cut off, is empty).
+        env.set_undefined_behavior(minijinja::UndefinedBehavior::Chainable);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);

@@ -8,8 +8,6 @@ pub enum EngineError {
     Load { path: String, reason: String },
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("this model has no chat template; send a raw prompt to /v1/completions")]
-    NoChatTemplate,
     #[error("chat template failed: {0}")]
     Template(String),
     #[error("this model's maximum context length is {n_ctx} tokens; the request needs {needed} ({prompt} prompt + {max_tokens} completion)")]
@@ -41,12 +39,31 @@ pub enum Input {
 }
 
 /// A token and its text bytes (may be part of a UTF-8 character).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenOut {
     pub id: i32,
     pub piece: Vec<u8>,
     /// End-of-generation token (not part of the answer's text).
     pub eog: bool,
+    /// When the sampling parameters ask for them, and the token is not end-of-generation.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A sampled token's log-probability under the model (softmax of the raw logits, before
+/// any sampler: what llama-server reports by default) and the most likely tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// Most likely first; ties in the lower token id's favour.
+    pub top: Vec<TopLogprob>,
+}
+
+/// One of the most likely tokens at a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    pub id: i32,
+    pub piece: Vec<u8>,
+    pub logprob: f32,
 }
 
 /// Result of a prefill.

@@ -10,7 +10,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::Status;
 
-use crate::{EngineError, GenEvent, ModelInfo, SamplingParams};
+use crate::{EngineError, GenEvent, ModelInfo, SamplingParams, TokenLogprobs, TokenOut};
 
 impl ModelInfo {
     /// What this node presents in the V2 handshake.
@@ -59,6 +59,34 @@ impl From<&pb::Sampling> for SamplingParams {
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
             penalty_last_n: s.penalty_last_n,
+            logprobs: s.logprobs,
+        }
+    }
+}
+
+impl From<TokenLogprobs> for pb::TokenLogprobs {
+    fn from(l: TokenLogprobs) -> Self {
+        pb::TokenLogprobs {
+            logprob: l.logprob,
+            top: l
+                .top
+                .into_iter()
+                .map(|t| pb::Logprob {
+                    id: t.id,
+                    piece: t.piece,
+                    logprob: t.logprob,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<TokenOut> for pb::Token {
+    fn from(t: TokenOut) -> Self {
+        pb::Token {
+            id: t.id,
+            piece: t.piece,
+            logprobs: t.logprobs.map(Into::into),
         }
     }
 }
@@ -74,7 +102,6 @@ pub fn status(e: &EngineError) -> tonic::Status {
             (tonic::Code::InvalidArgument, "context_length_exceeded")
         }
         EngineError::EmptyPrompt => (tonic::Code::InvalidArgument, "empty_prompt"),
-        EngineError::NoChatTemplate => (tonic::Code::InvalidArgument, "no_chat_template"),
         EngineError::Template(_) => (tonic::Code::InvalidArgument, "template_error"),
         EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
         EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
@@ -106,10 +133,7 @@ pub fn token_events(
             while let Some(ev) = rx.recv().await {
                 let msg = match ev {
                     GenEvent::Token(t) => Ok(pb::TokenEvent {
-                        event: Some(pb::token_event::Event::Token(pb::Token {
-                            id: t.id,
-                            piece: t.piece,
-                        })),
+                        event: Some(pb::token_event::Event::Token(t.into())),
                     }),
                     GenEvent::Prefilled {
                         prompt_tokens,

@@ -26,7 +26,7 @@ use crate::scheduler::{Scheduler, Slots};
 use crate::template::{ChatTemplate, SpecialTokens};
 use crate::types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, TokenOut,
+    Start, TokenLogprobs, TokenOut, TopLogprob,
 };
 
 fn backend() -> &'static LlamaBackend {
@@ -123,7 +123,7 @@ pub(crate) fn owner_thread(
     // A template file asked for by name and unusable is a configuration error: refused at
     // start, as llama-server refuses it. (A GGUF's own broken template only refuses chat
     // requests: raw completions still work.)
-    if let (Some(_), Some(Err(e))) = (&config.chat_template_file, &chat) {
+    if let (Some(_), Err(e)) = (&config.chat_template_file, &chat) {
         let _ = ready.send(Err(load_err(e.clone())));
         return;
     }
@@ -184,28 +184,28 @@ struct Worker<'m> {
     export_buf: Vec<u8>,
     /// The model attends through a sliding window (its cache is a ring).
     sliding_window: bool,
-    /// The GGUF's chat template, compiled (None: the GGUF has none; an error: it does not
-    /// compile, said to each chat request).
-    chat: Option<Result<ChatTemplate, String>>,
+    /// The chat template, compiled (`--chat-template-file`'s, the GGUF's, or llama-server's
+    /// ChatML fallback); an error: it does not compile, said to each chat request.
+    chat: Result<ChatTemplate, String>,
 }
 
-/// The chat template (`--chat-template-file`'s, else the GGUF's) with the model's BOS/EOS
-/// text, as llama-server reads them: the tokens as text with special tokens rendered, and
-/// whether tokenizing adds them.
-fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Option<Result<ChatTemplate, String>> {
+/// The chat template (`--chat-template-file`'s, else the GGUF's, else llama-server's ChatML
+/// fallback) with the model's BOS/EOS text, as llama-server reads them: the tokens as text
+/// with special tokens rendered, and whether tokenizing adds them.
+fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Result<ChatTemplate, String> {
     let source = match file {
         Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("chat template file {}: {e}", path.display())),
-        None => {
-            let t = model.chat_template(None).ok()?;
-            t.to_str()
+            .map_err(|e| format!("chat template file {}: {e}", path.display()))?,
+        None => match model.chat_template(None) {
+            Ok(t) => t
+                .to_str()
                 .map(str::to_owned)
-                .map_err(|e| format!("the chat template is not UTF-8: {e}"))
-        }
-    };
-    let source = match source {
-        Ok(s) => s,
-        Err(e) => return Some(Err(e)),
+                .map_err(|e| format!("the chat template is not UTF-8: {e}"))?,
+            Err(_) => {
+                tracing::warn!("the model has no chat template: chat requests use ChatML, as llama-server does (--chat-template-file gives it its own)");
+                crate::template::CHATML_FALLBACK.to_owned()
+            }
+        },
     };
     let vocab = model.vocab();
     let text = |t: LlamaToken| {
@@ -225,7 +225,7 @@ fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Option<Result<ChatT
     if let Err(e) = &compiled {
         tracing::warn!(error = %e, "the model's chat template does not compile; chat requests will be refused");
     }
-    Some(compiled)
+    compiled
 }
 
 fn ms(since: Instant) -> f64 {
@@ -242,9 +242,8 @@ impl Worker<'_> {
                 return self.tokenize_text(&p);
             }
             Input::Chat(messages) => match &self.chat {
-                None => return Err(EngineError::NoChatTemplate),
-                Some(Err(e)) => return Err(EngineError::Template(e.clone())),
-                Some(Ok(t)) => t.render(&messages).map_err(EngineError::Template)?,
+                Err(e) => return Err(EngineError::Template(e.clone())),
+                Ok(t) => t.render(&messages).map_err(EngineError::Template)?,
             },
         };
         self.tokenize_text(&text)
@@ -277,18 +276,40 @@ impl Worker<'_> {
         Ok(())
     }
 
+    /// Token `id` with its text (none for end-of-generation).
     fn token_out(&self, id: LlamaToken) -> TokenOut {
         let eog = self.model.vocab().is_eog(id);
-        let piece = if eog {
-            Vec::new()
-        } else {
-            self.model.vocab().token_to_piece(id, false, None)
-        };
         TokenOut {
             id: id.0,
-            piece,
+            piece: if eog { Vec::new() } else { self.piece(id) },
             eog,
+            logprobs: None,
         }
+    }
+
+    fn piece(&self, id: LlamaToken) -> Vec<u8> {
+        self.model.vocab().token_to_piece(id, false, None)
+    }
+
+    /// The token `id` just sampled in `slot` from the logits at batch index `idx`, with its
+    /// log-probabilities when `params` ask for them.
+    fn sampled(&self, id: LlamaToken, slot: usize, idx: i32, params: &SamplingParams) -> TokenOut {
+        let mut out = self.token_out(id);
+        if let (Some(n), false) = (params.logprobs, out.eog) {
+            let logits = self.slots[slot].ctx.get_logits_ith(idx);
+            let n = n.min(sampling::MAX_TOP_LOGPROBS) as usize;
+            let (logprob, top) = sampling::logprobs(logits, id.0, n);
+            let top = top
+                .into_iter()
+                .map(|(t, logprob)| TopLogprob {
+                    id: t,
+                    piece: self.piece(LlamaToken(t)),
+                    logprob,
+                })
+                .collect();
+            out.logprobs = Some(TokenLogprobs { logprob, top });
+        }
+        out
     }
 
     /// Clears the slot, prefills `tokens` and samples the first answer token (step 0).
@@ -350,11 +371,13 @@ impl Worker<'_> {
         let ctx = &self.slots[slot].ctx;
         let idx = self.batch.n_tokens() - 1;
         let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
+        // Before the relayout, which leaves no logits.
+        let first = self.sampled(id, slot, idx, params);
         if self.sliding_window {
             self.lay_out_as_imported(slot)?;
         }
         self.set_kv(slot, tokens.len());
-        Ok(self.token_out(id))
+        Ok(first)
     }
 
     /// After a prefill, a sliding-window cache holds the window's cells in a ring, at
@@ -629,7 +652,7 @@ impl Slots for Worker<'_> {
         a.step += 1;
         a.budget -= 1;
         a.last = id.0;
-        Ok((self.token_out(id), a.budget == 0))
+        Ok((self.sampled(id, slot, 0, &a.params), a.budget == 0))
     }
 
     fn score(
@@ -656,9 +679,7 @@ impl Slots for Worker<'_> {
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
             for i in 0..chunk.len() {
                 let logits = ctx.get_logits_ith(i as i32);
-                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
-                let log_z = max + sum.ln() as f32;
+                let log_z = sampling::log_normaliser(logits);
                 let logprobs = logits.iter().map(|l| l - log_z).collect();
                 if out.blocking_send(Ok(logprobs)).is_err() {
                     return Ok(()); // the reader left

@@ -262,6 +262,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 last: out.first.eog || max_tokens <= 1,
                 eog: out.first.eog,
                 max_tokens,
+                logprobs: out.first.logprobs.clone().map(Into::into),
             })),
         };
         // The first token goes out before the handoff starts: TTFT does not wait for it.
@@ -410,6 +411,7 @@ impl PrefillService {
                     last,
                     eog: first.eog,
                     max_tokens,
+                    logprobs: first.logprobs.map(Into::into),
                 })),
             }))
             .await;

@@ -83,7 +83,7 @@ impl LiveHandoff {
                     let msg = match ev {
                         Some(GenEvent::Token(t)) => {
                             written_tx.send_modify(|n| *n += 1);
-                            event(pb::prefill_event::Event::Token(pb::Token { id: t.id, piece: t.piece }))
+                            event(pb::prefill_event::Event::Token(t.into()))
                         }
                         Some(GenEvent::Done(s)) if s.finish == Finish::Handover => {
                             // Every token before the switch has been forwarded; the last

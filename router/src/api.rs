@@ -98,6 +98,8 @@ pub struct Sampling {
     pub repeat_penalty: f32,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// Log-probabilities per token: None = not asked; n = the token's and the n most likely.
+    pub logprobs: Option<u32>,
 }
 
 impl From<&Sampling> for edgesplit_proto::pb::Sampling {
@@ -112,6 +114,7 @@ impl From<&Sampling> for edgesplit_proto::pb::Sampling {
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
             penalty_last_n: 64,
+            logprobs: s.logprobs,
         }
     }
 }
@@ -342,16 +345,15 @@ const FIELDS: &[&str] = &[
     "repeat_penalty",
     "edgesplit",
     "user",
+    "logprobs",
 ];
-const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens"];
+const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// OpenAI fields we do not implement (yet) but accept at the value that asks for nothing:
 /// the field, whether a value asks for nothing, and what the 400 says otherwise.
 type Inert = (&'static str, fn(&Value) -> bool, &'static str);
 const INERT: &[Inert] = &[
-    ("logprobs", |v| matches!(v, Value::Bool(false)), "logprobs are not supported yet"),
-    ("top_logprobs", |v| v.as_u64() == Some(0), "logprobs are not supported yet"),
     (
         "response_format",
         |v| v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|o| o.len() == 1),
@@ -404,6 +406,28 @@ fn known_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiE
         }
     }
     Ok(())
+}
+
+/// Most alternatives per token (`top_logprobs`; the engine's limit, OpenAI's for chat).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// The log-probabilities asked for: chat `logprobs: true` with `top_logprobs` 0-20 (which
+/// needs `logprobs`), completions `logprobs` 0-20 (OpenAI allows 5; llama-server more).
+fn logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    match endpoint {
+        Endpoint::Chat => {
+            let on = boolean(obj, "logprobs")?;
+            let top = int(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+            if top.is_some() && !on {
+                return Err(ApiError::invalid(
+                    Some("top_logprobs".into()),
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            Ok(on.then(|| top.unwrap_or(0) as u32))
+        }
+        Endpoint::Completion => Ok(int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)?.map(|n| n as u32)),
+    }
 }
 
 /// Parses and validates a request body for `endpoint`.
@@ -490,7 +514,7 @@ pub fn parse(
             ))
         }
     };
-    let sampling = Sampling {
+    let mut sampling = Sampling {
         temperature,
         top_p: num(&obj, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
         top_k: int(&obj, "top_k", 0, 1_000_000)?.unwrap_or(0) as i32,
@@ -501,7 +525,9 @@ pub fn parse(
             .unwrap_or(1.0) as f32,
         presence_penalty: num(&obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        logprobs: None,
     };
+    sampling.logprobs = logprobs(endpoint, &obj)?;
     if sampling.top_p <= 0.0 {
         return Err(ApiError::invalid(
             Some("top_p".into()),
@@ -674,12 +700,16 @@ mod tests {
     fn fields_we_would_ignore_are_refused_by_name() {
         for (body, param) in [
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#,
-                "logprobs",
-            ),
-            (
                 r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
                 "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":2}"#,
+                "logprobs",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
@@ -717,8 +747,15 @@ mod tests {
             let e = chat(body).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}");
         }
-        let e = parse(Endpoint::Completion, br#"{"prompt":"x","echo":true}"#, || 1).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("echo"));
+        for (body, param) in [
+            (r#"{"prompt":"x","echo":true}"#, "echo"),
+            (r#"{"prompt":"x","logprobs":true}"#, "logprobs"),
+            (r#"{"prompt":"x","logprobs":21}"#, "logprobs"),
+            (r#"{"prompt":"x","top_logprobs":2}"#, "top_logprobs"),
+        ] {
+            let e = parse(Endpoint::Completion, body.as_bytes(), || 1).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
         let e = parse(
             Endpoint::Completion,
             br#"{"prompt":"x","messages":[]}"#,
@@ -742,6 +779,37 @@ mod tests {
             || 1,
         )
         .unwrap();
+    }
+
+    #[test]
+    fn logprobs_as_each_endpoint_asks_for_them() {
+        let lp = |e, body: &str| parse(e, body.as_bytes(), || 1).unwrap().sampling.logprobs;
+        let msgs = r#""messages":[{"role":"user","content":"x"}]"#;
+        assert_eq!(lp(Endpoint::Chat, &format!("{{{msgs}}}")), None);
+        assert_eq!(
+            lp(Endpoint::Chat, &format!(r#"{{{msgs},"logprobs":false}}"#)),
+            None
+        );
+        assert_eq!(
+            lp(Endpoint::Chat, &format!(r#"{{{msgs},"logprobs":true}}"#)),
+            Some(0)
+        );
+        assert_eq!(
+            lp(
+                Endpoint::Chat,
+                &format!(r#"{{{msgs},"logprobs":true,"top_logprobs":20}}"#)
+            ),
+            Some(20)
+        );
+        assert_eq!(
+            lp(Endpoint::Completion, r#"{"prompt":"x","logprobs":3}"#),
+            Some(3)
+        );
+        assert_eq!(
+            lp(Endpoint::Completion, r#"{"prompt":"x","logprobs":0}"#),
+            Some(0)
+        );
+        assert_eq!(lp(Endpoint::Completion, r#"{"prompt":"x"}"#), None);
     }
 
     #[test]

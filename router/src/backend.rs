@@ -74,10 +74,12 @@ pub enum Event {
         prompt_tokens: u32,
         prefill_ms: f64,
     },
-    /// One sampled token (an end-of-generation token has empty bytes).
+    /// One sampled token (an end-of-generation token has empty bytes), with its
+    /// log-probabilities when the request asked for them.
     Token {
         id: i32,
         bytes: Vec<u8>,
+        logprobs: Option<pb::TokenLogprobs>,
     },
     /// A split answer's handoff mode (sent first).
     Mode(HandoffMode),
@@ -462,6 +464,7 @@ fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
         Some(pb::token_event::Event::Token(t)) => Event::Token {
             id: t.id,
             bytes: t.piece,
+            logprobs: t.logprobs,
         },
         Some(pb::token_event::Event::Prefilled(p)) => Event::Prefilled {
             prompt_tokens: p.prompt_tokens,
@@ -550,6 +553,7 @@ impl SplitAnswer {
         let first = Event::Token {
             id: self.first.token,
             bytes: self.first.piece.clone(),
+            logprobs: self.first.logprobs.clone(),
         };
         if self.tx.send(Event::Mode(self.mode)).await.is_err() || self.tx.send(first).await.is_err()
         {
@@ -605,6 +609,7 @@ impl SplitAnswer {
                     Event::Token {
                         id: t.id,
                         bytes: t.piece,
+                        logprobs: t.logprobs,
                     }
                 }
                 Some(P::Finished(f)) => {

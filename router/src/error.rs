@@ -106,7 +106,6 @@ impl ApiError {
             "context_length_exceeded"
             | "kv_budget_exceeded"
             | "empty_prompt"
-            | "no_chat_template"
             | "template_error" => {
                 Self::invalid(Some(input_param.to_string()), msg).with_code(&name)
             }

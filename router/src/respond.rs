@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use edgesplit_proto::pb;
 use serde_json::{json, Value};
 
 use crate::api::{Endpoint, Transport};
@@ -29,6 +30,8 @@ pub struct Meta {
     pub return_token_ids: bool,
     /// The sampling seed used (the router draws one when a sampled request has none).
     pub seed: u32,
+    /// The request asked for log-probabilities.
+    pub logprobs: bool,
 }
 
 /// What one event means for the client.
@@ -55,6 +58,10 @@ pub struct Answer {
     pub prompt_tokens: u32,
     pub finish: Option<FinishReason>,
     pub timing: Timing,
+    /// Each token's log-probabilities (end-of-generation tokens have none), and how many
+    /// of them streamed chunks have carried so far.
+    logprobs: Vec<(Vec<u8>, pb::TokenLogprobs)>,
+    logprobs_sent: usize,
 }
 
 impl Answer {
@@ -78,6 +85,8 @@ impl Answer {
                 prefill_ms,
                 ..Timing::default()
             },
+            logprobs: Vec::new(),
+            logprobs_sent: 0,
         }
     }
 
@@ -156,9 +165,16 @@ impl Answer {
                 self.timing.prefill_ms = Some(prefill_ms);
                 Step::Nothing
             }
-            Event::Token { id, bytes } => {
+            Event::Token {
+                id,
+                bytes,
+                logprobs,
+            } => {
                 self.completion_tokens += 1;
                 self.token_ids.push(id);
+                if let (Some(lp), true) = (logprobs, self.meta.logprobs) {
+                    self.logprobs.push((bytes.clone(), lp));
+                }
                 let d = self.text.push(&bytes);
                 if self.timing.ttft_ms.is_none() && !d.text.is_empty() {
                     self.timing.ttft_ms = Some(self.meta.received.elapsed().as_secs_f64() * 1000.0);
@@ -275,13 +291,13 @@ impl Answer {
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": self.logprobs_json(&self.logprobs),
                 "finish_reason": self.finish_str(),
             }),
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": self.logprobs_json(&self.logprobs),
                 "finish_reason": self.finish_str(),
             }),
         };
@@ -326,34 +342,82 @@ impl Answer {
         }
     }
 
-    /// A content chunk.
-    #[must_use]
-    pub fn text_chunk(&self, text: &str) -> Value {
+    /// The `logprobs` of a choice for `entries` in the endpoint's shape; null when the
+    /// request did not ask. Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+    /// completions: `{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}]}`.
+    fn logprobs_json(&self, entries: &[(Vec<u8>, pb::TokenLogprobs)]) -> Value {
+        if !self.meta.logprobs {
+            return Value::Null;
+        }
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        match self.meta.endpoint {
+            Endpoint::Chat => {
+                let one = |bytes: &[u8], logprob: f32| json!({"token": text(bytes), "logprob": logprob, "bytes": bytes});
+                let content: Vec<Value> = entries
+                    .iter()
+                    .map(|(bytes, lp)| {
+                        let mut e = one(bytes, lp.logprob);
+                        e["top_logprobs"] =
+                            lp.top.iter().map(|t| one(&t.piece, t.logprob)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completion => json!({
+                "tokens": entries.iter().map(|(b, _)| text(b)).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|(_, lp)| lp.logprob).collect::<Vec<_>>(),
+                "top_logprobs": entries
+                    .iter()
+                    .map(|(_, lp)| {
+                        lp.top
+                            .iter()
+                            .map(|t| (text(&t.piece), json!(t.logprob)))
+                            .collect::<serde_json::Map<_, _>>()
+                    })
+                    .collect::<Vec<_>>(),
+            }),
+        }
+    }
+
+    /// The log-probabilities no chunk has carried yet, in the endpoint's shape.
+    fn unsent_logprobs(&mut self) -> Value {
+        let v = self.logprobs_json(&self.logprobs[self.logprobs_sent..]);
+        self.logprobs_sent = self.logprobs.len();
+        v
+    }
+
+    /// A content chunk, with the log-probabilities of the tokens since the previous chunk
+    /// (a token whose text is held back, as a possible stop string's start, goes with the
+    /// chunk that sends it).
+    pub fn text_chunk(&mut self, text: &str) -> Value {
+        let logprobs = self.unsent_logprobs();
         match self.meta.endpoint {
             Endpoint::Chat => self.chunk(json!([{
                 "index": 0,
                 "delta": {"content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": null,
             }])),
             Endpoint::Completion => self.chunk(json!([{
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": null,
             }])),
         }
     }
 
-    /// The finish chunk(s): finish reason (with the timing report), then usage if asked.
-    #[must_use]
-    pub fn final_chunks(&self) -> Vec<Value> {
+    /// The finish chunk(s): finish reason (with the timing report and the log-probabilities
+    /// of tokens no chunk carried), then usage if asked.
+    pub fn final_chunks(&mut self) -> Vec<Value> {
+        let logprobs = self.unsent_logprobs();
         let choice = match self.meta.endpoint {
             Endpoint::Chat => json!({
-                "index": 0, "delta": {}, "logprobs": null, "finish_reason": self.finish_str(),
+                "index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": self.finish_str(),
             }),
             Endpoint::Completion => json!({
-                "index": 0, "text": "", "logprobs": null, "finish_reason": self.finish_str(),
+                "index": 0, "text": "", "logprobs": logprobs, "finish_reason": self.finish_str(),
             }),
         };
         let mut finish = self.chunk(json!([choice]));
@@ -386,6 +450,7 @@ mod tests {
                 received: Instant::now(),
                 return_token_ids: false,
                 seed: 0,
+                logprobs: false,
             },
             stops,
             Some(5),
@@ -412,7 +477,8 @@ mod tests {
         assert_eq!(
             a.on_event(Event::Token {
                 id: 0,
-                bytes: b"Hi".to_vec()
+                bytes: b"Hi".to_vec(),
+                logprobs: None,
             }),
             Step::Text("Hi".into())
         );
@@ -429,14 +495,16 @@ mod tests {
         assert_eq!(
             a.on_event(Event::Token {
                 id: 0,
-                bytes: b" there".to_vec()
+                bytes: b" there".to_vec(),
+                logprobs: None,
             }),
             Step::Text(" there".into())
         );
         assert_eq!(
             a.on_event(Event::Token {
                 id: 0,
-                bytes: vec![]
+                bytes: vec![],
+                logprobs: None,
             }),
             Step::Nothing
         );
@@ -468,14 +536,16 @@ mod tests {
         assert_eq!(
             a.on_event(Event::Token {
                 id: 0,
-                bytes: b"a\n".to_vec()
+                bytes: b"a\n".to_vec(),
+                logprobs: None,
             }),
             Step::Text("a".into())
         );
         assert_eq!(
             a.on_event(Event::Token {
                 id: 0,
-                bytes: b"\nb".to_vec()
+                bytes: b"\nb".to_vec(),
+                logprobs: None,
             }),
             Step::Done(String::new())
         );
@@ -484,5 +554,95 @@ mod tests {
         assert!(a.role_chunk().is_none());
         assert_eq!(a.final_chunks().len(), 1);
         assert_eq!(a.full_response("a")["choices"][0]["text"], "a");
+    }
+
+    fn lp(logprob: f32, top: &[(&str, f32)]) -> Option<pb::TokenLogprobs> {
+        Some(pb::TokenLogprobs {
+            logprob,
+            top: top
+                .iter()
+                .enumerate()
+                .map(|(i, (t, l))| pb::Logprob {
+                    id: i as i32,
+                    piece: t.as_bytes().to_vec(),
+                    logprob: *l,
+                })
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn logprobs_go_with_the_chunk_that_sends_their_text() {
+        let mut a = answer(Endpoint::Chat, false, vec!["\n\n".into()]);
+        a.meta.logprobs = true;
+        let tok = |bytes: &[u8], l| Event::Token {
+            id: 1,
+            bytes: bytes.to_vec(),
+            logprobs: lp(l, &[("A", -0.1), ("B", -2.5)]),
+        };
+        assert_eq!(a.on_event(tok(b"A", -0.1)), Step::Text("A".into()));
+        let c = a.text_chunk("A");
+        let content = &c["choices"][0]["logprobs"]["content"];
+        assert_eq!(content.as_array().unwrap().len(), 1);
+        assert_eq!(content[0]["token"], "A");
+        assert_eq!(content[0]["bytes"], json!([65]));
+        assert_eq!(content[0]["top_logprobs"][1]["token"], "B");
+        assert_eq!(content[0]["top_logprobs"][1]["logprob"], -2.5);
+        // "\n" may start the stop string: held back, its logprob waits with it.
+        assert_eq!(a.on_event(tok(b"\n", -1.0)), Step::Nothing);
+        assert_eq!(a.on_event(tok(b"x", -0.5)), Step::Text("\nx".into()));
+        let c = a.text_chunk("\nx");
+        assert_eq!(
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        // End of generation: no entry.
+        let eog = Event::Token {
+            id: 2,
+            bytes: vec![],
+            logprobs: None,
+        };
+        assert_eq!(a.on_event(eog), Step::Nothing);
+        assert_eq!(
+            a.on_event(finished(FinishReason::Stop)),
+            Step::Done(String::new())
+        );
+        let last = a.final_chunks();
+        assert_eq!(last[0]["choices"][0]["logprobs"]["content"], json!([]));
+        let full = a.full_response("A\nx");
+        assert_eq!(
+            full["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .len(),
+            3
+        );
+        assert_eq!(a.completion_tokens, 4);
+    }
+
+    #[test]
+    fn completion_logprobs_in_the_legacy_shape_and_none_unless_asked() {
+        let mut a = answer(Endpoint::Completion, false, vec![]);
+        a.meta.logprobs = true;
+        a.on_event(Event::Token {
+            id: 1,
+            bytes: b" Paris".to_vec(),
+            logprobs: lp(-0.25, &[(" Paris", -0.25), (" Lyon", -3.0)]),
+        });
+        let v = a.full_response(" Paris")["choices"][0]["logprobs"].clone();
+        assert_eq!(v["tokens"], json!([" Paris"]));
+        assert_eq!(v["token_logprobs"], json!([-0.25]));
+        assert_eq!(v["top_logprobs"], json!([{" Paris": -0.25, " Lyon": -3.0}]));
+        let mut b = answer(Endpoint::Completion, false, vec![]);
+        b.on_event(Event::Token {
+            id: 1,
+            bytes: b"x".to_vec(),
+            logprobs: lp(-0.25, &[]),
+        });
+        assert!(b.full_response("x")["choices"][0]["logprobs"].is_null());
+        assert!(b.text_chunk("x")["choices"][0]["logprobs"].is_null());
     }
 }

@@ -200,6 +200,7 @@ async fn serve_inner(
         received,
         return_token_ids: req.return_token_ids,
         seed: req.sampling.seed,
+        logprobs: req.sampling.logprobs.is_some(),
     };
     let answer = Answer::new(
         meta,

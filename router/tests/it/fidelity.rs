@@ -8,11 +8,14 @@ use crate::common;
 use crate::common::{run, smollm2, Outcome};
 use serde_json::{json, Value};
 
+/// The seeded one asks for log-probabilities too: every identity check then also holds
+/// them identical across transports, streamed or not (issue 18).
 fn samplings() -> [Value; 2] {
     [
         json!({"temperature": 0, "max_tokens": 24}),
         json!({"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 42,
-               "frequency_penalty": 0.2, "max_completion_tokens": 24}),
+               "frequency_penalty": 0.2, "max_completion_tokens": 24,
+               "logprobs": true, "top_logprobs": 2}),
     ]
 }
 

@@ -24,6 +24,7 @@ mod handoff;
 mod hostile;
 mod interop_llama_server;
 mod live;
+mod logprobs;
 mod metrics;
 mod processes;
 mod request_id;

@@ -480,6 +480,24 @@ pub struct Outcome {
     pub finish_reason: String,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// The choice's `logprobs` (streamed: every chunk's, joined into the same shape).
+    pub logprobs: Value,
+}
+
+/// Joins a streamed chunk's `logprobs` into `acc`: each list of the object extended.
+fn join_logprobs(acc: &mut Value, part: &Value) {
+    let Some(part) = part.as_object() else {
+        return;
+    };
+    if acc.is_null() {
+        *acc = Value::Object(part.clone());
+        return;
+    }
+    for (k, v) in part {
+        if let (Some(list), Some(more)) = (acc[k].as_array_mut(), v.as_array()) {
+            list.extend(more.iter().cloned());
+        }
+    }
 }
 
 fn ids(v: &Value) -> Vec<i64> {
@@ -592,6 +610,7 @@ pub async fn run_reporting(
             finish_reason: choice["finish_reason"].as_str().unwrap().to_string(),
             prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
             completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
+            logprobs: choice["logprobs"].clone(),
         };
         return (outcome, v["edgesplit"].clone());
     }
@@ -603,6 +622,7 @@ pub async fn run_reporting(
     let mut usage = None;
     let mut token_ids = Vec::new();
     let mut edgesplit = Value::Null;
+    let mut logprobs = Value::Null;
     for c in &cs {
         assert!(c.get("error").is_none(), "in-band error: {c}");
         if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
@@ -615,6 +635,7 @@ pub async fn run_reporting(
         if let Some(t) = ch["delta"]["content"].as_str().or(ch["text"].as_str()) {
             text.push_str(t);
         }
+        join_logprobs(&mut logprobs, &ch["logprobs"]);
         if let Some(f) = ch["finish_reason"].as_str() {
             assert!(finish.is_none(), "two finish chunks");
             finish = Some(f.to_string());
@@ -627,6 +648,7 @@ pub async fn run_reporting(
         finish_reason: finish.expect("finish chunk"),
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
+        logprobs,
     };
     (outcome, edgesplit)
 }
