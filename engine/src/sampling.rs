@@ -6,7 +6,10 @@
 //! seeded with `mix(seed, i)`. The colocated run and the disaggregated run follow this same
 //! rule, which is what makes them token-for-token identical with a fixed seed.
 
+use std::sync::Arc;
+
 use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::LlamaToken;
 
@@ -33,6 +36,8 @@ pub struct SamplingParams {
     /// Log-probabilities to report per token: None = none; n = the sampled token's and
     /// the n most likely (at most [`MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<u32>,
+    /// Structured output: the JSON Schema (text) the answer must follow.
+    pub json_schema: Option<Arc<str>>,
 }
 
 /// Most alternatives reported per token (OpenAI's `top_logprobs` limit).
@@ -51,6 +56,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             logprobs: None,
+            json_schema: None,
         }
     }
 }
@@ -73,9 +79,49 @@ pub fn step_seed(seed: u32, step: u32) -> u32 {
     (z ^ (z >> 31)) as u32
 }
 
-/// Samples the token at batch index `idx` for generation step `step`.
+/// Where an answer stands in its grammar: llama.cpp's grammar sampler, advanced over the
+/// answer's tokens so far. Like the rest of the sampler it is never exported: each node
+/// builds it from the grammar and the answer's tokens, so a split answer follows the
+/// grammar exactly as the one-device answer does.
+pub struct Grammar(LlamaSampler);
+
+impl Grammar {
+    /// The grammar of the JSON documents `schema` (JSON Schema text) allows, after the
+    /// answer tokens `answer`. The schema becomes a GBNF grammar by llama.cpp's own
+    /// converter, the one llama-server uses for `response_format`.
+    ///
+    /// # Errors
+    /// The schema cannot be converted, or a token does not fit the grammar.
+    pub fn new(model: &LlamaModel, schema: &str, answer: &[i32]) -> Result<Self, String> {
+        let gbnf = llama_cpp_2::json_schema_to_grammar(schema)
+            .map_err(|e| format!("the schema cannot be turned into a grammar: {e}"))?;
+        let sampler = LlamaSampler::grammar(model, &gbnf, "root")
+            .map_err(|e| format!("the schema's grammar does not parse: {e}"))?;
+        let mut g = Grammar(sampler);
+        for &t in answer {
+            g.accept(LlamaToken(t))?;
+        }
+        Ok(g)
+    }
+
+    /// Advances the grammar over `token`.
+    ///
+    /// # Errors
+    /// The token does not fit the grammar here.
+    pub fn accept(&mut self, token: LlamaToken) -> Result<(), String> {
+        self.0
+            .try_accept(token)
+            .map_err(|_| format!("token {} does not fit the grammar", token.0))
+    }
+}
+
+/// Samples the token at batch index `idx` for generation step `step`, within `grammar`
+/// when the answer has one (which then advances over the token).
 ///
 /// `history` is every token before the one being sampled (prompt and answer so far).
+///
+/// # Errors
+/// With a grammar: no token fits it, or the one sampled is refused.
 pub fn sample(
     ctx: &LlamaContext<'_>,
     idx: i32,
@@ -83,13 +129,30 @@ pub fn sample(
     params: &SamplingParams,
     history: &[i32],
     step: u32,
-) -> LlamaToken {
+    grammar: Option<&mut Grammar>,
+) -> Result<LlamaToken, String> {
+    if let Some(g) = grammar {
+        // The grammar masks what cannot come next, then the chain picks among the rest.
+        let mut data = ctx.token_data_array_ith(idx);
+        data.apply_sampler(&mut g.0);
+        data.apply_sampler(&mut chain(n_vocab, params, history, step));
+        let token = data
+            .selected_token()
+            .ok_or_else(|| "no token fits the grammar".to_string())?;
+        g.accept(token)?;
+        return Ok(token);
+    }
     if params.temperature <= 0.0 && !params.penalties_active() {
         // Plain greedy: an argmax over the logits gives llama.cpp's greedy sampler's answer
         // (first maximum wins) without building a candidate array of the whole vocabulary
         // every step.
-        return LlamaToken(argmax(ctx.get_logits_ith(idx)));
+        return Ok(LlamaToken(argmax(ctx.get_logits_ith(idx))));
     }
+    Ok(chain(n_vocab, params, history, step).sample(ctx, idx))
+}
+
+/// The sampler chain of step `step`, built afresh from values that travel with the answer.
+fn chain(n_vocab: i32, params: &SamplingParams, history: &[i32], step: u32) -> LlamaSampler {
     let mut chain = Vec::with_capacity(6);
     if params.penalties_active() {
         let mut p = LlamaSampler::penalties(
@@ -118,8 +181,7 @@ pub fn sample(
         chain.push(LlamaSampler::temp(params.temperature));
         chain.push(LlamaSampler::dist(step_seed(params.seed, step)));
     }
-    let mut sampler = LlamaSampler::chain_simple(chain);
-    sampler.sample(ctx, idx)
+    LlamaSampler::chain_simple(chain)
 }
 
 /// `ln(sum(exp(logits)))`, the log of the softmax's normaliser (summed in f64).

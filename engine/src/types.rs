@@ -10,6 +10,8 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("chat template failed: {0}")]
     Template(String),
+    #[error("structured output: {0}")]
+    Grammar(String),
     #[error("this model's maximum context length is {n_ctx} tokens; the request needs {needed} ({prompt} prompt + {max_tokens} completion)")]
     ContextOverflow {
         n_ctx: u32,

@@ -60,6 +60,7 @@ impl From<&pb::Sampling> for SamplingParams {
             frequency_penalty: s.frequency_penalty,
             penalty_last_n: s.penalty_last_n,
             logprobs: s.logprobs,
+            json_schema: (!s.json_schema.is_empty()).then(|| s.json_schema.as_str().into()),
         }
     }
 }
@@ -103,6 +104,7 @@ pub fn status(e: &EngineError) -> tonic::Status {
         }
         EngineError::EmptyPrompt => (tonic::Code::InvalidArgument, "empty_prompt"),
         EngineError::Template(_) => (tonic::Code::InvalidArgument, "template_error"),
+        EngineError::Grammar(_) => (tonic::Code::InvalidArgument, "grammar_error"),
         EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
         EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
         EngineError::Busy { .. } => (tonic::Code::Unavailable, "engine_busy"),

@@ -21,7 +21,7 @@ use crate::command::{Command, Gauges, GenerateJob, PrefillJob};
 use crate::config::{EngineConfig, FlashAttn};
 use crate::exit_guard::{park_forever, Busy};
 use crate::info::{self, ModelInfo};
-use crate::sampling::{self, SamplingParams};
+use crate::sampling::{self, Grammar, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
 use crate::template::{ChatTemplate, SpecialTokens};
 use crate::types::{
@@ -168,6 +168,8 @@ pub(crate) struct Answer {
     step: u32,
     /// Tokens this node may still emit.
     budget: u32,
+    /// Where the answer stands in its grammar, if it has one.
+    grammar: Option<Grammar>,
 }
 
 struct Worker<'m> {
@@ -226,6 +228,20 @@ fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Result<ChatTemplate
         tracing::warn!(error = %e, "the model's chat template does not compile; chat requests will be refused");
     }
     compiled
+}
+
+/// The answer's grammar, if its parameters have one, after the tokens `answer`.
+fn grammar(
+    model: &LlamaModel,
+    params: &SamplingParams,
+    answer: &[i32],
+) -> Result<Option<Grammar>, EngineError> {
+    params
+        .json_schema
+        .as_deref()
+        .map(|g| Grammar::new(model, g, answer))
+        .transpose()
+        .map_err(EngineError::Grammar)
 }
 
 fn ms(since: Instant) -> f64 {
@@ -332,6 +348,8 @@ impl Worker<'_> {
         params: &SamplingParams,
         pieces: Option<&mpsc::UnboundedSender<Snapshot>>,
     ) -> Result<TokenOut, EngineError> {
+        // First: a schema that cannot be a grammar is refused before the prompt is read.
+        let mut grammar = grammar(self.model, params, &[])?;
         self.clear(slot);
         let last_chunk = (tokens.len() - 1) / self.n_batch;
         // Where the last piece sent ended; pieces stop at the first that fails (the
@@ -370,7 +388,8 @@ impl Worker<'_> {
         }
         let ctx = &self.slots[slot].ctx;
         let idx = self.batch.n_tokens() - 1;
-        let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0);
+        let id = sampling::sample(ctx, idx, self.n_vocab, params, tokens, 0, grammar.as_mut())
+            .map_err(EngineError::Grammar)?;
         // Before the relayout, which leaves no logits.
         let first = self.sampled(id, slot, idx, params);
         if self.sliding_window {
@@ -636,19 +655,33 @@ impl Slots for Worker<'_> {
         if budget == 0 {
             return Ok(None);
         }
+        // The answer so far: the last `step` tokens of the KV's and the newest.
+        let mut answer = history[history.len().saturating_sub(step as usize - 1)..].to_vec();
+        answer.push(first.id);
+        let grammar = grammar(self.model, params, &answer)?;
         Ok(Some(Answer {
             params: params.clone(),
             history,
             last: first.id,
             step,
             budget,
+            grammar,
         }))
     }
 
     fn step(&mut self, slot: usize, a: &mut Answer) -> Result<(TokenOut, bool), EngineError> {
         self.decode_one(slot, a.last, &mut a.history)?;
         let ctx = &self.slots[slot].ctx;
-        let id = sampling::sample(ctx, 0, self.n_vocab, &a.params, &a.history, a.step);
+        let id = sampling::sample(
+            ctx,
+            0,
+            self.n_vocab,
+            &a.params,
+            &a.history,
+            a.step,
+            a.grammar.as_mut(),
+        )
+        .map_err(EngineError::Grammar)?;
         a.step += 1;
         a.budget -= 1;
         a.last = id.0;

@@ -100,6 +100,8 @@ pub struct Sampling {
     pub frequency_penalty: f32,
     /// Log-probabilities per token: None = not asked; n = the token's and the n most likely.
     pub logprobs: Option<u32>,
+    /// Structured output: the JSON Schema (text) the answer must follow.
+    pub json_schema: Option<String>,
 }
 
 impl From<&Sampling> for edgesplit_proto::pb::Sampling {
@@ -115,6 +117,7 @@ impl From<&Sampling> for edgesplit_proto::pb::Sampling {
             frequency_penalty: s.frequency_penalty,
             penalty_last_n: 64,
             logprobs: s.logprobs,
+            json_schema: s.json_schema.clone().unwrap_or_default(),
         }
     }
 }
@@ -346,6 +349,7 @@ const FIELDS: &[&str] = &[
     "edgesplit",
     "user",
     "logprobs",
+    "response_format",
 ];
 const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
@@ -355,17 +359,40 @@ const COMPLETION_FIELDS: &[&str] = &["prompt"];
 type Inert = (&'static str, fn(&Value) -> bool, &'static str);
 const INERT: &[Inert] = &[
     (
-        "response_format",
-        |v| v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|o| o.len() == 1),
-        "only response_format {\"type\": \"text\"} is supported; structured output is not supported yet",
+        "tools",
+        |v| v.as_array().is_some_and(Vec::is_empty),
+        "tool calls are not supported yet",
     ),
-    ("tools", |v| v.as_array().is_some_and(Vec::is_empty), "tool calls are not supported yet"),
-    ("tool_choice", |v| v == "none", "tool calls are not supported yet"),
-    ("parallel_tool_calls", |v| v.is_boolean(), "parallel_tool_calls must be a boolean"),
-    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty), "logit_bias is not supported"),
-    ("echo", |v| matches!(v, Value::Bool(false)), "echo is not supported"),
-    ("best_of", |v| v.as_u64() == Some(1), "only best_of=1 is supported"),
-    ("suffix", |v| v.as_str().is_some_and(str::is_empty), "suffix is not supported"),
+    (
+        "tool_choice",
+        |v| v == "none",
+        "tool calls are not supported yet",
+    ),
+    (
+        "parallel_tool_calls",
+        |v| v.is_boolean(),
+        "parallel_tool_calls must be a boolean",
+    ),
+    (
+        "logit_bias",
+        |v| v.as_object().is_some_and(Map::is_empty),
+        "logit_bias is not supported",
+    ),
+    (
+        "echo",
+        |v| matches!(v, Value::Bool(false)),
+        "echo is not supported",
+    ),
+    (
+        "best_of",
+        |v| v.as_u64() == Some(1),
+        "only best_of=1 is supported",
+    ),
+    (
+        "suffix",
+        |v| v.as_str().is_some_and(str::is_empty),
+        "suffix is not supported",
+    ),
 ];
 
 /// Refuses every field the endpoint does not take, naming it, and every unimplemented
@@ -428,6 +455,75 @@ fn logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<Option<u32>,
         }
         Endpoint::Completion => Ok(int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)?.map(|n| n as u32)),
     }
+}
+
+/// `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}` (any JSON
+/// object) or `{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+/// "description"}}`: the JSON Schema the answer must follow (turned into a grammar on the
+/// nodes by llama.cpp's own converter, llama-server's). Answers are always held to the
+/// schema, strict or not.
+fn response_format(obj: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    let bad = |param: &str, msg: String| Err(ApiError::invalid(Some(param.into()), msg));
+    let rf = match obj.get("response_format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(_) => {
+            return bad(
+                "response_format",
+                "response_format must be an object".into(),
+            )
+        }
+    };
+    if let Some(k) = rf
+        .keys()
+        .find(|k| !matches!(k.as_str(), "type" | "json_schema"))
+    {
+        return bad(
+            &format!("response_format.{k}"),
+            format!("unsupported field response_format.{k}"),
+        );
+    }
+    let schema = match rf.get("type").and_then(Value::as_str) {
+        Some("text") if rf.len() == 1 => return Ok(None),
+        Some("json_object") if rf.len() == 1 => serde_json::json!({"type": "object"}),
+        Some("json_schema") => {
+            let Some(Value::Object(js)) = rf.get("json_schema") else {
+                return bad(
+                    "response_format.json_schema",
+                    "response_format.json_schema must be an object with a schema".into(),
+                );
+            };
+            if let Some(k) = js
+                .keys()
+                .find(|k| !matches!(k.as_str(), "name" | "schema" | "strict" | "description"))
+            {
+                return bad(
+                    &format!("response_format.json_schema.{k}"),
+                    format!("unsupported field response_format.json_schema.{k}"),
+                );
+            }
+            match js.get("schema") {
+                Some(s @ Value::Object(_)) => s.clone(),
+                _ => {
+                    return bad(
+                        "response_format.json_schema.schema",
+                        "response_format.json_schema.schema must be a JSON Schema object".into(),
+                    )
+                }
+            }
+        }
+        _ => {
+            return bad(
+                "response_format",
+                "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} \
+                 or {\"type\": \"json_schema\", \"json_schema\": {...}}"
+                    .into(),
+            )
+        }
+    };
+    // The nodes turn it into a grammar (llama.cpp's converter); one it refuses is a 400
+    // `grammar_error` from the prefill node, before the prompt is prefilled.
+    Ok(Some(schema.to_string()))
 }
 
 /// Parses and validates a request body for `endpoint`.
@@ -526,6 +622,7 @@ pub fn parse(
         presence_penalty: num(&obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         logprobs: None,
+        json_schema: response_format(&obj)?,
     };
     sampling.logprobs = logprobs(endpoint, &obj)?;
     if sampling.top_p <= 0.0 {
@@ -712,8 +809,16 @@ mod tests {
                 "logprobs",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}}"#,
                 "response_format",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"a"}}}"#,
+                "response_format.json_schema.schema",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"schema":{},"nmae":"a"}}}"#,
+                "response_format.json_schema.nmae",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,

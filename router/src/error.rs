@@ -109,6 +109,7 @@ impl ApiError {
             | "template_error" => {
                 Self::invalid(Some(input_param.to_string()), msg).with_code(&name)
             }
+            "grammar_error" => Self::invalid(Some("response_format".into()), msg).with_code(&name),
             "handoff_unreachable" | "capacity" => Self::unavailable("decode_unavailable", msg),
             "" => match st.code() {
                 tonic::Code::Unavailable => Self::unavailable(

@@ -28,4 +28,5 @@ mod logprobs;
 mod metrics;
 mod processes;
 mod request_id;
+mod structured;
 mod v1_upload;
