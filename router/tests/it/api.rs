@@ -56,7 +56,7 @@ async fn chat_completion_shape_and_usage() {
 
     // What we would not honour is refused by name, never answered as if it were.
     for (extra, param) in [
-        (json!({"logprobs": true}), "logprobs"),
+        (json!({"tools": [{"type": "function"}]}), "tools"),
         (
             json!({"some_future_field": {"x": [1, 2]}}),
             "some_future_field",
