@@ -27,6 +27,15 @@ bash scripts/check-phone.sh
 # built here, once, so that no test waits on (or races) its build.
 echo "[test] stock llama.cpp (scripts/stock-llama.sh)" >&2
 bash scripts/stock-llama.sh >/dev/null
+# The official OpenAI Python client, pinned, for router/tests/it/openai_client.rs (strict
+# response validation); into .build/openai-py, not the system's Python.
+OPENAI_PY="$ROOT/.build/openai-py"
+if [[ ! -d "$OPENAI_PY/openai-1.109.1.dist-info" ]]; then
+    echo "[test] the openai Python client (into .build/openai-py)" >&2
+    rm -rf "$OPENAI_PY"
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check \
+        --target "$OPENAI_PY" "openai==1.109.1" >/dev/null
+fi
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all --check
 # --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.

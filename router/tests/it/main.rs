@@ -26,6 +26,7 @@ mod interop_llama_server;
 mod live;
 mod logprobs;
 mod metrics;
+mod openai_client;
 mod processes;
 mod request_id;
 mod structured;
