@@ -24,7 +24,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-pub use store::{Held, Store, StoreLimits};
+pub use store::{Held, Missing, Store, StoreLimits};
 
 /// Command-line and environment configuration.
 #[derive(Debug, Clone, clap::Parser)]
@@ -119,15 +119,25 @@ impl pb::decode_server::Decode for DecodeService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = request.into_inner();
-        let Some(state) = self.store.take(&req.handoff_id, self.wait).await else {
-            return Err(status_with_code(
-                tonic::Code::DeadlineExceeded,
-                "handoff_missing",
-                format!(
-                    "handoff {} did not arrive within {:?}",
-                    req.handoff_id, self.wait
-                ),
-            ));
+        let state = match self.store.take(&req.handoff_id, self.wait).await {
+            Ok(s) => s,
+            Err(Missing::TimedOut) => {
+                return Err(status_with_code(
+                    tonic::Code::DeadlineExceeded,
+                    "handoff_missing",
+                    format!(
+                        "handoff {} did not arrive within {:?}",
+                        req.handoff_id, self.wait
+                    ),
+                ))
+            }
+            Err(Missing::Dropped(why)) => {
+                return Err(status_with_code(
+                    tonic::Code::Unavailable,
+                    "handoff_failed",
+                    format!("handoff {} will not arrive: {why}", req.handoff_id),
+                ))
+            }
         };
         let params = req
             .sampling

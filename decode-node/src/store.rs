@@ -88,7 +88,23 @@ pub struct Store {
     draining: AtomicBool,
     /// Bytes of live handoffs' pieces held by their connections (not yet stored here).
     pieces: AtomicU64,
+    /// Live handoffs whose pieces were dropped (a refused piece, a connection that ended
+    /// first), with why and when: they will not arrive, so a call waiting for one ends at
+    /// once. Kept for the TTL, at most [`MAX_DROPPED`].
+    dropped: Mutex<HashMap<String, (String, Instant)>>,
     pub counters: Counters,
+}
+
+/// Most dropped live handoffs remembered.
+const MAX_DROPPED: usize = 1024;
+
+/// Why [`Store::take`] returned no state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Missing {
+    /// It did not arrive within the wait.
+    TimedOut,
+    /// A live handoff whose pieces were dropped before its last one: why.
+    Dropped(String),
 }
 
 impl Store {
@@ -101,6 +117,7 @@ impl Store {
             awaited: Mutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             pieces: AtomicU64::new(0),
+            dropped: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         }
     }
@@ -148,8 +165,12 @@ impl Store {
         self.awaited().values().sum()
     }
 
-    /// Takes the state of `handoff_id`, waiting up to `wait` for it to arrive.
-    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Option<Held> {
+    /// Takes the state of `handoff_id`, waiting up to `wait` for it to arrive; a live
+    /// handoff known to have been dropped ends the wait at once.
+    ///
+    /// # Errors
+    /// [`Missing`]: not there within `wait`, or dropped.
+    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Result<Held, Missing> {
         let deadline = tokio::time::Instant::now() + wait;
         let _awaiting = Awaiting::new(self, handoff_id);
         loop {
@@ -160,13 +181,22 @@ impl Store {
                 let mut map = self.lock();
                 self.expire(&mut map);
                 if let Some(e) = map.remove(handoff_id) {
-                    return Some(e.state);
+                    return Ok(e.state);
                 }
             }
+            if let Some((why, _)) = self.dropped_list().get(handoff_id) {
+                return Err(Missing::Dropped(why.clone()));
+            }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return None;
+                return Err(Missing::TimedOut);
             }
         }
+    }
+
+    fn dropped_list(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
+        self.dropped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Bytes of all states held now, live handoffs' pieces included.
@@ -337,6 +367,24 @@ impl StateSink for Store {
                 Some(held.saturating_sub(bytes))
             });
     }
+
+    fn dropped(&self, handoff_id: &str, reason: &str) {
+        let mut dropped = self.dropped_list();
+        let ttl = self.limits.ttl;
+        dropped.retain(|_, (_, at)| at.elapsed() < ttl);
+        if dropped.len() >= MAX_DROPPED {
+            let oldest = dropped
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = oldest {
+                dropped.remove(&id);
+            }
+        }
+        dropped.insert(handoff_id.to_string(), (reason.to_string(), Instant::now()));
+        drop(dropped);
+        self.arrived.notify_waiters();
+    }
 }
 
 #[cfg(test)]
@@ -369,12 +417,44 @@ mod tests {
         let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
         tokio::task::yield_now().await;
         s.accept(state("a", 10), Receipt::default()).unwrap();
-        let Some(Held { state: f, .. }) = waiter.await.unwrap() else {
+        let Ok(Held { state: f, .. }) = waiter.await.unwrap() else {
             panic!("frame expected")
         };
         assert_eq!(f.handoff_id, "a");
-        assert!(s.take("missing", Duration::from_millis(20)).await.is_none());
+        assert_eq!(
+            s.take("missing", Duration::from_millis(20))
+                .await
+                .unwrap_err(),
+            Missing::TimedOut
+        );
         assert!(s.is_empty());
+    }
+
+    /// A live handoff dropped on the way (a refused piece) ends the call waiting for it at
+    /// once, with the reason; one dropped before the call came, too.
+    #[tokio::test]
+    async fn a_dropped_live_handoff_ends_its_wait_at_once() {
+        let s = std::sync::Arc::new(store());
+        let s2 = s.clone();
+        let t0 = std::time::Instant::now();
+        let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(30)).await });
+        while s.awaited_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+        s.dropped("a", "checksum mismatch");
+        assert_eq!(
+            waiter.await.unwrap().unwrap_err(),
+            Missing::Dropped("checksum mismatch".into())
+        );
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        s.dropped("b", "the connection ended");
+        assert_eq!(
+            s.take("b", Duration::from_secs(30)).await.unwrap_err(),
+            Missing::Dropped("the connection ended".into())
+        );
+        // Another handoff is not affected.
+        s.accept(state("c", 10), Receipt::default()).unwrap();
+        assert!(s.take("c", Duration::from_secs(1)).await.is_ok());
     }
 
     #[test]
@@ -418,12 +498,12 @@ mod tests {
         }
         assert!(s.admits("a") && !s.admits("b"));
         s.accept(state("a", 10), Receipt::default()).unwrap();
-        assert!(waiter.await.unwrap().is_some());
+        assert!(waiter.await.unwrap().is_ok());
         // The call has its state: nothing waits for "a" any more.
         assert_eq!(s.awaited_count(), 0);
         assert!(!s.admits("a"));
         // A call that gave up does not leave its id admitted either.
-        assert!(s.take("c", Duration::from_millis(10)).await.is_none());
+        assert!(s.take("c", Duration::from_millis(10)).await.is_err());
         assert!(!s.admits("c"));
     }
 }

@@ -2,7 +2,9 @@
 //! while its state crosses to the decode node, then sends the KV of what it wrote
 //! meanwhile, in rounds that shrink, and stops at a token boundary once the last round is
 //! small enough to cross in about one token's time. The router streams this node's tokens
-//! until `Switched`, then the decode node's.
+//! until `Switched`, then the decode node's. `Switched` goes as soon as the last piece is
+//! written, not when it is acknowledged: the router's `Generate` crosses the link beside
+//! the piece and waits for it on the decode node (a refused piece fails that call at once).
 //!
 //! Where the link carries KV slower than this node writes tokens, the rounds do not shrink:
 //! the handoff gives up (`HandoffCancelled`) and the answer ends here, waiting for nothing
@@ -164,27 +166,31 @@ impl LiveHandoff {
         .map_err(|e| e.to_string())
     }
 
-    /// Sends `piece` in a frame of kind `kind` (`Frame::Part`, `Frame::Last`, or
-    /// `Frame::State` for a whole state) and accounts for it.
-    async fn send(
-        &self,
-        out: &mut Sent,
-        piece: StateFrame,
-        kind: fn(StateFrame) -> Frame,
-    ) -> Result<(), String> {
+    /// Sends `piece` and accounts for it: a `Frame::Part`, whose ACK is awaited, or with
+    /// `last` a `Frame::Last`, written without waiting for its ACK
+    /// ([`LiveHandoff::acked_later`]).
+    async fn send(&self, out: &mut Sent, piece: StateFrame, last: bool) -> Result<(), String> {
         let size = piece.payload.len() as u64;
         let held = out.held + piece.tokens.len();
+        let limits = &self.sender.limits;
         let t = Instant::now();
-        handoff::send_piece(&mut out.link, kind(piece), &self.sender.limits)
-            .await
-            .map_err(|e| e.to_string())?;
+        let sent = if last {
+            handoff::write_piece(&mut out.link, &Frame::Last(piece), limits)
+                .await
+                .map(|_| ())
+        } else {
+            handoff::send_piece(&mut out.link, Frame::Part(piece), limits)
+                .await
+                .map(|_| ())
+        };
+        sent.map_err(|e| e.to_string())?;
         let took = t.elapsed().as_secs_f64();
         out.sw.transfer_ms += took * 1000.0;
         out.sw.bytes += size;
         out.sw.rounds += 1;
         out.held = held;
-        // The link's bandwidth as the biggest piece so far measured it.
-        if size >= out.biggest {
+        // The link's bandwidth as the biggest acknowledged piece so far measured it.
+        if !last && size >= out.biggest {
             out.biggest = size;
             out.bandwidth = size as f64 / took.max(1e-6);
         }
@@ -198,23 +204,50 @@ impl LiveHandoff {
     /// `after` handoff, through the live protocol.
     pub(crate) async fn whole_at_first_token(&self, live: &Live) -> Result<Early, String> {
         let t0 = Instant::now();
-        let mut bytes = 0;
         let result = async {
             let snap = Self::snapshot(live, true, 0).await?;
             let mut out = Sent::new(self.connect().await?);
             out.sw.export_ms = snap.export_ms;
-            self.send(&mut out, self.piece(snap.tokens, snap.state), Frame::State)
+            self.send(&mut out, self.piece(snap.tokens, snap.state), true)
                 .await?;
-            bytes = out.sw.bytes;
             out.sw.answered = snap.answered;
             out.sw.whole = true;
-            Ok(Early::Whole(out.sw))
+            Ok(out)
         }
         .await;
-        self.sender
-            .metrics
-            .handoff("v2-live", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
-        result
+        match result {
+            Ok(out) => Ok(Early::Whole(self.acked_later(out, t0))),
+            Err(e) => {
+                self.sender
+                    .metrics
+                    .handoff("v2-live", false, 0, t0.elapsed().as_secs_f64());
+                Err(e)
+            }
+        }
+    }
+
+    /// The last piece is written: the router may send the answer's `Generate` to the
+    /// decode node now, where it waits for the piece to be checked and stored (or fails
+    /// at once if the piece is refused: the receiver drops the handoff, and the router
+    /// finishes the answer through its fallback). Its ACK is awaited in the background,
+    /// off the switch's path; the handoff's metrics are recorded then.
+    fn acked_later(&self, mut out: Sent, t0: Instant) -> pb::Switched {
+        let sw = out.sw;
+        let (metrics, limits) = (self.sender.metrics.clone(), self.sender.limits);
+        let (id, request_id) = (self.handoff.handoff_id.clone(), self.request_id.clone());
+        tokio::spawn(async move {
+            let acked = handoff::await_ack(&mut out.link, &id, &limits).await;
+            if let Err(e) = &acked {
+                tracing::warn!(%request_id, error = %e, "live handoff: the last piece was refused after the switch; the router's fallback finishes the answer");
+            }
+            metrics.handoff(
+                "v2-live",
+                acked.is_ok(),
+                out.sw.bytes,
+                t0.elapsed().as_secs_f64(),
+            );
+        });
+        sw
     }
 
     /// While the prompt is prefilled: sends its state after each prefill batch (each
@@ -239,7 +272,7 @@ impl LiveHandoff {
             }
             sent.sw.export_ms += p.export_ms;
             let piece = self.piece(p.tokens[p.from..].to_vec(), p.state);
-            self.send(&mut sent, piece, Frame::Part).await?;
+            self.send(&mut sent, piece, false).await?;
             out = Some(sent);
         }
         Ok(out.map_or(Early::Nothing, |s| Early::Sent(Box::new(s))))
@@ -254,14 +287,19 @@ impl LiveHandoff {
         early: Option<Sent>,
         mut written: watch::Receiver<usize>,
     ) -> Result<pb::Switched, Cancelled> {
-        let metrics = &self.sender.metrics;
         let t0 = Instant::now();
         let mut bytes = early.as_ref().map_or(0, |s| s.sw.bytes);
-        let result = self
+        match self
             .rounds_inner(live, early, &mut written, &mut bytes)
-            .await;
-        metrics.handoff("v2-live", result.is_ok(), bytes, t0.elapsed().as_secs_f64());
-        result.map_err(|reason| Cancelled(reason, bytes))
+            .await
+        {
+            Ok(out) => Ok(self.acked_later(out, t0)),
+            Err(reason) => {
+                let secs = t0.elapsed().as_secs_f64();
+                self.sender.metrics.handoff("v2-live", false, bytes, secs);
+                Err(Cancelled(reason, bytes))
+            }
+        }
     }
 
     async fn rounds_inner(
@@ -270,7 +308,7 @@ impl LiveHandoff {
         early: Option<Sent>,
         written: &mut watch::Receiver<usize>,
         bytes: &mut u64,
-    ) -> Result<pb::Switched, String> {
+    ) -> Result<Sent, String> {
         let per_token = self.sender.info.kv_bytes_per_token.max(1);
         let mut out = match early {
             Some(s) => s,
@@ -283,7 +321,7 @@ impl LiveHandoff {
                 }
                 let mut out = Sent::new(self.connect().await?);
                 out.sw.export_ms += snap.export_ms;
-                self.send(&mut out, self.piece(snap.tokens, snap.state), Frame::Part)
+                self.send(&mut out, self.piece(snap.tokens, snap.state), false)
                     .await?;
                 *bytes = out.sw.bytes;
                 out
@@ -317,13 +355,12 @@ impl LiveHandoff {
             let snap = Self::snapshot(live, last, out.held).await?;
             out.sw.export_ms += snap.export_ms;
             let piece = self.piece(snap.tokens[out.held..].to_vec(), snap.state);
-            let kind = if last { Frame::Last } else { Frame::Part };
-            self.send(&mut out, piece, kind).await?;
+            self.send(&mut out, piece, last).await?;
             *bytes = out.sw.bytes;
             tracing::debug!(request_id = %self.request_id, round = out.sw.rounds, pending, last, "live handoff piece sent");
             if last {
                 out.sw.answered = snap.answered;
-                return Ok(out.sw);
+                return Ok(out);
             }
         }
     }

@@ -173,21 +173,54 @@ pub async fn send_piece<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let (Frame::State(s) | Frame::Part(s) | Frame::Last(s)) = &piece else {
+    let (handoff_id, hash) = write_piece(framed, &piece, limits).await?;
+    let bytes = await_ack(framed, &handoff_id, limits).await?;
+    Ok(Acked { bytes, hash })
+}
+
+/// Writes one frame that carries a state and flushes it, without waiting for its ACK
+/// ([`await_ack`]); returns its handoff id and the time spent hashing.
+///
+/// # Errors
+/// A frame that carries no state, a timeout, or the connection's failure.
+pub async fn write_piece<S>(
+    framed: &mut Framed<S, V2Codec>,
+    piece: &Frame,
+    limits: &Limits,
+) -> Result<(String, Duration), HandoffError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (Frame::State(s) | Frame::Part(s) | Frame::Last(s)) = piece else {
         return Err(HandoffError::Protocol(format!(
             "{} carries no state",
-            frame_name(&piece)
+            frame_name(piece)
         )));
     };
-    let handoff_id = s.handoff_id.clone();
-    let hash = tokio::time::timeout(limits.frame, write_state(framed, &piece, s))
+    let hash = tokio::time::timeout(limits.frame, write_state(framed, piece, s))
         .await
         .map_err(|_| HandoffError::Timeout("state transfer"))??;
+    Ok((s.handoff_id.clone(), hash))
+}
+
+/// Waits for the receiver's ACK of the state frame of `handoff_id` written last; returns
+/// the bytes it says it holds for the handoff.
+///
+/// # Errors
+/// A timeout, a NACK, or an unexpected reply.
+pub async fn await_ack<S>(
+    framed: &mut Framed<S, V2Codec>,
+    handoff_id: &str,
+    limits: &Limits,
+) -> Result<u64, HandoffError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     match next_frame(framed, limits.frame, "ack").await? {
         Some(Frame::Ack {
             handoff_id: h,
             bytes,
-        }) if h == handoff_id => Ok(Acked { bytes, hash }),
+        }) if h == handoff_id => Ok(bytes),
         Some(Frame::Nack(n)) => Err(HandoffError::Refused(n)),
         Some(other) => Err(HandoffError::Protocol(format!(
             "expected ACK for {handoff_id}, got {}",
@@ -369,96 +402,113 @@ pub trait StateSink: Send + Sync + 'static {
 
     /// Gives back room taken by [`StateSink::reserve`].
     fn release(&self, _bytes: u64) {}
+
+    /// A live handoff's pieces were dropped before it completed (a refused piece, or its
+    /// connection ended): it will not arrive. A `Generate` call waiting for it can fail
+    /// at once instead of waiting out its bound.
+    fn dropped(&self, _handoff_id: &str, _reason: &str) {}
 }
 
-/// A live handoff's pieces held by one connection, joined as they come; what is left when
-/// the connection ends is dropped and its room given back.
+/// A live handoff's pieces held by one connection: each checked as it comes (its positions
+/// continue the previous piece's, its shape is theirs), all joined once at the last, into
+/// a buffer kept for reuse. What is left when the connection ends is dropped, its room
+/// given back, and the sink told ([`StateSink::dropped`]).
 struct Pieces<'a> {
     sink: &'a dyn StateSink,
-    held: std::collections::HashMap<String, StateFrame>,
-    /// What receiving each held handoff's pieces took, summed.
-    receipts: std::collections::HashMap<String, Receipt>,
+    held: std::collections::HashMap<String, Held>,
+}
+
+/// One handoff's pieces so far.
+struct Held {
+    frames: Vec<StateFrame>,
+    /// Payload bytes, reserved in the sink.
+    bytes: u64,
+    /// What receiving them took, summed.
+    receipt: Receipt,
 }
 
 impl Pieces<'_> {
-    fn reserved(s: &StateFrame) -> u64 {
-        s.payload.len() as u64
-    }
-
     /// Takes a `Part` or `Last` piece whose checksum and descriptors passed; returns the
-    /// handoff's joined state so far.
-    fn add(&mut self, piece: StateFrame, receipt: Receipt) -> Result<&StateFrame, Nack> {
-        let id = piece.handoff_id.clone();
-        match self.join(piece) {
-            Ok(joined) => {
-                *self.receipts.entry(id.clone()).or_default() += receipt;
-                Ok(self.held.entry(id).or_insert(joined))
-            }
-            Err(n) => {
-                self.receipts.remove(&id);
-                Err(n)
-            }
-        }
-    }
-
-    /// The handoff's pieces so far joined with `piece` (taken out of `held`), its room
-    /// reserved; on a refusal, the handoff's room is given back.
-    fn join(&mut self, piece: StateFrame) -> Result<StateFrame, Nack> {
+    /// handoff's payload bytes so far. On a refusal the caller drops the handoff
+    /// ([`Pieces::drop_handoff`]).
+    fn add(&mut self, piece: StateFrame, receipt: Receipt) -> Result<u64, Nack> {
         let id = piece.handoff_id.clone();
         let refuse = |code, reason: String| nack(code, &id, reason);
-        let joined = match self.held.remove(&id) {
-            None => {
-                let span = crate::splice::span(&piece.payload)
-                    .map_err(|e| refuse(NackCode::Malformed, e.to_string()))?;
-                if span.start != 0 {
-                    return Err(refuse(
-                        NackCode::UnexpectedFrame,
-                        format!(
-                            "the first piece of handoff {id} starts at position {}, not 0",
-                            span.start
-                        ),
-                    ));
-                }
-                self.sink.reserve(&id, Self::reserved(&piece))?;
-                piece
+        let size = piece.payload.len() as u64;
+        let Some(held) = self.held.get_mut(&id) else {
+            let span = crate::splice::span(&piece.payload)
+                .map_err(|e| refuse(NackCode::Malformed, e.to_string()))?;
+            if span.start != 0 {
+                return Err(refuse(
+                    NackCode::UnexpectedFrame,
+                    format!(
+                        "the first piece of handoff {id} starts at position {}, not 0",
+                        span.start
+                    ),
+                ));
             }
-            Some(mut held) => {
-                let joined = crate::splice::append(&held.payload, &piece.payload);
-                let joined = match joined {
-                    Ok(j) => j,
-                    Err(e) => {
-                        self.sink.release(Self::reserved(&held));
-                        return Err(refuse(NackCode::Malformed, e.to_string()));
-                    }
-                };
-                let more = (joined.len() as u64).saturating_sub(Self::reserved(&held));
-                if let Err(n) = self.sink.reserve(&id, more) {
-                    self.sink.release(Self::reserved(&held));
-                    return Err(n);
-                }
-                held.tokens.extend_from_slice(&piece.tokens);
-                held.descriptors = layout::describe(&joined).descriptors;
-                held.payload = joined.into();
-                held
-            }
+            self.sink.reserve(&id, size)?;
+            let held = Held {
+                frames: vec![piece],
+                bytes: size,
+                receipt,
+            };
+            self.held.insert(id, held);
+            return Ok(size);
         };
-        Ok(joined)
+        let prev = held.frames.last().map_or(&[][..], |f| &f.payload[..]);
+        let fits = crate::splice::follows(prev, &piece.payload)
+            .map_err(|e| refuse(NackCode::Malformed, e.to_string()))
+            .and_then(|_| self.sink.reserve(&id, size));
+        fits?;
+        held.frames.push(piece);
+        held.bytes += size;
+        held.receipt += receipt;
+        Ok(held.bytes)
     }
 
-    /// Takes the handoff's joined state out (its room given back), with its receipt.
-    fn finish(&mut self, handoff_id: &str) -> Option<(StateFrame, Receipt)> {
-        let receipt = self.receipts.remove(handoff_id).unwrap_or_default();
-        let s = self.held.remove(handoff_id)?;
-        self.sink.release(Self::reserved(&s));
-        Some((s, receipt))
+    /// The handoff's pieces joined into one state (their room given back), with what
+    /// receiving them took.
+    fn finish(&mut self, handoff_id: &str) -> Result<(StateFrame, Receipt), Nack> {
+        let Some(held) = self.held.remove(handoff_id) else {
+            return Err(nack(NackCode::Internal, handoff_id, "no pieces held"));
+        };
+        self.sink.release(held.bytes);
+        let payloads: Vec<&[u8]> = held.frames.iter().map(|f| &f.payload[..]).collect();
+        let out = crate::buffers::POOL.take(usize::try_from(held.bytes).unwrap_or(0));
+        let joined = crate::splice::join(&payloads, out)
+            .map_err(|e| nack(NackCode::Malformed, handoff_id, e.to_string()))?;
+        let first = &held.frames[0];
+        let whole = StateFrame {
+            handoff_id: first.handoff_id.clone(),
+            request_id: first.request_id.clone(),
+            tokens: held
+                .frames
+                .iter()
+                .flat_map(|f| f.tokens.iter().copied())
+                .collect(),
+            descriptors: layout::describe(&joined).descriptors,
+            payload: crate::buffers::share(joined),
+        };
+        Ok((whole, held.receipt))
+    }
+
+    /// Drops what is held of `handoff_id` after a refused piece, telling the sink why.
+    fn drop_handoff(&mut self, handoff_id: &str, reason: &str) {
+        if let Some(held) = self.held.remove(handoff_id) {
+            self.sink.release(held.bytes);
+        }
+        self.sink.dropped(handoff_id, reason);
     }
 }
 
 impl Drop for Pieces<'_> {
     fn drop(&mut self) {
-        for (id, s) in self.held.drain() {
-            tracing::info!(handoff_id = %id, bytes = s.payload.len(), "live handoff ended before its last piece; dropped");
-            self.sink.release(Self::reserved(&s));
+        for (id, held) in self.held.drain() {
+            tracing::info!(handoff_id = %id, bytes = held.bytes, "live handoff ended before its last piece; dropped");
+            self.sink.release(held.bytes);
+            self.sink
+                .dropped(&id, "the handoff's connection ended before its last piece");
         }
     }
 }
@@ -586,7 +636,6 @@ where
     let mut pieces = Pieces {
         sink,
         held: std::collections::HashMap::new(),
-        receipts: std::collections::HashMap::new(),
     };
     loop {
         let frame = match next_frame(&mut framed, limits.frame, "state transfer").await {
@@ -598,6 +647,8 @@ where
                 return Err(e);
             }
         };
+        // A live handoff's frame: its refusal drops the handoff (see below).
+        let live = matches!(frame, Frame::Part(_) | Frame::Last(_));
         // (state, is a piece of a live handoff, is its last piece)
         let (state, piece, last) = match frame {
             Frame::State(s) => (s, false, true),
@@ -623,19 +674,22 @@ where
             if !piece {
                 return sink.accept(state, receipt);
             }
-            let bytes = pieces.add(state, receipt)?.payload.len() as u64;
+            let bytes = pieces.add(state, receipt)?;
             if !last {
                 return Ok(bytes);
             }
-            let (whole, receipt) = pieces
-                .finish(&handoff_id)
-                .ok_or_else(|| nack(NackCode::Internal, &handoff_id, "joined state vanished"))?;
+            let (whole, receipt) = pieces.finish(&handoff_id)?;
             sink.accept(whole, receipt)
         });
         match result {
             Ok(bytes) => framed.send(Frame::Ack { handoff_id, bytes }).await?,
             Err(n) => {
                 let n = refuse(n);
+                if live {
+                    // Nothing of a live handoff survives a refused piece, and its
+                    // sender does not retry: a call waiting for it need not wait on.
+                    pieces.drop_handoff(&handoff_id, &n.reason);
+                }
                 framed.send(Frame::Nack(n)).await?;
             }
         }
@@ -726,6 +780,7 @@ mod tests {
         payloads: Mutex<Vec<bytes::Bytes>>,
         refused: Mutex<Vec<NackCode>>,
         reserved: std::sync::atomic::AtomicU64,
+        dropped: Mutex<Vec<String>>,
     }
 
     impl StateSink for Sink {
@@ -746,6 +801,9 @@ mod tests {
             self.reserved
                 .fetch_sub(bytes, std::sync::atomic::Ordering::SeqCst);
         }
+        fn dropped(&self, handoff_id: &str, _: &str) {
+            self.dropped.lock().unwrap().push(handoff_id.into());
+        }
     }
 
     fn piece(id: &str, first: u32, cells: u32) -> StateFrame {
@@ -761,8 +819,9 @@ mod tests {
 
     /// A live handoff: the prompt's piece, a delta, the last delta; the sink gets the
     /// joined state (byte for byte the whole one) once, at the last piece. A connection
-    /// that ends before its last piece gives its room back and stores nothing; a delta
-    /// that does not continue the held piece is refused.
+    /// that ends before its last piece gives its room back, stores nothing and tells the
+    /// sink the handoff was dropped; a delta that does not continue the held piece is
+    /// refused, and the handoff dropped.
     #[tokio::test]
     async fn live_pieces_are_joined_and_dropped_unless_finished() {
         let limits = Limits {
@@ -804,6 +863,7 @@ mod tests {
             vec![bytes::Bytes::from(whole)]
         );
         assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert!(sink.dropped.lock().unwrap().is_empty());
 
         let (acks, sink) = run(vec![
             Frame::Part(piece("h", 0, 3)),
@@ -813,6 +873,7 @@ mod tests {
         assert!(acks.iter().all(Result::is_ok));
         assert!(sink.accepted.lock().unwrap().is_empty());
         assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(*sink.dropped.lock().unwrap(), ["h"]);
 
         let (acks, sink) = run(vec![
             Frame::Part(piece("h", 0, 3)),
@@ -825,6 +886,7 @@ mod tests {
         }
         assert!(sink.accepted.lock().unwrap().is_empty());
         assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(*sink.dropped.lock().unwrap(), ["h"]);
     }
 
     fn state(id: &str) -> StateFrame {

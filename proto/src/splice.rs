@@ -248,11 +248,13 @@ pub fn is_linear(state: &[u8]) -> bool {
     parse(state).is_ok()
 }
 
-/// A range of cells `[from, to)` (indices within the stream) of `parts`' streams, written
-/// as one state; with `join`, `parts[1]`'s cells follow `parts[0]`'s.
-fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)]) -> Vec<u8> {
+/// A range of cells `[from, to)` (indices within the stream) of each of `parts`' streams,
+/// written as one state into `out` (cleared first): each part's cells follow the previous
+/// part's.
+fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) -> Vec<u8> {
     let total: usize = buf_of.iter().map(|b| b.len()).sum();
-    let mut out = Vec::with_capacity(total);
+    out.clear();
+    out.reserve(total);
     let p0 = parts[0].0;
     out.extend_from_slice(&STATE_MAGIC.to_le_bytes());
     out.extend_from_slice(&p0.seq_id.to_le_bytes());
@@ -357,7 +359,7 @@ pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
             p.cells
         )));
     }
-    Ok(write(&[state], &[(&p, from, p.cells)]))
+    Ok(write(&[state], &[(&p, from, p.cells)], Vec::new()))
 }
 
 /// Joins `head` (positions `0..n`) and `tail` (positions `n..m`) into the state of
@@ -367,18 +369,56 @@ pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
 /// Either piece malformed or not linear, a tail that does not start where the head ends,
 /// or pieces of different shapes (sections, streams, layers, types, row sizes).
 pub fn append(head: &[u8], tail: &[u8]) -> Result<Vec<u8>, SpliceError> {
-    let h = parse(head)?;
-    let t = parse(tail)?;
+    join(&[head, tail], Vec::new())
+}
+
+/// Checks that `next` continues `prev`: its positions start where `prev`'s end, and both
+/// have the same shape. Returns the positions `next` covers. The receiver of a live
+/// handoff checks each piece this way as it comes and joins them all once, at the last
+/// ([`join`]).
+///
+/// # Errors
+/// As [`append`], but `prev` need not start at position 0.
+pub fn follows(prev: &[u8], next: &[u8]) -> Result<std::ops::Range<usize>, SpliceError> {
+    let (h, t) = (parse(prev)?, parse(next)?);
+    fits(&h, &t)?;
+    Ok(t.first..t.first + t.cells)
+}
+
+/// Joins consecutive pieces (the first from position 0, each continuing the one before)
+/// into one state, written into `out` (cleared first; a buffer kept for reuse saves the
+/// page faults of a fresh one).
+///
+/// # Errors
+/// No pieces, a piece malformed or not linear, a first piece that does not start at 0, or
+/// pieces that do not continue each other or differ in shape.
+pub fn join(pieces: &[&[u8]], out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
+    let parsed = pieces
+        .iter()
+        .map(|p| parse(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(h) = parsed.first() else {
+        return Err(SpliceError::Mismatch("no pieces to join".into()));
+    };
     if h.first != 0 {
         return Err(SpliceError::Mismatch(format!(
             "the head starts at position {}, not 0",
             h.first
         )));
     }
-    if t.first != h.cells || t.cells == 0 {
+    for pair in parsed.windows(2) {
+        fits(&pair[0], &pair[1])?;
+    }
+    let parts: Vec<(&Parsed, usize, usize)> = parsed.iter().map(|p| (p, 0, p.cells)).collect();
+    Ok(write(pieces, &parts, out))
+}
+
+/// `t` continues `h`: it starts where `h` ends, holds cells, and has `h`'s shape.
+fn fits(h: &Parsed, t: &Parsed) -> Result<(), SpliceError> {
+    if t.first != h.first + h.cells || t.cells == 0 {
         return Err(SpliceError::Mismatch(format!(
             "the head ends at position {}, the tail covers {}..{}",
-            h.cells,
+            h.first + h.cells,
             t.first,
             t.first + t.cells
         )));
@@ -396,17 +436,6 @@ pub fn append(head: &[u8], tail: &[u8]) -> Result<Vec<u8>, SpliceError> {
                     "a stream is empty in one piece".into(),
                 ));
             }
-            let shape = |s: &Stream| -> Vec<(u32, u64, u32)> {
-                s.k.iter()
-                    .chain(&s.v)
-                    .map(|r| match *r {
-                        Rows::Plain { ty, row, .. } => (ty, row, 0),
-                        Rows::Transposed {
-                            ty, elem, n_embd, ..
-                        } => (ty, u64::from(elem), n_embd),
-                    })
-                    .collect()
-            };
             if a.cells > 0
                 && (a.v_trans != b.v_trans
                     || a.n_layer != b.n_layer
@@ -419,7 +448,20 @@ pub fn append(head: &[u8], tail: &[u8]) -> Result<Vec<u8>, SpliceError> {
             }
         }
     }
-    Ok(write(&[head, tail], &[(&h, 0, h.cells), (&t, 0, t.cells)]))
+    Ok(())
+}
+
+/// Each layer's K and V row layout: type, row (or element) bytes, elements.
+fn shape(s: &Stream) -> Vec<(u32, u64, u32)> {
+    s.k.iter()
+        .chain(&s.v)
+        .map(|r| match *r {
+            Rows::Plain { ty, row, .. } => (ty, row, 0),
+            Rows::Transposed {
+                ty, elem, n_embd, ..
+            } => (ty, u64::from(elem), n_embd),
+        })
+        .collect()
 }
 
 /// Synthetic states for the tests of this crate.
@@ -506,6 +548,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn pieces_checked_one_by_one_join_once_into_the_whole_state() {
+        for v_trans in [false, true] {
+            for sections in [1, 2] {
+                let whole = synthetic(0, 9, v_trans, sections);
+                let pieces = [
+                    synthetic(0, 4, v_trans, sections),
+                    synthetic(4, 3, v_trans, sections),
+                    synthetic(7, 1, v_trans, sections),
+                    synthetic(8, 1, v_trans, sections),
+                ];
+                let spans: Vec<_> = pieces
+                    .windows(2)
+                    .map(|w| follows(&w[0], &w[1]).unwrap())
+                    .collect();
+                assert_eq!(spans, [4..7, 7..8, 8..9]);
+                // Into a buffer that held something else: it is cleared first.
+                let out = vec![0xAB; 17];
+                let refs: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+                assert_eq!(join(&refs, out).unwrap(), whole, "v_trans={v_trans}");
+            }
+        }
+        let (a, b) = (synthetic(0, 2, false, 1), synthetic(3, 1, false, 1));
+        assert!(matches!(follows(&a, &b), Err(SpliceError::Mismatch(_))));
+        assert!(matches!(
+            join(&[&a, &b], Vec::new()),
+            Err(SpliceError::Mismatch(_))
+        ));
+        assert!(matches!(
+            join(&[&b], Vec::new()),
+            Err(SpliceError::Mismatch(_))
+        ));
+        assert!(matches!(
+            join(&[], Vec::new()),
+            Err(SpliceError::Mismatch(_))
+        ));
     }
 
     #[test]

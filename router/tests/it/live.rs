@@ -3,12 +3,14 @@
 //! takes over mid-answer, token for token the `local` answer (greedy, and seeded with a
 //! frequency penalty: the decode node continues at the right step with the right history);
 //! an answer that ends before the handoff completes leaves nothing held on the decode node;
-//! a corrupted piece is refused and the answer goes on on the prefill node, identical.
+//! a corrupted piece is refused and the answer goes on on the prefill node, identical; a
+//! corrupted last piece, refused after the switch, is finished by the fallback, identical
+//! and without waiting out the decode node's bound.
 //! (Identity on both families for fast links: `fidelity.rs` and `gemma.rs`, `v2-live`.)
 
 use crate::common;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -20,9 +22,46 @@ use tokio::net::TcpStream;
 static RATE: AtomicU64 = AtomicU64::new(0);
 /// Flip the byte at this offset of each connection's upstream (usize::MAX: none).
 static CORRUPT_AT: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Flip the last byte (its checksum's) of every LAST frame upstream.
+static CORRUPT_LAST: AtomicBool = AtomicBool::new(false);
+
+/// Follows the V2 frames of one upstream to find where each LAST frame ends.
+#[derive(Default)]
+struct Frames {
+    head: Vec<u8>,
+    /// Body bytes of the current frame still to come, and whether it is a LAST.
+    body: usize,
+    last: bool,
+}
+
+impl Frames {
+    /// Flips the final byte of each LAST frame in `buf` (the next bytes of the stream).
+    fn corrupt_last(&mut self, buf: &mut [u8]) {
+        let mut i = 0;
+        while i < buf.len() {
+            if self.body == 0 {
+                self.head.push(buf[i]);
+                i += 1;
+                if self.head.len() == edgesplit_proto::frame::HEADER_LEN {
+                    self.body = u32::from_le_bytes(self.head[8..12].try_into().unwrap()) as usize;
+                    self.last = self.head[5] == 9;
+                    self.head.clear();
+                }
+                continue;
+            }
+            let n = self.body.min(buf.len() - i);
+            self.body -= n;
+            i += n;
+            if self.body == 0 && self.last {
+                buf[i - 1] ^= 0x5a;
+            }
+        }
+    }
+}
 
 /// Between the nodes: forwards the handoff at [`RATE`], flipping the byte at
-/// [`CORRUPT_AT`]; closes each side when the other closes.
+/// [`CORRUPT_AT`] (and each LAST's last byte with [`CORRUPT_LAST`]); closes each side
+/// when the other closes.
 fn throttling_proxy(target: String) -> String {
     let (addr, l) = common::proxy_listener();
     tokio::spawn(async move {
@@ -36,10 +75,12 @@ fn throttling_proxy(target: String) -> String {
                 let (mut ro, mut wo) = outbound.into_split();
                 let rate = RATE.load(Ordering::SeqCst);
                 let corrupt = CORRUPT_AT.load(Ordering::SeqCst);
+                let corrupt_last = CORRUPT_LAST.load(Ordering::SeqCst);
                 let up = async move {
                     let t0 = Instant::now();
                     let mut seen = 0usize;
                     let mut buf = vec![0u8; 16 * 1024];
+                    let mut frames = Frames::default();
                     loop {
                         let k = match ri.read(&mut buf).await {
                             Ok(0) | Err(_) => break,
@@ -47,6 +88,9 @@ fn throttling_proxy(target: String) -> String {
                         };
                         if seen <= corrupt && corrupt < seen + k {
                             buf[corrupt - seen] ^= 0x5a;
+                        }
+                        if corrupt_last {
+                            frames.corrupt_last(&mut buf[..k]);
                         }
                         seen += k;
                         if rate > 0 {
@@ -77,6 +121,8 @@ fn stack() -> &'static common::Stack {
         o.handoff_proxy = Some(throttling_proxy);
         // Scenario 1b sends the prompt's state during its prefill.
         o.stream_prefill = true;
+        // Scenario 4 shows that a dropped handoff does not wait this out.
+        o.handoff_wait_s = 60;
         common::start(o)
     })
 }
@@ -190,5 +236,25 @@ async fn live_handoff_on_a_slow_link() {
         "{es}"
     );
     assert!(es["fallback"].is_null(), "{es}");
+    assert_eq!(pending_bytes(s).await, 0.0);
+
+    // 4. The last piece is refused (checksum) after the prefill node stopped and the
+    //    router already called the decode node, which does not wait for the state the
+    //    receiver dropped: it fails at once, and the router finishes the answer on the
+    //    prefill node (its fallback), identical.
+    RATE.store(8_000_000, Ordering::SeqCst);
+    CORRUPT_LAST.store(true, Ordering::SeqCst);
+    let body = long_answer(json!({"temperature": 0}));
+    let t0 = Instant::now();
+    let (split, es) = common::run_reporting(s, "/v1/completions", &body, "v2-live", true).await;
+    let took = t0.elapsed();
+    CORRUPT_LAST.store(false, Ordering::SeqCst);
+    RATE.store(0, Ordering::SeqCst);
+    let reference = common::run(s, "/v1/completions", &body, "local", false).await;
+    assert_eq!(split, reference);
+    assert_eq!(es["fallback"], "handoff_failed", "{es}");
+    assert!(es["switch_ms"].is_number(), "{es}");
+    // The decode node would wait 60 s (--handoff-wait-s) for a state that does not come.
+    assert!(took < Duration::from_secs(40), "{took:?}: {es}");
     assert_eq!(pending_bytes(s).await, 0.0);
 }

@@ -58,6 +58,8 @@ pub struct StackOptions {
     pub queue_timeout_s: u64,
     /// The decode node's `--pending-ttl-s`.
     pub pending_ttl_s: u64,
+    /// The decode node's `--handoff-wait-s`.
+    pub handoff_wait_s: u64,
     /// The router's `--token-idle-timeout-ms`.
     pub token_idle_timeout_ms: u64,
     /// Both nodes' `--cache-type-k` and `--cache-type-v`.
@@ -96,6 +98,7 @@ impl StackOptions {
             max_queue: 64,
             queue_timeout_s: 60,
             pending_ttl_s: 120,
+            handoff_wait_s: 5,
             token_idle_timeout_ms: 15_000,
             cache_type: edgesplit_engine::KvType::F16,
             kv_budget_bytes: 0,
@@ -212,7 +215,7 @@ async fn serve(opts: StackOptions) -> Stack {
         v1_listen: String::new(),
         v1_advertise: None,
         parallel: opts.parallel,
-        handoff_wait_s: 5,
+        handoff_wait_s: opts.handoff_wait_s,
         kv_budget_bytes: opts.kv_budget_bytes,
         plan: false,
         pending_ttl_s: opts.pending_ttl_s,
