@@ -5,6 +5,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh --gemma
+# The stock llama-server that the bench and the interoperability tests compare against:
+# built here, once, so that no test waits on (or races) its build. In the background: its
+# compile fills the cores that the package downloads and cargo's serial steps leave idle.
+mkdir -p .build
+STOCK_LOG="$ROOT/.build/stock-llama.log"
+echo "[test] stock llama.cpp (scripts/stock-llama.sh), in the background" >&2
+bash scripts/stock-llama.sh >"$STOCK_LOG" 2>&1 &
+STOCK_PID=$!
 # Test-only packages: shellcheck, Debian's Chromium + ChromeDriver for the dashboard's
 # browser test (router/tests/it/dashboard.rs), and protoc for the phone build's check.
 missing=()
@@ -23,10 +31,6 @@ echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
 echo "[test] the phone build (scripts/check-phone.sh)" >&2
 bash scripts/check-phone.sh
-# The stock llama-server that the bench and the interoperability tests compare against:
-# built here, once, so that no test waits on (or races) its build.
-echo "[test] stock llama.cpp (scripts/stock-llama.sh)" >&2
-bash scripts/stock-llama.sh >/dev/null
 # The official OpenAI Python client, pinned, for router/tests/it/openai_client.rs (strict
 # response validation); into .build/openai-py, not the system's Python.
 OPENAI_PY="$ROOT/.build/openai-py"
@@ -46,4 +50,10 @@ echo "[test] cargo test" >&2
 # in one go gives the binaries the same dependency features as the tests (dev-dependencies
 # included), so `cargo test` compiles nothing twice.
 cargo build --release --workspace --all-targets
+echo "[test] waiting for the stock llama.cpp build" >&2
+if ! wait "$STOCK_PID"; then
+    echo "[test] the stock llama.cpp build failed; the end of its log ($STOCK_LOG):" >&2
+    tail -n 40 "$STOCK_LOG" >&2
+    exit 1
+fi
 cargo test --release --workspace
