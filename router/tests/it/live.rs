@@ -15,8 +15,6 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// Bytes per second the proxy lets through towards the decode node (0: no limit).
 static RATE: AtomicU64 = AtomicU64::new(0);
@@ -25,93 +23,13 @@ static CORRUPT_AT: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Flip the last byte (its checksum's) of every LAST frame upstream.
 static CORRUPT_LAST: AtomicBool = AtomicBool::new(false);
 
-/// Follows the V2 frames of one upstream to find where each LAST frame ends.
-#[derive(Default)]
-struct Frames {
-    head: Vec<u8>,
-    /// Body bytes of the current frame still to come, and whether it is a LAST.
-    body: usize,
-    last: bool,
-}
-
-impl Frames {
-    /// Flips the final byte of each LAST frame in `buf` (the next bytes of the stream).
-    fn corrupt_last(&mut self, buf: &mut [u8]) {
-        let mut i = 0;
-        while i < buf.len() {
-            if self.body == 0 {
-                self.head.push(buf[i]);
-                i += 1;
-                if self.head.len() == edgesplit_proto::frame::HEADER_LEN {
-                    self.body = u32::from_le_bytes(self.head[8..12].try_into().unwrap()) as usize;
-                    self.last = self.head[5] == 9;
-                    self.head.clear();
-                }
-                continue;
-            }
-            let n = self.body.min(buf.len() - i);
-            self.body -= n;
-            i += n;
-            if self.body == 0 && self.last {
-                buf[i - 1] ^= 0x5a;
-            }
-        }
-    }
-}
-
-/// Between the nodes: forwards the handoff at [`RATE`], flipping the byte at
-/// [`CORRUPT_AT`] (and each LAST's last byte with [`CORRUPT_LAST`]); closes each side
-/// when the other closes.
+/// Between the nodes: the link as the statics above say when each connection opens.
 fn throttling_proxy(target: String) -> String {
-    let (addr, l) = common::proxy_listener();
-    tokio::spawn(async move {
-        while let Ok((inbound, _)) = l.accept().await {
-            let target = target.clone();
-            tokio::spawn(async move {
-                let Ok(outbound) = TcpStream::connect(target).await else {
-                    return;
-                };
-                let (mut ri, mut wi) = inbound.into_split();
-                let (mut ro, mut wo) = outbound.into_split();
-                let rate = RATE.load(Ordering::SeqCst);
-                let corrupt = CORRUPT_AT.load(Ordering::SeqCst);
-                let corrupt_last = CORRUPT_LAST.load(Ordering::SeqCst);
-                let up = async move {
-                    let t0 = Instant::now();
-                    let mut seen = 0usize;
-                    let mut buf = vec![0u8; 16 * 1024];
-                    let mut frames = Frames::default();
-                    loop {
-                        let k = match ri.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(k) => k,
-                        };
-                        if seen <= corrupt && corrupt < seen + k {
-                            buf[corrupt - seen] ^= 0x5a;
-                        }
-                        if corrupt_last {
-                            frames.corrupt_last(&mut buf[..k]);
-                        }
-                        seen += k;
-                        if rate > 0 {
-                            let due = Duration::from_secs_f64(seen as f64 / rate as f64);
-                            tokio::time::sleep_until((t0 + due).into()).await;
-                        }
-                        if wo.write_all(&buf[..k]).await.is_err() {
-                            break;
-                        }
-                    }
-                    let _ = wo.shutdown().await;
-                };
-                let down = async move {
-                    let _ = tokio::io::copy(&mut ro, &mut wi).await;
-                    let _ = wi.shutdown().await;
-                };
-                tokio::join!(up, down);
-            });
-        }
-    });
-    addr
+    common::shaping::proxy(target, || common::shaping::Shape {
+        rate: RATE.load(Ordering::SeqCst),
+        corrupt_at: CORRUPT_AT.load(Ordering::SeqCst),
+        corrupt_last: CORRUPT_LAST.load(Ordering::SeqCst),
+    })
 }
 
 fn stack() -> &'static common::Stack {

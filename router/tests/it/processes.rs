@@ -113,6 +113,8 @@ struct Three {
     decode: Proc,
     /// The decode node's gRPC address.
     decode_grpc: String,
+    /// The decode node's `/metrics`.
+    decode_metrics: String,
     _prefill: Proc,
     router: Proc,
     base: String,
@@ -169,6 +171,7 @@ async fn start_three(
     let handoff = d["handoff"].as_str().unwrap().to_string();
     let _ = late.target.set(handoff);
     let dg = d["grpc"].as_str().unwrap().to_string();
+    let dm = format!("http://{}/metrics", d["v1"].as_str().unwrap());
     let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
     let pg = p["grpc"].as_str().unwrap().to_string();
     let mut rargs = vec![
@@ -206,6 +209,7 @@ async fn start_three(
     Three {
         decode,
         decode_grpc: format!("http://{dg}"),
+        decode_metrics: dm,
         _prefill: prefill,
         router,
         base,
@@ -586,6 +590,57 @@ async fn a_killed_decode_process_loses_nothing() {
         timing["decode_tokens"].as_u64().unwrap() > 10,
         "the resumed part: {timing}"
     );
+    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    assert!(!status.success(), "killed: {status}");
+}
+
+/// A handoff link of 1 MB/s: the prompt's state of a short chat (~1 MB) takes about a
+/// second, the KV of what the answer writes meanwhile about as long again.
+fn slow_link(target: String) -> String {
+    common::shaping::proxy(target, || common::shaping::Shape::rate(1_000_000))
+}
+
+/// The live handoff (issue 13) when the decode node's process is killed after the prompt's
+/// state crossed and before the switch (the next piece on its way): the handoff fails, is
+/// cancelled, and the answer goes on on the prefill node, token for token the one-device
+/// answer. Nothing falls back: the client's answer never left the prefill node.
+#[tokio::test]
+async fn a_decode_process_killed_during_a_live_handoff_loses_nothing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut t = start_three("lkill", &[], &[], Some(slow_link)).await;
+    let want = local_story(&t, 400).await;
+    let mut body = story(400, true);
+    body["edgesplit"]["handoff"] = json!("live");
+    let metrics = t.decode_metrics.clone();
+    let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
+    let (text, timing, _) = stream_and_signal(&t.base, &body, || async {
+        // The decode node holds the prompt's piece: the bulk has crossed.
+        let t0 = Instant::now();
+        loop {
+            let text = common::scrape(&metrics).await;
+            if common::value(&text, "edgesplit:pending_handoff_bytes") > 0.0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the prompt's state never reached the decode node"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // SAFETY: sends a signal to our own child process; no memory is shared.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    })
+    .await;
+    assert_eq!(text, want);
+    // Cancelled by the kill, not by a link too slow for the answer (which would only be
+    // noticed after the delta that the kill broke).
+    let why = timing["handoff_cancelled"].as_str().unwrap_or_default();
+    assert!(!why.is_empty() && !why.contains("slower than"), "{timing}");
+    assert!(
+        timing["switch_ms"].is_null() && timing["fallback"].is_null(),
+        "{timing}"
+    );
+    assert_eq!(timing["decode_tokens"], 0, "{timing}");
     let status = exited(&mut t.decode, Duration::from_secs(5)).await;
     assert!(!status.success(), "killed: {status}");
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
+pub mod shaping;
 pub mod stock;
 
 /// Where the models live (`scripts/fetch-models.sh` puts them there).
