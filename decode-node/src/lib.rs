@@ -20,7 +20,6 @@ use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
@@ -356,7 +355,10 @@ pub async fn run(
             svc,
             NodeArgs::guard(secret),
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), drain.started());
+        .serve_with_incoming_shutdown(
+            edgesplit_proto::service::grpc_incoming(grpc),
+            drain.started(),
+        );
     let all = async {
         let result = grpc.await;
         let _ = served_tx.send(true);

@@ -23,7 +23,7 @@ use edgesplit_proto::service::NodeArgs;
 use edgesplit_proto::{layout, pb};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -661,7 +661,10 @@ pub async fn run(
             svc,
             NodeArgs::guard(secret),
         ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), drain.started());
+        .serve_with_incoming_shutdown(
+            edgesplit_proto::service::grpc_incoming(listeners.grpc),
+            drain.started(),
+        );
     let result = tokio::select! {
         result = grpc => result,
         () = drain.expired() => Ok(()),

@@ -236,7 +236,11 @@ pub async fn run(
             drained.notify_one();
         }
     };
-    let server = axum::serve(listener, server::app(state)).with_graceful_shutdown(stop);
+    let server = axum::serve(
+        edgesplit_proto::service::http_listener(listener),
+        server::app(state),
+    )
+    .with_graceful_shutdown(stop);
     tokio::select! {
         r = server => r?,
         // After the drain, idle keep-alive connections close at once; anything still open
