@@ -14,6 +14,10 @@ source "$CONFIG"
 set +a
 : "${MODEL:?set MODEL in $CONFIG}" "${PHONE_IP:?set PHONE_IP in $CONFIG}"
 
+# The pair's shared secret, made once (kept when it exists); the phone needs the same file.
+export EDGESPLIT_SECRET_FILE="${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}"
+bash "$ROOT/scripts/secret.sh" "$EDGESPLIT_SECRET_FILE"
+
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 if command -v nvcc >/dev/null; then

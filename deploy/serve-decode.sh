@@ -12,6 +12,19 @@ MODEL="${2:?usage: deploy/serve-decode.sh [--dry-run] BIN MODEL.gguf [N_CTX]}"
 N_CTX="${3:-4096}"
 PARALLEL="${PARALLEL:-2}"
 
+# The shared secret (scripts/secret.sh on the laptop made it; copy the same file here):
+# the node listens on every interface, so without it the node refuses to start.
+SECRET_FILE="${EDGESPLIT_SECRET_FILE:-$HOME/.config/edgesplit/secret}"
+if [[ ! -s "$SECRET_FILE" ]]; then
+    if ((DRY)); then
+        echo "# no shared secret at $SECRET_FILE yet: copy the laptop's there first (deploy/README.md)"
+    else
+        echo "[decode] no shared secret at $SECRET_FILE: copy the laptop's deploy/secret there first (deploy/README.md, 'The shared secret')" >&2
+        exit 1
+    fi
+fi
+export EDGESPLIT_SECRET_FILE="$SECRET_FILE"
+
 IP="$(ip -4 addr show wlan0 2>/dev/null | awk '/inet /{print $2}' | cut -d/ -f1 || true)"
 if ((DRY)); then
     BUDGET="<from the plan>"

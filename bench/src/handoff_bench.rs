@@ -44,6 +44,10 @@ pub struct HandoffArgs {
     /// Output folder (default: bench/results/handoff-<unix time>).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Also run a second stack whose services share a secret (private links: TLS keyed by
+    /// it) and measure its `v1-private` and `v2-private` paths against the plain ones.
+    #[arg(long)]
+    pub private: bool,
 }
 
 /// One path's handoff in one round: its parts in ms, and the total on its critical path.
@@ -55,10 +59,13 @@ struct Sample {
     /// (part, ms), in the order they happen.
     parts: Vec<(&'static str, f64)>,
     total_ms: f64,
+    /// Ours: the request's time to first token (the router's figure).
+    ttft_ms: Option<f64>,
 }
 
-/// The paths measured, in the order of the first round.
-const PATHS: [&str; 3] = ["original", "v1", "v2"];
+/// The paths measured, in the order of the first round (the private ones with
+/// `--private`).
+const PATHS: [&str; 5] = ["original", "v1", "v2", "v1-private", "v2-private"];
 
 /// Our parts, as the `edgesplit` object names them. `handoff_ms` runs from the connect (V2)
 /// or the request (V1) to the receiver's acknowledgement; the hashing and the receiver's
@@ -103,12 +110,27 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
         direct: true,
         flash_attn: "auto".into(),
         cache_type: "f16".into(),
+        secret: None,
     };
-    let stack = Stack::start(
-        &cfg,
-        crate::link::Profile::named("loopback").expect("a profile"),
-    )
-    .await?;
+    let loopback = || crate::link::Profile::named("loopback").expect("a profile");
+    let stack = Stack::start(&cfg, loopback()).await?;
+    let private = if args.private {
+        let secret: String = (0..32)
+            .map(|_| format!("{:02x}", rand::random::<u8>()))
+            .collect();
+        let cfg = StackConfig {
+            dir: out.join("services-private"),
+            secret: Some(secret),
+            ..cfg.clone()
+        };
+        Some(Stack::start(&cfg, loopback()).await?)
+    } else {
+        None
+    };
+    let paths: Vec<&'static str> = PATHS
+        .into_iter()
+        .filter(|p| private.is_some() || !p.ends_with("-private"))
+        .collect();
     let (dir_a, dir_b) = (out.join("slots-a"), out.join("slots-b"));
     std::fs::create_dir_all(&dir_a)?;
     std::fs::create_dir_all(&dir_b)?;
@@ -123,11 +145,14 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
 
     let mut samples = Vec::new();
     for round in 0..=args.rounds {
-        for k in 0..PATHS.len() {
-            let path = PATHS[(k + round) % PATHS.len()];
-            let s = match path {
-                "original" => original(&http, &a, &b, &upload, &dir_a, &prompt, round).await,
-                ours => edgesplit(&http, &stack.router, ours, &prompt, round).await,
+        for k in 0..paths.len() {
+            let path = paths[(k + round) % paths.len()];
+            let s = match (path, &private) {
+                ("original", _) => original(&http, &a, &b, &upload, &dir_a, &prompt, round).await,
+                ("v1-private" | "v2-private", Some(p)) => {
+                    edgesplit(&http, &p.router, path, &prompt, round).await
+                }
+                (ours, _) => edgesplit(&http, &stack.router, ours, &prompt, round).await,
             }
             .with_context(|| format!("round {round}, {path}"))?;
             eprintln!(
@@ -141,6 +166,29 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // The private links' cost on a short request's TTFT: alternating split requests of a
+    // ~20-token prompt on the plain and the private stack (kept-alive connections, as a
+    // client's and the router's are), after one warm-up pair.
+    let mut ttft_pairs = Vec::new();
+    if let Some(p) = &private {
+        for k in 0..=SHORT_PAIRS {
+            let order = if k % 2 == 0 {
+                [&stack.router, &p.router]
+            } else {
+                [&p.router, &stack.router]
+            };
+            let mut t = [0.0; 2];
+            for (i, router) in order.into_iter().enumerate() {
+                t[i] = short_ttft(&http, router).await?;
+            }
+            if k % 2 == 1 {
+                t.swap(0, 1);
+            }
+            if k > 0 {
+                ttft_pairs.push((t[0], t[1]));
+            }
+        }
+    }
     let header = format!(
         "`{}`\n\n{}, prompt ~{} tokens, {} counted rounds after one warm-up, {threads} threads per server, n_ctx {}, flash attention {}.\n",
         std::env::args().collect::<Vec<_>>().join(" "),
@@ -150,7 +198,8 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
         args.n_ctx,
         if fa { "on" } else { "off" },
     );
-    let md = summary(&header, &samples);
+    let mut md = summary(&header, &samples);
+    short_ttft_summary(&mut md, &ttft_pairs);
     std::fs::write(out.join("summary.md"), &md)?;
     std::fs::write(
         out.join("samples.json"),
@@ -158,6 +207,53 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     )?;
     println!("{md}\noutputs: {}", out.display());
     Ok(())
+}
+
+/// Pairs of short requests (plain, private) for the TTFT cost of private links.
+const SHORT_PAIRS: usize = 30;
+
+/// The router's TTFT of a short greedy `v2` request (2 output tokens).
+async fn short_ttft(http: &reqwest::Client, router: &str) -> anyhow::Result<f64> {
+    let body = json!({
+        "messages": [{"role": "user", "content": "Name three colours of the rainbow, please."}],
+        "max_tokens": 2, "temperature": 0, "edgesplit": {"transport": "v2"},
+    });
+    let v: Value = http
+        .post(format!("{router}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    v["edgesplit"]["ttft_ms"]
+        .as_f64()
+        .with_context(|| format!("no ttft_ms: {v}"))
+}
+
+fn short_ttft_summary(md: &mut String, pairs: &[(f64, f64)]) {
+    use std::fmt::Write;
+    if pairs.is_empty() {
+        return;
+    }
+    let sorted = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let plain = sorted(pairs.iter().map(|p| p.0).collect());
+    let private = sorted(pairs.iter().map(|p| p.1).collect());
+    let diff = sorted(pairs.iter().map(|p| p.1 - p.0).collect());
+    let med = |v: &[f64]| v[v.len() / 2];
+    let _ = writeln!(
+        md,
+        "\nShort request (~20-token prompt, `v2`, 2 tokens), {} alternating pairs: TTFT median plain {:.1} ms, private {:.1} ms; private - plain per pair: median {:+.2} ms (quartiles {:+.2} / {:+.2})",
+        pairs.len(),
+        med(&plain),
+        med(&private),
+        med(&diff),
+        diff[diff.len() / 4],
+        diff[diff.len() * 3 / 4],
+    );
 }
 
 /// One split request of ours; its parts from the `edgesplit` object.
@@ -168,8 +264,9 @@ async fn edgesplit(
     prompt: &str,
     round: usize,
 ) -> anyhow::Result<Sample> {
-    let mut edgesplit = json!({"transport": path});
-    if path == "v2" {
+    let transport = path.trim_end_matches("-private");
+    let mut edgesplit = json!({"transport": transport});
+    if transport == "v2" {
         edgesplit["handoff"] = json!("after");
     }
     let body = json!({
@@ -201,6 +298,7 @@ async fn edgesplit(
         bytes,
         parts,
         total_ms,
+        ttft_ms: es["ttft_ms"].as_f64(),
     })
 }
 
@@ -268,6 +366,7 @@ async fn original(
         bytes,
         parts: vec![("save", save), ("upload", sent), ("restore", restore)],
         total_ms: save + sent + restore,
+        ttft_ms: None,
     })
 }
 
@@ -413,5 +512,64 @@ fn summary(header: &str, samples: &[Sample]) -> String {
             "\nV2 payload throughput, connect to ACK (median): {m:.2} GB/s"
         );
     }
+    private_cost(&mut md, samples, &rounds);
     md
+}
+
+/// With `--private`: what the private links cost, per round against the plain path of the
+/// same round. The send ratio is the handoff's time from connect to ACK (its inverse is the
+/// throughput kept); the TTFT difference is the request's whole time to first token.
+fn private_cost(md: &mut String, samples: &[Sample], rounds: &[usize]) {
+    use std::fmt::Write;
+    let find =
+        |path: &str, round: usize| samples.iter().find(|s| s.path == path && s.round == round);
+    let send = |s: &Sample| {
+        s.parts
+            .iter()
+            .find(|(p, _)| *p == "send (connect to ACK)")
+            .map(|(_, v)| *v)
+    };
+    let mut lines = Vec::new();
+    for ours in ["v1", "v2"] {
+        let private = format!("{ours}-private");
+        let pairs: Vec<(&Sample, &Sample)> = rounds
+            .iter()
+            .filter_map(|&k| Some((find(ours, k)?, find(&private, k)?)))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let mut ratio: Vec<f64> = pairs
+            .iter()
+            .filter_map(|(p, q)| Some(send(q)? / send(p)?))
+            .collect();
+        let mut ttft: Vec<f64> = pairs
+            .iter()
+            .filter_map(|(p, q)| Some(q.ttft_ms? - p.ttft_ms?))
+            .collect();
+        ratio.sort_by(f64::total_cmp);
+        ttft.sort_by(f64::total_cmp);
+        let med = |v: &[f64]| v.get(v.len() / 2).copied().unwrap_or(f64::NAN);
+        lines.push(format!(
+            "| {ours} | {} | {:.3} ({:.3}-{:.3}) | {:.1}% | {:+.2} ({:+.2} to {:+.2}) |",
+            pairs.len(),
+            med(&ratio),
+            ratio.first().copied().unwrap_or(f64::NAN),
+            ratio.last().copied().unwrap_or(f64::NAN),
+            100.0 / med(&ratio),
+            med(&ttft),
+            ttft.first().copied().unwrap_or(f64::NAN),
+            ttft.last().copied().unwrap_or(f64::NAN),
+        ));
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "\nPrivate links (TLS keyed by the secret) against plain, same rounds:\n\n| path | rounds | send time private / plain, median (min-max) | throughput kept | TTFT private - plain, ms, median (min to max) |\n|---|---|---|---|---|"
+    );
+    for l in lines {
+        let _ = writeln!(md, "{l}");
+    }
 }

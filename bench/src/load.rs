@@ -144,6 +144,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         direct: false,
         flash_attn: "auto".into(),
         cache_type: "f16".into(),
+        secret: None,
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

@@ -310,6 +310,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     direct: false,
                     flash_attn: args.flash_attn.clone(),
                     cache_type: args.cache_type.clone(),
+                    secret: None,
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))

@@ -24,6 +24,7 @@ use edgesplit_proto::pb::InfoRequest;
 
 use crate::link::{Link, Profile};
 
+#[derive(Clone)]
 pub struct StackConfig {
     pub model: PathBuf,
     pub n_ctx: u32,
@@ -42,6 +43,8 @@ pub struct StackConfig {
     pub flash_attn: String,
     /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0).
     pub cache_type: String,
+    /// The shared secret of the three services (`EDGESPLIT_SECRET`): private links.
+    pub secret: Option<String>,
 }
 
 /// A running stack; its processes are killed on drop.
@@ -86,9 +89,14 @@ fn binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<Child> {
+fn spawn(name: &str, args: &[String], log: &Path, secret: Option<&str>) -> anyhow::Result<Child> {
     let log = std::fs::File::create(log)?;
-    Command::new(binary(name)?)
+    let mut cmd = Command::new(binary(name)?);
+    match secret {
+        Some(s) => cmd.env("EDGESPLIT_SECRET", s),
+        None => cmd.env_remove("EDGESPLIT_SECRET"),
+    };
+    cmd.env_remove("EDGESPLIT_SECRET_FILE")
         .args(args)
         .stdout(Stdio::null())
         .stderr(log)
@@ -159,6 +167,7 @@ impl Stack {
             "edgesplit-decode",
             &dargs,
             &cfg.dir.join("decode.log"),
+            cfg.secret.as_deref(),
         )?);
         let mut pargs = common(&prefill_grpc);
         pargs.extend(["--metrics-listen".into(), prefill_metrics]);
@@ -169,6 +178,7 @@ impl Stack {
             "edgesplit-prefill",
             &pargs,
             &cfg.dir.join("prefill.log"),
+            cfg.secret.as_deref(),
         )?);
         let mut rargs: Vec<String> = vec![
             "--listen".into(),
@@ -187,6 +197,7 @@ impl Stack {
             "edgesplit-router",
             &rargs,
             &cfg.dir.join("router.log"),
+            cfg.secret.as_deref(),
         )?);
 
         // Ready when the router says healthy (it checks both nodes).
@@ -216,11 +227,21 @@ impl Stack {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let info = PrefillClient::connect(format!("http://{prefill_grpc}"))
-            .await?
-            .info(InfoRequest {})
-            .await?
-            .into_inner();
+        // Over the link the services use, with the credential their secret asks for.
+        let secret = cfg
+            .secret
+            .as_deref()
+            .map(|s| edgesplit_proto::auth::Secret::new(s.as_bytes(), "the bench's secret"))
+            .transpose()?
+            .map(std::sync::Arc::new);
+        let link = edgesplit_proto::link::Link::new(secret.clone())?;
+        let info = PrefillClient::with_interceptor(
+            link.grpc_channel(&format!("http://{prefill_grpc}"), Duration::from_secs(5))?,
+            edgesplit_proto::auth::GrpcCredentials(secret),
+        )
+        .info(InfoRequest {})
+        .await?
+        .into_inner();
         stack.flash_attn = info.flash_attn;
         stack.chat = info.has_chat_template;
         Ok(stack)

@@ -50,9 +50,15 @@ pub struct Config {
     /// Address the prefill node should dial for the handoff (default: the bound address).
     #[arg(long)]
     pub handoff_advertise: Option<String>,
-    /// V1 upload listen address (HTTP; also serves `GET /metrics`).
+    /// V1 upload listen address (HTTP, HTTPS on a private link; also serves
+    /// `GET /metrics`).
     #[arg(long, env = "EDGESPLIT_V1_LISTEN", default_value = "127.0.0.1:50062")]
     pub v1_listen: String,
+    /// A plain HTTP listen address for `GET /metrics` alone. With a shared secret the V1
+    /// port speaks only the private link's TLS, which a metrics scraper cannot: scrape
+    /// this one instead.
+    #[arg(long, env = "EDGESPLIT_DECODE_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
     /// Base URL the prefill node should upload V1 files to (default: from the bound address).
     #[arg(long)]
     pub v1_advertise: Option<String>,
@@ -248,8 +254,10 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// V2 handoff (raw TCP).
     pub handoff: TcpListener,
-    /// V1 uploads (HTTP).
+    /// V1 uploads (HTTP), and `GET /metrics`.
     pub v1: TcpListener,
+    /// `GET /metrics` alone, plain HTTP (`--metrics-listen`).
+    pub metrics: Option<TcpListener>,
 }
 
 /// Serves gRPC, the V2 handoff and V1 uploads until `shutdown` resolves.
@@ -277,16 +285,23 @@ pub async fn run(
         grpc,
         handoff: handoff_listener,
         v1: v1_listener,
+        metrics: metrics_listener,
     } = listeners;
     let handoff_addr = match &config.handoff_advertise {
         Some(a) => a.clone(),
         None => handoff_listener.local_addr()?.to_string(),
     };
-    let v1_url = match &config.v1_advertise {
+    let link = config.node.link(&[
+        grpc.local_addr()?,
+        handoff_listener.local_addr()?,
+        v1_listener.local_addr()?,
+    ])?;
+    let secret = link.secret_arc();
+    // The scheme follows the link: `https` when private, whatever was advertised.
+    let v1_url = link.upload_url(&match &config.v1_advertise {
         Some(u) => u.clone(),
         None => format!("http://{}/v1/handoff", v1_listener.local_addr()?),
-    };
-    let secret = config.node.secret()?;
+    });
     let upload_cfg = Arc::new(upload::UploadConfig {
         secret: secret.clone(),
         seen: Arc::default(),
@@ -329,16 +344,26 @@ pub async fn run(
         engine.info().identity(),
         limits,
         store.clone(),
-        secret.clone(),
+        link.clone(),
         grpc_done(),
     ));
     let sources = Arc::new(metrics::Sources {
         store: store.clone(),
         engine: engine.clone(),
     });
-    let http = upload::router(upload_cfg).merge(metrics::router(sources));
+    let http = upload::router(upload_cfg).merge(metrics::router(sources.clone()));
+    let metrics_server = metrics_listener.map(|l| {
+        tokio::spawn(
+            axum::serve(
+                edgesplit_proto::service::http_listener(l),
+                metrics::router(sources),
+            )
+            .with_graceful_shutdown(grpc_done())
+            .into_future(),
+        )
+    });
     let v1_server = tokio::spawn(
-        axum::serve(v1_listener, http)
+        axum::serve(link.listen(v1_listener, limits.handshake), http)
             .with_graceful_shutdown(grpc_done())
             .into_future(),
     );
@@ -355,15 +380,15 @@ pub async fn run(
             svc,
             NodeArgs::guard(secret),
         ))
-        .serve_with_incoming_shutdown(
-            edgesplit_proto::service::grpc_incoming(grpc),
-            drain.started(),
-        );
+        .serve_with_incoming_shutdown(link.listen(grpc, limits.handshake), drain.started());
     let all = async {
         let result = grpc.await;
         let _ = served_tx.send(true);
         let _ = receiver.await;
         let _ = v1_server.await;
+        if let Some(m) = metrics_server {
+            let _ = m.await;
+        }
         result
     };
     tokio::select! {

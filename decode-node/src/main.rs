@@ -12,6 +12,10 @@ async fn main() -> anyhow::Result<()> {
         grpc: tokio::net::TcpListener::bind(&config.listen).await?,
         handoff: tokio::net::TcpListener::bind(&config.handoff_listen).await?,
         v1: tokio::net::TcpListener::bind(&config.v1_listen).await?,
+        metrics: match &config.metrics_listen {
+            Some(a) => Some(tokio::net::TcpListener::bind(a).await?),
+            None => None,
+        },
     };
     tracing::info!(
         grpc = %listeners.grpc.local_addr()?,

@@ -16,9 +16,9 @@ use edgesplit_engine::wire::{status, status_with_code, token_events};
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
 };
-use edgesplit_proto::auth::Secret;
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
+use edgesplit_proto::link::Link;
 use edgesplit_proto::service::NodeArgs;
 use edgesplit_proto::{layout, pb};
 use tokio::net::TcpListener;
@@ -94,8 +94,19 @@ pub struct PrefillService {
     limits: Limits,
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
-    secret: Option<Arc<Secret>>,
+    link: Link,
     stream_prefill: bool,
+}
+
+/// The V1 uploads' HTTP client: over `link`, within the handoff deadlines.
+fn http_client(link: &Link, limits: &Limits) -> std::io::Result<reqwest::Client> {
+    link.http_client(
+        reqwest::Client::builder()
+            .connect_timeout(limits.connect)
+            .timeout(limits.frame),
+    )
+    .build()
+    .map_err(std::io::Error::other)
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -119,17 +130,13 @@ impl PrefillService {
     /// # Errors
     /// The HTTP client (V1 uploads) cannot be built.
     pub fn new(engine: Engine, limits: Limits) -> std::io::Result<Self> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(limits.connect)
-            .timeout(limits.frame)
-            .build()
-            .map_err(std::io::Error::other)?;
+        let link = Link::plain();
         Ok(Self {
             engine,
             limits,
-            http,
+            http: http_client(&link, &limits)?,
             metrics: Arc::default(),
-            secret: None,
+            link,
             stream_prefill: false,
         })
     }
@@ -141,11 +148,15 @@ impl PrefillService {
         self
     }
 
-    /// Authenticates the V2 and V1 handoffs with the shared secret.
-    #[must_use]
-    pub fn with_secret(mut self, secret: Option<Arc<Secret>>) -> Self {
-        self.secret = secret;
-        self
+    /// Sends the V2 and V1 handoffs over `link` (private and authenticated with the shared
+    /// secret when it has one).
+    ///
+    /// # Errors
+    /// The HTTP client (V1 uploads) cannot be built.
+    pub fn with_link(mut self, link: Link) -> std::io::Result<Self> {
+        self.http = http_client(&link, &self.limits)?;
+        self.link = link;
+        Ok(self)
     }
 
     fn sender(&self) -> Sender {
@@ -154,7 +165,7 @@ impl PrefillService {
             limits: self.limits,
             http: self.http.clone(),
             metrics: self.metrics.clone(),
-            secret: self.secret.clone(),
+            link: self.link.clone(),
         }
     }
 
@@ -516,7 +527,7 @@ struct Sender {
     limits: Limits,
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
-    secret: Option<Arc<Secret>>,
+    link: Link,
 }
 
 impl Sender {
@@ -562,12 +573,12 @@ impl Sender {
                 Outgoing::File(file) => {
                     let u = upload::upload(
                         &self.http,
-                        &h.decode_addr,
+                        &self.link.upload_url(&h.decode_addr),
                         &h.handoff_id,
                         &request_id,
                         file,
                         &self.info,
-                        self.secret.as_deref(),
+                        self.link.secret(),
                     )
                     .await?;
                     Ok(Delivered {
@@ -582,7 +593,7 @@ impl Sender {
                         &self.info.identity(),
                         frame.clone(),
                         &self.limits,
-                        self.secret.as_deref(),
+                        &self.link,
                     )
                     .await?;
                     Ok(Delivered {
@@ -640,10 +651,12 @@ pub async fn run(
     config: &Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let secret = config.node.secret()?;
+    // Metrics are not a link between the devices: only the gRPC listener is checked.
+    let link = config.node.link(&[listeners.grpc.local_addr()?])?;
+    let secret = link.secret_arc();
     let svc = PrefillService::new(engine, config.limits())
+        .and_then(|s| s.with_link(link.clone()))
         .map_err(|e| anyhow::anyhow!("HTTP client: {e}"))?
-        .with_secret(secret.clone())
         .with_stream_prefill(config.stream_prefill);
     let drain = config.node.drain(shutdown);
     let app = metrics::router(svc.metrics.clone());
@@ -662,7 +675,7 @@ pub async fn run(
             NodeArgs::guard(secret),
         ))
         .serve_with_incoming_shutdown(
-            edgesplit_proto::service::grpc_incoming(listeners.grpc),
+            link.listen(listeners.grpc, config.node.handoff_limits().handshake),
             drain.started(),
         );
     let result = tokio::select! {

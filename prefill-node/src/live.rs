@@ -155,12 +155,12 @@ impl LiveHandoff {
         }
     }
 
-    async fn connect(&self) -> Result<Link, String> {
+    async fn connect(&self) -> Result<Conn, String> {
         handoff::connect(
             &self.handoff.decode_addr,
             &self.sender.info.identity(),
             &self.sender.limits,
-            self.sender.secret.as_deref(),
+            &self.sender.link,
         )
         .await
         .map_err(|e| e.to_string())
@@ -386,12 +386,13 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 /// A handoff connection after its handshake.
-type Link = tokio_util::codec::Framed<tokio::net::TcpStream, edgesplit_proto::codec::V2Codec>;
+type Conn =
+    tokio_util::codec::Framed<edgesplit_proto::link::LinkStream, edgesplit_proto::codec::V2Codec>;
 
 /// Where a live handoff stands: its connection, the positions the decode node holds, the
 /// figures so far.
 pub(crate) struct Sent {
-    link: Link,
+    link: Conn,
     held: usize,
     sw: pb::Switched,
     biggest: u64,
@@ -400,7 +401,7 @@ pub(crate) struct Sent {
 }
 
 impl Sent {
-    fn new(link: Link) -> Self {
+    fn new(link: Conn) -> Self {
         Sent {
             link,
             held: 0,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::codec::Framed;
 
@@ -18,6 +18,7 @@ use crate::auth::{self, Secret};
 use crate::codec::{CodecError, V2Codec};
 use crate::frame::{self, Frame, Identity, Nack, NackCode, Receipt, StateFrame};
 use crate::layout;
+use crate::link::{Link, LinkStream};
 
 /// Time and size limits of a handoff connection.
 #[derive(Debug, Clone, Copy)]
@@ -121,10 +122,10 @@ pub async fn send_state(
     ours: &Identity,
     state: StateFrame,
     limits: &Limits,
-    secret: Option<&Secret>,
+    link: &Link,
 ) -> Result<SendReport, HandoffError> {
     let start = Instant::now();
-    let mut framed = connect(addr, ours, limits, secret).await?;
+    let mut framed = connect(addr, ours, limits, link).await?;
     let connect = start.elapsed();
     let payload_bytes = state.payload.len() as u64;
     let acked = send_piece(&mut framed, Frame::State(state), limits).await?;
@@ -145,18 +146,20 @@ pub async fn connect(
     addr: &str,
     ours: &Identity,
     limits: &Limits,
-    secret: Option<&Secret>,
-) -> Result<Framed<TcpStream, V2Codec>, HandoffError> {
-    let stream = tokio::time::timeout(limits.connect, TcpStream::connect(addr))
+    link: &Link,
+) -> Result<Framed<LinkStream, V2Codec>, HandoffError> {
+    let stream = link
+        .dial(addr, limits.connect)
         .await
-        .map_err(|_| HandoffError::Timeout("connect"))?
-        .map_err(|source| HandoffError::Connect {
-            addr: addr.to_string(),
-            source,
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::TimedOut => HandoffError::Timeout("connect"),
+            _ => HandoffError::Connect {
+                addr: addr.to_string(),
+                source,
+            },
         })?;
-    stream.set_nodelay(true).ok();
     let mut framed = Framed::new(stream, V2Codec::new(limits.max_frame));
-    handshake(&mut framed, ours, limits, secret).await?;
+    handshake(&mut framed, ours, limits, link.secret()).await?;
     Ok(framed)
 }
 
@@ -713,38 +716,36 @@ fn error_nack(e: &HandoffError) -> Nack {
     }
 }
 
-/// Accepts receiver connections until `shutdown` resolves.
+/// Accepts receiver connections until `shutdown` resolves (over `link`: a private link's
+/// TLS handshake comes first, within the handshake deadline).
 pub async fn serve<F>(
     listener: TcpListener,
     ours: Identity,
     limits: Limits,
     sink: Arc<dyn StateSink>,
-    secret: Option<Arc<Secret>>,
+    link: Link,
     shutdown: F,
 ) where
     F: Future<Output = ()> + Send,
 {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let ours = Arc::new(ours);
+    let secret = link.secret_arc();
+    let mut incoming = link.listen(listener, limits.handshake);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
             () = &mut shutdown => return,
-            a = listener.accept() => a,
+            a = incoming.next() => a,
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "handoff accept failed");
-                continue;
-            }
+        let Some((stream, peer)) = accepted else {
+            return;
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "handoff connection refused: too many connections");
             drop(stream);
             continue;
         };
-        stream.set_nodelay(true).ok();
         let (ours, sink, secret) = (ours.clone(), sink.clone(), secret.clone());
         tokio::spawn(async move {
             let _permit = permit;

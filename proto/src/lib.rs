@@ -10,6 +10,7 @@ pub mod codec;
 pub mod frame;
 pub mod handoff;
 pub mod layout;
+pub mod link;
 pub mod metrics;
 pub mod service;
 pub mod splice;

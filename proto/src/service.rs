@@ -17,23 +17,6 @@ pub fn init_tracing(default_filter: &str) {
     }
 }
 
-/// The connections of a gRPC listener, each with `TCP_NODELAY` set, for tonic's
-/// `serve_with_incoming*` (which leaves the socket as it comes). A node streams one small
-/// message per token; with Nagle's algorithm on, a token written while the previous one
-/// is unacknowledged waits for that ACK (up to a round trip, or the peer's delayed-ACK
-/// timer), so tokens would reach the router in bursts.
-pub fn grpc_incoming(
-    listener: tokio::net::TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::stream::unfold(listener, |l| async move {
-        let conn = l.accept().await.map(|(s, _)| {
-            let _ = s.set_nodelay(true);
-            s
-        });
-        Some((conn, l))
-    })
-}
-
 /// An HTTP listener for `axum::serve` whose connections have `TCP_NODELAY` set (axum leaves
 /// it off): on a kept-alive connection a streamed answer's first chunks otherwise wait for
 /// the client's delayed ACK and reach it together (measured: the role chunk and the first
@@ -135,6 +118,26 @@ pub struct NodeArgs {
     /// anyway (new calls and handoffs are refused meanwhile).
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Serve on a non-loopback address without a shared secret: every link in the clear
+    /// and unauthenticated. Without this flag such a node refuses to start.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+/// Why a node will not serve as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkConfigError {
+    #[error(transparent)]
+    Secret(#[from] crate::auth::SecretError),
+    #[error(transparent)]
+    Link(#[from] crate::link::LinkError),
+    #[error(
+        "refusing to listen on {addr} without a shared secret: prompts, answers and KV states \
+         would cross the network in the clear and anyone could call the node. Configure the \
+         secret (--secret-file, EDGESPLIT_SECRET_FILE or EDGESPLIT_SECRET; \
+         `scripts/secret.sh` makes one), or pass --insecure to serve in the clear anyway"
+    )]
+    Insecure { addr: std::net::SocketAddr },
 }
 
 impl NodeArgs {
@@ -147,9 +150,36 @@ impl NodeArgs {
     ) -> Result<Option<std::sync::Arc<crate::auth::Secret>>, crate::auth::SecretError> {
         let secret = crate::auth::Secret::load(self.secret_file.as_deref())?;
         if secret.is_none() {
-            tracing::warn!("no shared secret: the handoffs and the gRPC API are unauthenticated");
+            tracing::warn!(
+                "no shared secret: the links are in the clear and the handoffs and the gRPC \
+                 API are unauthenticated"
+            );
         }
         Ok(secret.map(std::sync::Arc::new))
+    }
+
+    /// The node's link, from its shared secret: private (TLS keyed by the secret) when one
+    /// is configured; plain otherwise, which only loopback listeners accept unless
+    /// `--insecure` is given.
+    ///
+    /// # Errors
+    /// The secret is unreadable or too short, or a listener in `listening` is not on
+    /// loopback while no secret is configured and `--insecure` was not given.
+    pub fn link(
+        &self,
+        listening: &[std::net::SocketAddr],
+    ) -> Result<crate::link::Link, LinkConfigError> {
+        let secret = self.secret()?;
+        if secret.is_none() && !self.insecure {
+            if let Some(addr) = listening.iter().find(|a| !a.ip().is_loopback()) {
+                return Err(LinkConfigError::Insecure { addr: *addr });
+            }
+        }
+        let link = crate::link::Link::new(secret)?;
+        if let Some(f) = link.fingerprint() {
+            tracing::info!(key = %f, "private links: TLS 1.3 keyed by the shared secret");
+        }
+        Ok(link)
     }
 
     /// The interceptor that checks every gRPC call's credential (none without a secret).
@@ -183,7 +213,11 @@ impl NodeArgs {
 #[cfg(test)]
 mod nodelay_tests {
     use axum::serve::Listener;
-    use futures::StreamExt;
+
+    fn private() -> crate::link::Link {
+        let secret = crate::auth::Secret::new(b"sixteen bytes at least", "test").unwrap();
+        crate::link::Link::new(Some(std::sync::Arc::new(secret))).unwrap()
+    }
 
     async fn bound() -> (tokio::net::TcpListener, std::net::SocketAddr) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -191,14 +225,22 @@ mod nodelay_tests {
         (l, a)
     }
 
-    /// Both listeners hand out connections with Nagle's algorithm off.
+    /// Both listeners, plain or private, hand out connections with Nagle's algorithm off,
+    /// and a private link's client side has it off too.
     #[tokio::test]
     async fn accepted_connections_have_nodelay() {
-        let (l, a) = bound().await;
-        let mut incoming = Box::pin(super::grpc_incoming(l));
-        let _c = tokio::net::TcpStream::connect(a).await.unwrap();
-        let s = incoming.next().await.unwrap().unwrap();
-        assert!(s.nodelay().unwrap());
+        for link in [crate::link::Link::plain(), private()] {
+            let (l, a) = bound().await;
+            let mut incoming = link.listen(l, std::time::Duration::from_secs(5));
+            let c = tokio::net::TcpStream::connect(a).await.unwrap();
+            let dialed = tokio::spawn({
+                let link = link.clone();
+                async move { link.connect(c).await.unwrap() }
+            });
+            let (s, _) = incoming.next().await.unwrap();
+            assert!(s.tcp().nodelay().unwrap());
+            assert!(dialed.await.unwrap().tcp().nodelay().unwrap());
+        }
 
         let (l, a) = bound().await;
         let mut http = super::http_listener(l);
@@ -210,5 +252,53 @@ mod nodelay_tests {
         let _c = tokio::net::TcpStream::connect(a).await.unwrap();
         let (s, _) = l.accept().await.unwrap();
         assert!(!s.nodelay().unwrap());
+    }
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::{LinkConfigError, NodeArgs};
+
+    fn args(secret_file: Option<std::path::PathBuf>, insecure: bool) -> NodeArgs {
+        NodeArgs {
+            secret_file,
+            handoff_frame_timeout_s: 60,
+            handoff_handshake_timeout_s: 10,
+            drain_timeout_s: 30,
+            insecure,
+        }
+    }
+
+    /// No secret: loopback listeners are served in the clear; any other address is
+    /// refused with a message naming it and the ways out, unless `--insecure`. A secret
+    /// makes every address fine, over a private link.
+    #[test]
+    fn a_node_without_a_secret_serves_only_loopback_unless_insecure() {
+        // The variables would stand in for the missing file.
+        assert!(std::env::var_os("EDGESPLIT_SECRET").is_none());
+        assert!(std::env::var_os("EDGESPLIT_SECRET_FILE").is_none());
+        let lo: std::net::SocketAddr = "127.0.0.1:50052".parse().unwrap();
+        let lo6: std::net::SocketAddr = "[::1]:50052".parse().unwrap();
+        let any: std::net::SocketAddr = "0.0.0.0:50061".parse().unwrap();
+        let link = args(None, false).link(&[lo, lo6]).unwrap();
+        assert!(!link.is_private());
+        let err = args(None, false).link(&[lo, any]).unwrap_err();
+        assert!(matches!(err, LinkConfigError::Insecure { addr } if addr == any));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("0.0.0.0:50061") && msg.contains("--insecure"),
+            "{msg}"
+        );
+        assert!(!args(None, true).link(&[any]).unwrap().is_private());
+
+        let dir = std::env::temp_dir().join(format!("edgesplit-link-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secret");
+        std::fs::write(&file, "0123456789abcdef0123456789abcdef\n").unwrap();
+        assert!(args(Some(file.clone()), false)
+            .link(&[any])
+            .unwrap()
+            .is_private());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

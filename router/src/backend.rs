@@ -7,13 +7,14 @@
 
 use std::time::Duration;
 
-use edgesplit_proto::auth::{GrpcCredentials, Secret};
+use edgesplit_proto::auth::GrpcCredentials;
+use edgesplit_proto::link::{HandshakeFailed, Link};
 use edgesplit_proto::pb;
 use edgesplit_proto::pb::decode_client::DecodeClient;
 use edgesplit_proto::pb::prefill_client::PrefillClient;
 use tokio::sync::mpsc;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// A node channel that adds the shared-secret credential to every call.
 type Authed = InterceptedService<Channel, GrpcCredentials>;
@@ -45,8 +46,9 @@ pub struct BackendConfig {
     pub handoff_report_wait: Duration,
     /// The handoff mode of split answers whose request does not name one.
     pub handoff: HandoffMode,
-    /// The shared secret the nodes require (gRPC credentials on every call).
-    pub secret: Option<std::sync::Arc<Secret>>,
+    /// The link to the nodes: TLS keyed by the shared secret when one is configured, whose
+    /// secret also signs every call's credential.
+    pub link: Link,
 }
 
 /// Why an answer ended.
@@ -140,13 +142,6 @@ pub struct Backend {
     config: BackendConfig,
 }
 
-fn channel(url: &str, connect_timeout: Duration) -> anyhow::Result<Channel> {
-    Ok(Endpoint::from_shared(url.to_string())?
-        .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .connect_lazy())
-}
-
 fn input_of(input: &Input) -> pb::prefill_request::Input {
     match input {
         Input::Chat(msgs) => pb::prefill_request::Input::Chat(pb::ChatInput {
@@ -177,12 +172,16 @@ impl Backend {
     pub fn new(config: BackendConfig) -> anyhow::Result<Self> {
         Ok(Self {
             prefill: PrefillClient::with_interceptor(
-                channel(&config.prefill_url, config.connect_timeout)?,
-                GrpcCredentials(config.secret.clone()),
+                config
+                    .link
+                    .grpc_channel(&config.prefill_url, config.connect_timeout)?,
+                GrpcCredentials(config.link.secret_arc()),
             ),
             decode: DecodeClient::with_interceptor(
-                channel(&config.decode_url, config.connect_timeout)?,
-                GrpcCredentials(config.secret.clone()),
+                config
+                    .link
+                    .grpc_channel(&config.decode_url, config.connect_timeout)?,
+                GrpcCredentials(config.link.secret_arc()),
             ),
             config,
         })
@@ -242,6 +241,14 @@ impl Backend {
                 format!(
                     "{who} refused the router's credential ({}): give all three services the same secret",
                     st.message()
+                ),
+            )),
+            // The private link's handshake failed: another secret, or none, on the node.
+            Ok(Err(st)) if HandshakeFailed::find(&st).is_some() => Err(ApiError::upstream(
+                "auth_failed",
+                format!(
+                    "{who} refused the router's link ({}): give all three services the same secret",
+                    HandshakeFailed::find(&st).map(ToString::to_string).unwrap_or_default()
                 ),
             )),
             Ok(Err(st)) => Err(ApiError::unavailable(
@@ -931,7 +938,7 @@ mod tests {
     use super::*;
 
     fn split(param: &'static str) -> SplitAnswer {
-        let channel = Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
         let (tx, _) = mpsc::channel(1);
         SplitAnswer {
             first: pb::FirstToken::default(),

@@ -102,6 +102,23 @@ impl ApiError {
             .unwrap_or("")
             .to_string();
         let msg = st.message().to_string();
+        // A status made here from a failed connection (it has a source; one a node sent
+        // has none): the private link refused (the devices' secrets differ), or the
+        // connection broke, not an error of the node's.
+        if name.is_empty() {
+            if let Some(source) = std::error::Error::source(st) {
+                if let Some(h) = edgesplit_proto::link::HandshakeFailed::find(source) {
+                    return Self::upstream(
+                        "auth_failed",
+                        format!("{h}: give all three services the same secret"),
+                    );
+                }
+                return Self::unavailable(
+                    "node_unavailable",
+                    format!("the connection to a node broke: {msg} ({source})"),
+                );
+            }
+        }
         match name.as_str() {
             "context_length_exceeded"
             | "kv_budget_exceeded"

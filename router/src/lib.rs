@@ -91,8 +91,9 @@ pub struct Config {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
-    /// File holding the secret shared with both nodes (every gRPC call then carries a
-    /// credential). Also `EDGESPLIT_SECRET_FILE`, or the secret in `EDGESPLIT_SECRET`.
+    /// File holding the secret shared with both nodes: the links to them are then TLS
+    /// keyed by the secret, and every gRPC call carries a credential. Also
+    /// `EDGESPLIT_SECRET_FILE`, or the secret in `EDGESPLIT_SECRET`.
     #[arg(long)]
     pub secret_file: Option<std::path::PathBuf>,
     /// File holding the API key clients must send as `Authorization: Bearer <key>` (also
@@ -165,6 +166,11 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let secret = edgesplit_proto::auth::Secret::load(config.secret_file.as_deref())?.map(Arc::new);
+    // The nodes' links: private (TLS keyed by the secret) when there is one.
+    let link = edgesplit_proto::link::Link::new(secret)?;
+    if let Some(f) = link.fingerprint() {
+        tracing::info!(key = %f, "private links to the nodes: TLS 1.3 keyed by the shared secret");
+    }
     let api_key = load_api_key(config.api_key_file.as_deref())?;
     let backend = Backend::new(BackendConfig {
         prefill_url: config.prefill_url.clone(),
@@ -177,7 +183,7 @@ pub async fn run(
         handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
         handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
         handoff: config.handoff,
-        secret,
+        link,
     })?;
     let max_in_flight = match config.max_in_flight {
         Some(n) => n,

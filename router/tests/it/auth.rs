@@ -9,8 +9,9 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use edgesplit_proto::auth::{self, GrpcCredentials, Secret};
-use edgesplit_proto::frame::{NackCode, StateFrame};
+use edgesplit_proto::frame::StateFrame;
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
+use edgesplit_proto::link::Link;
 use edgesplit_proto::pb;
 use serde_json::{json, Value};
 
@@ -46,14 +47,19 @@ async fn post_with_key(url: &str, body: &Value, key: Option<&str>) -> (u16, Valu
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
-async fn decode_info(
+/// A link keyed by `s` (plain without one), as a device configured with it has.
+fn link(s: Option<&str>) -> Link {
+    Link::new(s.map(|s| std::sync::Arc::new(secret(s)))).unwrap()
+}
+
+/// The decode node's `Info` over `over`, with a credential made with `with`.
+async fn decode_info_over(
     s: &common::Stack,
+    over: &Link,
     with: Option<Secret>,
 ) -> Result<pb::NodeInfo, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(s.decode_grpc.clone())
-        .unwrap()
-        .connect()
-        .await
+    let channel = over
+        .grpc_channel(&s.decode_grpc, std::time::Duration::from_secs(5))
         .unwrap();
     let mut c = pb::decode_client::DecodeClient::with_interceptor(
         channel,
@@ -62,6 +68,13 @@ async fn decode_info(
     c.info(pb::InfoRequest {})
         .await
         .map(tonic::Response::into_inner)
+}
+
+/// The decode node's `Info` as a device with [`SECRET`] asks for it.
+async fn decode_info(s: &common::Stack) -> pb::NodeInfo {
+    decode_info_over(s, &link(Some(SECRET)), Some(secret(SECRET)))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -95,7 +108,7 @@ async fn with_the_secret_every_transport_gives_the_one_device_answer() {
 async fn a_v2_sender_without_or_with_another_secret_is_refused() {
     let s = secured();
     let _counters = COUNTERS.lock().await;
-    let info = decode_info(s, Some(secret(SECRET))).await.unwrap();
+    let info = decode_info(s).await;
     let id = common::identity(&info);
     let payload = Bytes::from_static(b"never read");
     let state = |name: &str| StateFrame {
@@ -106,29 +119,30 @@ async fn a_v2_sender_without_or_with_another_secret_is_refused() {
         payload: payload.clone(),
     };
     let limits = Limits::default();
-    let err = handoff::send_state(&s.handoff_addr, &id, state("no-key"), &limits, None)
+    // Without a secret the sender speaks plain TCP to a TLS listener: the connection ends
+    // before any frame is answered.
+    let err = handoff::send_state(&s.handoff_addr, &id, state("no-key"), &limits, &link(None))
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, HandoffError::Auth(w) if w.contains("requires authentication")),
+        matches!(&err, HandoffError::Codec(_) | HandoffError::Protocol(_)),
         "{err:?}"
     );
-    let wrong = secret("a different secret");
+    // With another secret the TLS handshake fails: the receiver's key is not ours.
     let err = handoff::send_state(
         &s.handoff_addr,
         &id,
         state("wrong-key"),
         &limits,
-        Some(&wrong),
+        &link(Some("a different secret")),
     )
     .await
     .unwrap_err();
-    let HandoffError::Refused(n) = err else {
-        panic!("expected a NACK, got {err:?}")
+    let HandoffError::Connect { source, .. } = &err else {
+        panic!("expected a failed handshake, got {err:?}")
     };
-    assert_eq!(n.code, NackCode::AuthFailed);
-    let after = decode_info(s, Some(secret(SECRET))).await.unwrap();
-    assert!(after.handoffs_refused > info.handoffs_refused);
+    assert!(source.to_string().contains("shared secret"), "{source}");
+    let after = decode_info(s).await;
     assert_eq!(
         after.handoff_bytes_received, info.handoff_bytes_received,
         "nothing was read"
@@ -151,7 +165,30 @@ async fn a_v2_sender_without_or_with_another_secret_is_refused() {
 async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     let s = secured();
     let _counters = COUNTERS.lock().await;
-    let http = common::client();
+    // A client without the secret cannot reach the handler at all.
+    let plain = common::client()
+        .put(format!(
+            "{}/auth-test",
+            s.v1_url.replace("https://", "http://")
+        ))
+        .body(vec![0u8; 1024])
+        .send()
+        .await;
+    assert!(plain.is_err(), "plain HTTP to the TLS listener: {plain:?}");
+    let other = link(Some("a different secret"))
+        .http_client(reqwest::Client::builder())
+        .build()
+        .unwrap()
+        .put(format!("{}/auth-test", s.v1_url))
+        .body(vec![0u8; 1024])
+        .send()
+        .await;
+    assert!(other.is_err(), "TLS keyed by another secret: {other:?}");
+    // Inside the private link, the credential is still checked before the body is read.
+    let http = link(Some(SECRET))
+        .http_client(reqwest::Client::builder())
+        .build()
+        .unwrap();
     let sha = "0".repeat(64);
     let put = |token: Option<String>| {
         let mut r = http
@@ -187,7 +224,7 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     let mut body = edgesplit_proto::v1::file_head(&[1]);
     body.extend_from_slice(&[0u8; 8]);
     let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body));
-    let info = decode_info(s, Some(secret(SECRET))).await.unwrap();
+    let info = decode_info(s).await;
     let r = http
         .put(format!("{}/auth-test", s.v1_url))
         .header(edgesplit_proto::v1::HEADER_SHA256, &sha)
@@ -212,11 +249,33 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
 #[tokio::test]
 async fn grpc_calls_need_the_secret() {
     let s = secured();
+    // A link without the secret, or with another one, never reaches the service (whose
+    // interceptor would answer Unauthenticated): the connection itself fails, however
+    // the client's HTTP/2 reads the TLS alert it gets.
+    for over in [link(None), link(Some("a different secret"))] {
+        let st = decode_info_over(s, &over, Some(secret(SECRET)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                st.code(),
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+            ),
+            "{over:?}: {st:?}"
+        );
+    }
+    // Inside the private link, each call still needs its credential.
     for with in [None, Some(secret("a different secret"))] {
-        let st = decode_info(s, with).await.unwrap_err();
+        let st = decode_info_over(s, &link(Some(SECRET)), with)
+            .await
+            .unwrap_err();
         assert_eq!(st.code(), tonic::Code::Unauthenticated, "{st:?}");
     }
-    assert!(decode_info(s, Some(secret(SECRET))).await.is_ok());
+    assert!(
+        decode_info_over(s, &link(Some(SECRET)), Some(secret(SECRET)))
+            .await
+            .is_ok()
+    );
 }
 
 #[tokio::test]
@@ -236,6 +295,11 @@ async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
     .await;
     assert_eq!(st, 502, "{v}");
     assert_eq!(v["error"]["code"], "auth_failed", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("handshake") && message.contains("same secret"),
+        "{v}"
+    );
 }
 
 #[tokio::test]

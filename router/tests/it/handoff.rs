@@ -48,7 +48,15 @@ async fn refusal(addr: &str, id: &Identity, handoff_id: &str) -> frame::Nack {
         descriptors: vec![],
         payload: Bytes::new(),
     };
-    match handoff::send_state(addr, id, state, &Limits::default(), None).await {
+    match handoff::send_state(
+        addr,
+        id,
+        state,
+        &Limits::default(),
+        &edgesplit_proto::link::Link::plain(),
+    )
+    .await
+    {
         Err(HandoffError::Refused(n)) => n,
         other => panic!("expected a NACK, got {other:?}"),
     }

@@ -27,6 +27,7 @@ mod live;
 mod logprobs;
 mod metrics;
 mod openai_client;
+mod private;
 mod processes;
 mod request_id;
 mod structured;

@@ -45,6 +45,11 @@ pub struct StackOptions {
     /// Put something between the router and the decode node's gRPC listener (given its
     /// address, returns the address the router uses).
     pub decode_proxy: Option<fn(String) -> String>,
+    /// The same between the router and the prefill node's gRPC listener.
+    pub prefill_proxy: Option<fn(String) -> String>,
+    /// Put something between the nodes' V1 uploads: the decode node advertises this
+    /// address (given its V1 listener's) for its upload URL.
+    pub v1_proxy: Option<fn(String) -> String>,
     /// The router's `--on-split-failure fail` (default: fallback).
     pub fail_on_split_failure: bool,
     /// The decode node's `--handoff-frame-timeout-s`.
@@ -92,6 +97,8 @@ impl StackOptions {
             handoff_proxy: None,
             decode_url_override: None,
             decode_proxy: None,
+            prefill_proxy: None,
+            v1_proxy: None,
             fail_on_split_failure: false,
             handoff_handshake_timeout_s: 10,
             upload_timeout_s: 120,
@@ -160,7 +167,14 @@ async fn serve(opts: StackOptions) -> Stack {
     let decode_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handoff = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let v1 = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let v1_url = format!("http://{}/v1/handoff", v1.local_addr().unwrap());
+    // The decode node's V1 port speaks TLS when it has a secret.
+    let scheme = if opts.decode_secret.is_some() || opts.secret.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let v1_addr = v1.local_addr().unwrap().to_string();
+    let v1_url = format!("{scheme}://{v1_addr}/v1/handoff");
     static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let base = std::env::temp_dir().join(format!("edgesplit-test-{}-{n}", std::process::id()));
@@ -209,12 +223,16 @@ async fn serve(opts: StackOptions) -> Stack {
             handoff_frame_timeout_s: 30,
             handoff_handshake_timeout_s: opts.handoff_handshake_timeout_s,
             drain_timeout_s: 30,
+            insecure: false,
         },
         listen: String::new(),
         handoff_listen: String::new(),
         handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),
         v1_listen: String::new(),
-        v1_advertise: None,
+        v1_advertise: opts
+            .v1_proxy
+            .map(|f| format!("http://{}/v1/handoff", f(v1_addr.clone()))),
+        metrics_listen: None,
         parallel: opts.parallel,
         handoff_wait_s: opts.handoff_wait_s,
         kv_budget_bytes: opts.kv_budget_bytes,
@@ -231,6 +249,7 @@ async fn serve(opts: StackOptions) -> Stack {
             handoff_frame_timeout_s: 30,
             handoff_handshake_timeout_s: 10,
             drain_timeout_s: 30,
+            insecure: false,
         },
         listen: String::new(),
         parallel: opts.parallel,
@@ -250,6 +269,7 @@ async fn serve(opts: StackOptions) -> Stack {
             grpc: decode_grpc,
             handoff,
             v1,
+            metrics: None,
         };
         edgesplit_decode::run(listeners, dengine, &dcfg, std::future::pending())
             .await
@@ -272,7 +292,14 @@ async fn serve(opts: StackOptions) -> Stack {
         ),
         (None, None) => decode_url,
     };
-    let mut rcfg = edgesplit_router::Config::new(prefill_url, router_decode);
+    let router_prefill = match opts.prefill_proxy {
+        Some(proxy) => format!(
+            "http://{}",
+            proxy(prefill_url["http://".len()..].to_string())
+        ),
+        None => prefill_url,
+    };
+    let mut rcfg = edgesplit_router::Config::new(router_prefill, router_decode);
     rcfg.max_in_flight = opts.max_in_flight;
     rcfg.handoff = opts.handoff;
     rcfg.max_queue = opts.max_queue;

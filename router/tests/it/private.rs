@@ -1,0 +1,346 @@
+//! Private links on the real services (issue 16): with a shared secret, what crosses
+//! between the devices - the router's gRPC calls to both nodes, V2 handoffs, V1 uploads -
+//! is TLS keyed by the secret. A recording proxy on every channel sees no prompt text, no
+//! answer text and no run of the KV state, where the same exchange without a secret shows
+//! all three; a flipped byte on any channel is refused and the answer still completes,
+//! identical to the one-device answer, through the fallback.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SECRET: &str = "correct horse battery staple";
+const PROMPT: &str = "Describe the planet Neptune and its largest moon Triton.";
+
+/// Everything each recording proxy saw, both directions, by the address it forwards to.
+static CAPTURED: Mutex<Option<HashMap<String, Vec<u8>>>> = Mutex::new(None);
+
+/// A proxy to `target` that records every byte both ways; returns its address.
+fn recording(target: String) -> String {
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                tokio::join!(pump(ri, wo, &target), pump(ro, wi, &target));
+            });
+        }
+    });
+    addr
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    key: &str,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        CAPTURED
+            .lock()
+            .unwrap()
+            .get_or_insert_with(HashMap::new)
+            .entry(key.to_string())
+            .or_default()
+            .extend_from_slice(&buf[..n]);
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+fn captured(target: &str) -> Vec<u8> {
+    CAPTURED
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|m| m.get(target).cloned())
+        .unwrap_or_default()
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+fn host_port(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    rest.split('/').next().unwrap().to_string()
+}
+
+/// A stack with a recording proxy on every channel between the devices.
+fn recorded_stack(secret: Option<&str>) -> common::Stack {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.secret = secret.map(Into::into);
+    o.prefill_proxy = Some(recording);
+    o.decode_proxy = Some(recording);
+    o.handoff_proxy = Some(recording);
+    o.v1_proxy = Some(recording);
+    common::start(o)
+}
+
+/// The answer's token texts and the response, for `transport`.
+async fn ask(s: &common::Stack, transport: &str) -> (Vec<String>, Value) {
+    let (st, _, v) = common::post(
+        &format!("{}/v1/chat/completions", s.router),
+        &common::chat_body(
+            json!([{"role":"user","content": PROMPT}]),
+            json!({"temperature": 0, "max_tokens": 24, "logprobs": true,
+                   "edgesplit": {"transport": transport}}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{transport}: {v}");
+    let tokens = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["token"].as_str().unwrap().to_string())
+        .collect();
+    (tokens, v)
+}
+
+/// What crossed each channel of `s` while it answered over v2 and v1.
+struct Exchange {
+    answers: Vec<Value>,
+    /// Token texts of five bytes or more (shorter ones could turn up by chance).
+    words: Vec<String>,
+    prefill_grpc: Vec<u8>,
+    decode_grpc: Vec<u8>,
+    v2: Vec<u8>,
+    v1: Vec<u8>,
+}
+
+async fn exchange(s: &common::Stack) -> Exchange {
+    let mut answers = Vec::new();
+    let mut words = Vec::new();
+    for t in ["local", "v2", "v1"] {
+        let (tokens, v) = ask(s, t).await;
+        if t != "local" {
+            common::assert_split(
+                &v["edgesplit"],
+                v["usage"]["completion_tokens"].as_u64().unwrap(),
+            );
+        }
+        words.extend(tokens.into_iter().filter(|w| w.len() >= 5));
+        answers.push(v["choices"][0]["message"]["content"].clone());
+    }
+    words.sort();
+    words.dedup();
+    Exchange {
+        answers,
+        words,
+        prefill_grpc: captured(&host_port(&s.prefill_grpc)),
+        decode_grpc: captured(&host_port(&s.decode_grpc)),
+        v2: captured(&s.handoff_addr),
+        v1: captured(&host_port(&s.v1_url)),
+    }
+}
+
+/// Runs of the KV state as the plain V2 capture carries them: 32-byte windows from its
+/// second half (the payload is nearly all of it) that are not a run of one value.
+fn kv_runs(v2: &[u8]) -> Vec<Vec<u8>> {
+    (1..=8)
+        .map(|k| {
+            let at = v2.len() / 2 + k * (v2.len() / 20);
+            v2[at..at + 32].to_vec()
+        })
+        .filter(|w| {
+            let mut d = w.clone();
+            d.sort_unstable();
+            d.dedup();
+            d.len() >= 8
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_recording_proxy_sees_no_prompt_answer_or_state_on_a_private_link() {
+    // The same exchange in the clear first: what the checks below look for is there.
+    let plain = exchange(&recorded_stack(None)).await;
+    assert!(
+        contains(&plain.prefill_grpc, PROMPT.as_bytes()),
+        "control: prompt"
+    );
+    assert!(!plain.words.is_empty(), "control: no word of five bytes");
+    let all_plain = [&plain.prefill_grpc, &plain.decode_grpc];
+    for w in &plain.words {
+        assert!(
+            all_plain.iter().any(|c| contains(c, w.as_bytes())),
+            "control: answer token {w:?} not seen in the clear"
+        );
+    }
+    let runs = kv_runs(&plain.v2);
+    assert!(
+        runs.len() >= 4,
+        "control: the V2 capture has too few distinct runs"
+    );
+    for r in &runs {
+        assert!(
+            contains(&plain.v1, r),
+            "control: a V2 state run is not in the V1 upload"
+        );
+    }
+
+    let private = exchange(&recorded_stack(Some(SECRET))).await;
+    assert_eq!(
+        private.answers, plain.answers,
+        "same answers with the secret"
+    );
+    assert_eq!(private.answers[0], private.answers[1], "v2 = local");
+    assert_eq!(private.answers[0], private.answers[2], "v1 = local");
+    for (name, c) in [
+        ("router -> prefill gRPC", &private.prefill_grpc),
+        ("router -> decode gRPC", &private.decode_grpc),
+        ("V2 handoff", &private.v2),
+        ("V1 upload", &private.v1),
+    ] {
+        assert!(c.len() > 1000, "{name}: only {} bytes recorded", c.len());
+        assert!(
+            !contains(c, PROMPT.as_bytes()),
+            "{name}: the prompt crossed in the clear"
+        );
+        assert!(
+            !contains(c, b"Neptune"),
+            "{name}: a prompt word crossed in the clear"
+        );
+        for w in &private.words {
+            assert!(
+                !contains(c, w.as_bytes()),
+                "{name}: answer token {w:?} in the clear"
+            );
+        }
+        for r in &runs {
+            assert!(
+                !contains(c, r),
+                "{name}: a run of the KV state in the clear"
+            );
+        }
+    }
+}
+
+/// Bytes flipped by the [`flip_proxy`]s.
+static FLIPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// A link that flips one byte of each connection towards `target`, well past the TLS
+/// handshake: where the state goes (V2, V1).
+fn flipping(target: String) -> String {
+    flip_proxy(target, 6000, usize::MAX)
+}
+
+/// A link that flips one byte of each connection coming back from `target` (the node's
+/// side of a gRPC connection: its answers), past the server's handshake flight.
+fn flipping_answers(target: String) -> String {
+    flip_proxy(target, usize::MAX, 1500)
+}
+
+fn flip_proxy(target: String, up_at: usize, down_at: usize) -> String {
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                tokio::join!(flip(ri, wo, up_at), flip(ro, wi, down_at));
+            });
+        }
+    });
+    addr
+}
+
+async fn flip(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    at: usize,
+) {
+    let (mut seen, mut buf) = (0usize, vec![0u8; 64 * 1024]);
+    loop {
+        let k = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(k) => k,
+        };
+        if seen <= at && at < seen + k {
+            buf[at - seen] ^= 0x5a;
+            FLIPPED.fetch_add(1, Ordering::SeqCst);
+        }
+        seen += k;
+        if to.write_all(&buf[..k]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+async fn flipped_channel_falls_back(configure: fn(&mut common::StackOptions), transport: &str) {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.secret = Some(SECRET.into());
+    configure(&mut o);
+    let s = common::start(o);
+    let (_, local) = ask(&s, "local").await;
+    let flipped = FLIPPED.load(Ordering::SeqCst);
+    let (_, split) = ask(&s, transport).await;
+    assert!(
+        FLIPPED.load(Ordering::SeqCst) > flipped,
+        "{transport}: no byte was flipped"
+    );
+    assert_eq!(
+        split["choices"][0]["message"]["content"], local["choices"][0]["message"]["content"],
+        "{transport}: {split}"
+    );
+    assert!(
+        split["edgesplit"]["fallback"].is_string(),
+        "{transport}: the corrupted channel was not refused: {split}"
+    );
+}
+
+#[tokio::test]
+async fn a_flipped_byte_on_any_private_channel_is_refused_and_the_answer_completes() {
+    flipped_channel_falls_back(|o| o.handoff_proxy = Some(flipping), "v2").await;
+    flipped_channel_falls_back(|o| o.v1_proxy = Some(flipping), "v1").await;
+    flipped_channel_falls_back(|o| o.decode_proxy = Some(flipping_answers), "v2").await;
+}
+
+/// The prefill node has no stand-in: a flipped byte on its channel (every connection's,
+/// here) fails the request with an OpenAI error object that says the connection broke.
+#[tokio::test]
+async fn a_flipped_byte_on_the_prefill_channel_fails_the_request_clearly() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.secret = Some(SECRET.into());
+    o.prefill_proxy = Some(flipping_answers);
+    let s = common::start(o);
+    let (st, _, v) = common::post(
+        &format!("{}/v1/chat/completions", s.router),
+        &common::chat_body(
+            json!([{"role":"user","content": PROMPT}]),
+            json!({"temperature": 0, "max_tokens": 24, "edgesplit": {"transport": "local"}}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v["error"]["code"], "node_unavailable", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("connection to a node broke"),
+        "{v}"
+    );
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Makes the shared secret of an EdgeSplit pair once: 32 random bytes, in hex, in FILE
+# (default deploy/secret, which git ignores), readable by its owner only. Idempotent: an
+# existing secret is kept, never replaced. Prints where it is and how to put the same file
+# on the phone. Every service reads it from EDGESPLIT_SECRET_FILE or --secret-file; with it,
+# every link between the devices is TLS keyed by it (ARCHITECTURE.md, threat model).
+#   scripts/secret.sh [FILE]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+FILE="${1:-${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}}"
+if [[ -s "$FILE" ]]; then
+    echo "[secret] keeping the existing secret in $FILE" >&2
+else
+    mkdir -p "$(dirname "$FILE")"
+    umask 077
+    # /dev/urandom: the kernel's CSPRNG; od prints it as hex (no openssl needed).
+    od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$FILE.tmp"
+    echo >>"$FILE.tmp"
+    mv "$FILE.tmp" "$FILE"
+    echo "[secret] made a new secret in $FILE" >&2
+fi
+chmod 600 "$FILE"
+cat >&2 <<MSG
+[secret] put the same file on the phone (the decode node reads ~/.config/edgesplit/secret
+         unless EDGESPLIT_SECRET_FILE says otherwise), for example:
+           adb push "$FILE" /sdcard/edgesplit-secret
+           # then in Termux: mkdir -p ~/.config/edgesplit && mv /sdcard/edgesplit-secret ~/.config/edgesplit/secret && chmod 600 ~/.config/edgesplit/secret
+         or over SSH (Termux's sshd listens on 8022):
+           scp -P 8022 "$FILE" PHONE_IP:.config/edgesplit/secret
+         Both sides log the same 'private links' key fingerprint when they share it.
+MSG
