@@ -5,6 +5,7 @@
 //! it; the KV handoff and the decode call happen after, concurrently with the client
 //! already reading the answer.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use edgesplit_proto::auth::GrpcCredentials;
@@ -140,6 +141,9 @@ pub struct Backend {
     prefill: PrefillClient<Authed>,
     decode: DecodeClient<Authed>,
     config: BackendConfig,
+    /// The decode node's `Info` as last answered: a split request starts its prefill
+    /// towards these addresses while its own `Info` call is on the way ([`Backend::start`]).
+    last_decode_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
 }
 
 fn input_of(input: &Input) -> pb::prefill_request::Input {
@@ -154,6 +158,15 @@ fn input_of(input: &Input) -> pb::prefill_request::Input {
                 .collect(),
         }),
         Input::Prompt(p) => pb::prefill_request::Input::Prompt(p.clone()),
+    }
+}
+
+/// Where a split request's state goes on the decode node `info` describes.
+fn target(info: &pb::NodeInfo, transport: Transport) -> (&str, pb::HandoffTransport) {
+    if transport == Transport::V1 {
+        (&info.v1_url, pb::HandoffTransport::V1)
+    } else {
+        (&info.handoff_addr, pb::HandoffTransport::V2)
     }
 }
 
@@ -184,6 +197,7 @@ impl Backend {
                 GrpcCredentials(config.link.secret_arc()),
             ),
             config,
+            last_decode_info: Arc::default(),
         })
     }
 
@@ -219,12 +233,17 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.decode.clone();
-        self.info_within(
-            c.info(pb::InfoRequest {}),
-            "decode_unavailable",
-            "the decode node",
-        )
-        .await
+        let info = self
+            .info_within(
+                c.info(pb::InfoRequest {}),
+                "decode_unavailable",
+                "the decode node",
+            )
+            .await;
+        if let Ok(i) = &info {
+            *self.last_decode_info.lock().expect("not poisoned") = Some(i.clone());
+        }
+        info
     }
 
     async fn info_within(
@@ -312,6 +331,55 @@ impl Backend {
 
     /// The colocated path. `fallback`: the split path could not start (the cause), so
     /// this answer is a fallback and reports it first.
+    /// Starts the prefill of a split request with its state going to the decode node
+    /// `info` describes; returns the stream once its first token is known.
+    async fn split_prefill(
+        &self,
+        req: &ValidRequest,
+        request_id: &str,
+        handoff_id: &str,
+        transport: Transport,
+        mode: HandoffMode,
+        info: &pb::NodeInfo,
+    ) -> Result<(tonic::Streaming<pb::PrefillEvent>, pb::FirstToken), ApiError> {
+        let param = input_param(&req.input);
+        let (addr, wire) = target(info, transport);
+        if addr.is_empty() {
+            return Err(ApiError::unavailable(
+                "decode_unavailable",
+                format!(
+                    "the decode node advertises no {} handoff address",
+                    transport.as_str()
+                ),
+            ));
+        }
+        let preq = Self::prefill_request(
+            req,
+            request_id,
+            Some(pb::Handoff {
+                handoff_id: handoff_id.to_string(),
+                decode_addr: addr.to_string(),
+                transport: wire as i32,
+                live: mode == HandoffMode::Live,
+            }),
+            info.kv_budget_bytes,
+        );
+        let mut client = self.prefill.clone();
+        let mut pstream = self
+            .first_within(async { client.prefill(preq).await }, param)
+            .await?
+            .into_inner();
+        match self.first_within(pstream.message(), param).await? {
+            Some(pb::PrefillEvent {
+                event: Some(pb::prefill_event::Event::First(f)),
+            }) => Ok((pstream, f)),
+            _ => Err(ApiError::upstream(
+                "protocol_error",
+                "the prefill node did not send a first token",
+            )),
+        }
+    }
+
     async fn start_local(
         &self,
         req: &ValidRequest,
@@ -350,6 +418,13 @@ impl Backend {
         })
     }
 
+    /// A split request. The decode node's `Info` (is it there, where does the state go, its
+    /// KV budget) and the prefill overlap: the prefill starts at once towards the addresses
+    /// of the last `Info` answered, and stands only if this request's own `Info` agrees;
+    /// if that `Info` fails or names another address or budget, the early prefill is
+    /// dropped (which cancels it) and the request goes on as it would without it. So a
+    /// split request no longer waits one round trip of the link before its prefill, and
+    /// decides exactly as before.
     async fn start_split(
         &self,
         req: &ValidRequest,
@@ -357,9 +432,51 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
+        let mode = match (transport, req.handoff) {
+            (Transport::V1, Some(HandoffMode::Live)) => {
+                return Err(ApiError::invalid(
+                    Some("edgesplit.handoff".into()),
+                    "a live handoff goes over v2 only; use \"after\" with v1",
+                ))
+            }
+            (Transport::V1, _) => HandoffMode::After,
+            (_, m) => m.unwrap_or(self.config.handoff),
+        };
+        let last = self.last_decode_info.lock().expect("not poisoned").clone();
+        let tried_early = last
+            .as_ref()
+            .is_some_and(|l| !target(l, transport).0.is_empty());
+        let (decode_info, early) = match last {
+            Some(last) if tried_early => {
+                let info = self.decode_info();
+                let early = self.split_prefill(req, request_id, request_id, transport, mode, &last);
+                tokio::pin!(info, early);
+                let mut done = None;
+                let info = loop {
+                    tokio::select! {
+                        i = &mut info => break i,
+                        e = &mut early, if done.is_none() => done = Some(e),
+                    }
+                };
+                match &info {
+                    Ok(i)
+                        if target(i, transport) == target(&last, transport)
+                            && i.kv_budget_bytes == last.kv_budget_bytes =>
+                    {
+                        let e = match done {
+                            Some(e) => e,
+                            None => early.await,
+                        };
+                        (info, Some(e))
+                    }
+                    _ => (info, None),
+                }
+            }
+            _ => (self.decode_info().await, None),
+        };
         // No decode node to take the answer (asleep, gone, draining): answer here under
         // the fallback policy, else refuse before prefilling.
-        let decode_info = match self.decode_info().await {
+        let decode_info = match decode_info {
             Ok(i) => i,
             Err(e) if self.config.fallback && e.code.as_deref() == Some("decode_unavailable") => {
                 tracing::warn!(
@@ -376,56 +493,18 @@ impl Backend {
             }
             Err(e) => return Err(e),
         };
-        let (addr, wire) = if transport == Transport::V1 {
-            (decode_info.v1_url, pb::HandoffTransport::V1)
+        // A dropped early prefill may have reached the decode node under the request's id:
+        // the new one takes another.
+        let handoff_id = if tried_early && early.is_none() {
+            format!("{request_id}-2")
         } else {
-            (decode_info.handoff_addr, pb::HandoffTransport::V2)
+            request_id.to_string()
         };
-        if addr.is_empty() {
-            return Err(ApiError::unavailable(
-                "decode_unavailable",
-                format!(
-                    "the decode node advertises no {} handoff address",
-                    transport.as_str()
-                ),
-            ));
-        }
-        let mode = match (transport, req.handoff) {
-            (Transport::V1, Some(HandoffMode::Live)) => {
-                return Err(ApiError::invalid(
-                    Some("edgesplit.handoff".into()),
-                    "a live handoff goes over v2 only; use \"after\" with v1",
-                ))
-            }
-            (Transport::V1, _) => HandoffMode::After,
-            (_, m) => m.unwrap_or(self.config.handoff),
-        };
-        let handoff_id = request_id.to_string();
-        let preq = Self::prefill_request(
-            req,
-            request_id,
-            Some(pb::Handoff {
-                handoff_id: handoff_id.clone(),
-                decode_addr: addr,
-                transport: wire as i32,
-                live: mode == HandoffMode::Live,
-            }),
-            decode_info.kv_budget_bytes,
-        );
-        let mut client = self.prefill.clone();
-        let mut pstream = self
-            .first_within(async { client.prefill(preq).await }, param)
-            .await?
-            .into_inner();
-        let first = match self.first_within(pstream.message(), param).await? {
-            Some(pb::PrefillEvent {
-                event: Some(pb::prefill_event::Event::First(f)),
-            }) => f,
-            _ => {
-                return Err(ApiError::upstream(
-                    "protocol_error",
-                    "the prefill node did not send a first token",
-                ))
+        let (pstream, first) = match early {
+            Some(e) => e?,
+            None => {
+                self.split_prefill(req, request_id, &handoff_id, transport, mode, &decode_info)
+                    .await?
             }
         };
         let (tx, rx) = mpsc::channel(64);

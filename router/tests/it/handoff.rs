@@ -352,3 +352,95 @@ async fn an_unclaimed_state_expires_after_its_ttl() {
         "{err:?}"
     );
 }
+
+/// One-way delay of [`slow_control_link`].
+const CONTROL_DELAY: Duration = Duration::from_millis(400);
+
+/// A link to `target` that holds every chunk, each way, for [`CONTROL_DELAY`] (a slow
+/// router -> decode control link: each `Info` costs two delays).
+fn slow_control_link(target: String) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+    ) {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = from.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            tokio::time::sleep(CONTROL_DELAY).await;
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+    let (addr, l) = common::proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = l.accept().await {
+            let Ok(outbound) = TcpStream::connect(&target).await else {
+                continue;
+            };
+            let (ri, wi) = inbound.into_split();
+            let (ro, wo) = outbound.into_split();
+            tokio::spawn(pump(ri, wo));
+            tokio::spawn(pump(ro, wi));
+        }
+    });
+    addr
+}
+
+/// A split request does not wait for the decode node's `Info` before its prefill: the
+/// prefill starts towards the addresses of the last `Info` while this request's own one
+/// crosses. With a control link of 400 ms each way and a prompt whose prefill takes about
+/// as long, waiting would add the 800 ms round trip to the local TTFT; overlapped, the TTFT
+/// is the prefill's or the `Info`'s, whichever is longer. The answer is the one-device
+/// answer.
+#[tokio::test]
+async fn the_prefill_does_not_wait_for_the_decode_nodes_info() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(slow_control_link);
+    let s = common::start(o);
+    let url = format!("{}/v1/chat/completions", s.router);
+    // ~700 tokens: a prefill of several hundred ms on these cores.
+    let facts = "The Danube flows through ten countries and four capital cities. ".repeat(50);
+    let prompt = format!("{facts}Name three rivers in Europe.");
+    let body = |t: &str| {
+        common::chat_body(
+            json!([{"role":"user","content": prompt}]),
+            json!({"temperature": 0, "max_tokens": 12, "edgesplit": {"transport": t}}),
+        )
+    };
+    // Warm-up: the router's channel to the decode node is connected and has an `Info`.
+    let (st, _, _) = common::post(&url, &body("v2")).await;
+    assert_eq!(st, 200);
+    let (_, _, local) = common::post(&url, &body("local")).await;
+    let (st, _, split) = common::post(&url, &body("v2")).await;
+    assert_eq!(st, 200, "{split}");
+    common::assert_split(
+        &split["edgesplit"],
+        split["usage"]["completion_tokens"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        split["choices"][0]["message"]["content"],
+        local["choices"][0]["message"]["content"]
+    );
+    let ttft = |v: &Value| v["edgesplit"]["ttft_ms"].as_f64().unwrap();
+    let round_trip = 2.0 * CONTROL_DELAY.as_secs_f64() * 1000.0;
+    // The `Info` round trip bounds the TTFT from below; the prefill does not add to it.
+    assert!(
+        ttft(&split) >= round_trip * 0.9,
+        "TTFT {} ms: did the request ask for Info at all?",
+        ttft(&split)
+    );
+    // Waiting would give local + round trip; overlapped gives the larger of the two.
+    let overlapped = ttft(&local).max(round_trip);
+    assert!(
+        ttft(&split) < overlapped + round_trip / 2.0,
+        "TTFT {} ms with an Info round trip of {round_trip} ms and a local TTFT of {} ms: \
+         the prefill waited for the Info",
+        ttft(&split),
+        ttft(&local)
+    );
+}
