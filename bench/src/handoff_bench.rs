@@ -209,6 +209,18 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A non-streamed chat completion's response.
+async fn chat(http: &reqwest::Client, router: &str, body: &Value) -> anyhow::Result<Value> {
+    Ok(http
+        .post(format!("{router}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?)
+}
+
 /// Pairs of short requests (plain, private) for the TTFT cost of private links.
 const SHORT_PAIRS: usize = 30;
 
@@ -218,14 +230,7 @@ async fn short_ttft(http: &reqwest::Client, router: &str) -> anyhow::Result<f64>
         "messages": [{"role": "user", "content": "Name three colours of the rainbow, please."}],
         "max_tokens": 2, "temperature": 0, "edgesplit": {"transport": "v2"},
     });
-    let v: Value = http
-        .post(format!("{router}/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
+    let v = chat(http, router, &body).await?;
     v["edgesplit"]["ttft_ms"]
         .as_f64()
         .with_context(|| format!("no ttft_ms: {v}"))
@@ -273,14 +278,7 @@ async fn edgesplit(
         "messages": chat_messages(prompt), "max_tokens": 2, "temperature": 0, "seed": 42,
         "edgesplit": edgesplit,
     });
-    let v: Value = http
-        .post(format!("{router}/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
+    let v = chat(http, router, &body).await?;
     let es = &v["edgesplit"];
     let bytes = es["handoff_bytes"]
         .as_u64()

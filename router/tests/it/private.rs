@@ -22,6 +22,13 @@ static CAPTURED: Mutex<Option<HashMap<String, Vec<u8>>>> = Mutex::new(None);
 
 /// A proxy to `target` that records every byte both ways; returns its address.
 fn recording(target: String) -> String {
+    proxy(target, true, usize::MAX, usize::MAX)
+}
+
+/// A proxy to `target`: with `record`, every byte both ways goes into [`CAPTURED`] under
+/// `target`; the byte at offset `up_at` of each connection's bytes towards `target`, and
+/// at `down_at` of those coming back, is flipped (counted in [`FLIPPED`]).
+fn proxy(target: String, record: bool, up_at: usize, down_at: usize) -> String {
     let (addr, l) = common::proxy_listener();
     tokio::spawn(async move {
         while let Ok((inbound, _)) = l.accept().await {
@@ -30,9 +37,10 @@ fn recording(target: String) -> String {
                 let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
                     return;
                 };
+                let key = record.then_some(target.as_str());
                 let (ri, wi) = inbound.into_split();
                 let (ro, wo) = outbound.into_split();
-                tokio::join!(pump(ri, wo, &target), pump(ro, wi, &target));
+                tokio::join!(pump(ri, wo, key, up_at), pump(ro, wi, key, down_at));
             });
         }
     });
@@ -42,21 +50,29 @@ fn recording(target: String) -> String {
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    key: &str,
+    record: Option<&str>,
+    flip_at: usize,
 ) {
-    let mut buf = vec![0u8; 64 * 1024];
+    let (mut seen, mut buf) = (0usize, vec![0u8; 64 * 1024]);
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        CAPTURED
-            .lock()
-            .unwrap()
-            .get_or_insert_with(HashMap::new)
-            .entry(key.to_string())
-            .or_default()
-            .extend_from_slice(&buf[..n]);
+        if let Some(key) = record {
+            CAPTURED
+                .lock()
+                .unwrap()
+                .get_or_insert_with(HashMap::new)
+                .entry(key.to_string())
+                .or_default()
+                .extend_from_slice(&buf[..n]);
+        }
+        if seen <= flip_at && flip_at < seen + n {
+            buf[flip_at - seen] ^= 0x5a;
+            FLIPPED.fetch_add(1, Ordering::SeqCst);
+        }
+        seen += n;
         if to.write_all(&buf[..n]).await.is_err() {
             break;
         }
@@ -233,60 +249,19 @@ async fn a_recording_proxy_sees_no_prompt_answer_or_state_on_a_private_link() {
     }
 }
 
-/// Bytes flipped by the [`flip_proxy`]s.
+/// Bytes flipped by the [`proxy`]s.
 static FLIPPED: AtomicUsize = AtomicUsize::new(0);
 
 /// A link that flips one byte of each connection towards `target`, well past the TLS
 /// handshake: where the state goes (V2, V1).
 fn flipping(target: String) -> String {
-    flip_proxy(target, 6000, usize::MAX)
+    proxy(target, false, 6000, usize::MAX)
 }
 
 /// A link that flips one byte of each connection coming back from `target` (the node's
 /// side of a gRPC connection: its answers), past the server's handshake flight.
 fn flipping_answers(target: String) -> String {
-    flip_proxy(target, usize::MAX, 1500)
-}
-
-fn flip_proxy(target: String, up_at: usize, down_at: usize) -> String {
-    let (addr, l) = common::proxy_listener();
-    tokio::spawn(async move {
-        while let Ok((inbound, _)) = l.accept().await {
-            let target = target.clone();
-            tokio::spawn(async move {
-                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
-                    return;
-                };
-                let (ri, wi) = inbound.into_split();
-                let (ro, wo) = outbound.into_split();
-                tokio::join!(flip(ri, wo, up_at), flip(ro, wi, down_at));
-            });
-        }
-    });
-    addr
-}
-
-async fn flip(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    at: usize,
-) {
-    let (mut seen, mut buf) = (0usize, vec![0u8; 64 * 1024]);
-    loop {
-        let k = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(k) => k,
-        };
-        if seen <= at && at < seen + k {
-            buf[at - seen] ^= 0x5a;
-            FLIPPED.fetch_add(1, Ordering::SeqCst);
-        }
-        seen += k;
-        if to.write_all(&buf[..k]).await.is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
+    proxy(target, false, usize::MAX, 1500)
 }
 
 async fn flipped_channel_falls_back(configure: fn(&mut common::StackOptions), transport: &str) {
