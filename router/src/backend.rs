@@ -270,6 +270,21 @@ impl Backend {
                     HandshakeFailed::find(&st).map(ToString::to_string).unwrap_or_default()
                 ),
             )),
+            // A plain router whose node speaks only TLS reads the node's TLS alert as a
+            // broken HTTP/2 stream: say what likely happened.
+            Ok(Err(st))
+                if !self.config.link.is_private()
+                    && matches!(st.code(), tonic::Code::Internal | tonic::Code::Unknown) =>
+            {
+                Err(ApiError::unavailable(
+                    code,
+                    format!(
+                        "{who} is not reachable: {} (if it has a shared secret, give the router \
+                         the same one: it then speaks TLS only)",
+                        st.message()
+                    ),
+                ))
+            }
             Ok(Err(st)) => Err(ApiError::unavailable(
                 code,
                 format!("{who} is not reachable: {}", st.message()),

@@ -302,6 +302,54 @@ async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
     );
 }
 
+/// The router and the prefill node have the secret, the decode node none (left
+/// unconfigured): the router's TLS meets a plaintext server, which it names, and answers
+/// 502 `auth_failed` rather than answering elsewhere as if the node were down.
+#[tokio::test]
+async fn a_decode_node_without_the_secret_fails_the_request_clearly() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.secret = Some(SECRET.into());
+    o.decode_plain = true;
+    let s = common::start(o);
+    let (st, v) = post_with_key(
+        &format!("{}/v1/chat/completions", s.router),
+        &common::chat_body(
+            json!([{"role":"user","content":"Hi"}]),
+            json!({"max_tokens": 4}),
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(st, 502, "{v}");
+    assert_eq!(v["error"]["code"], "auth_failed", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("does not speak TLS"), "{v}");
+}
+
+/// The other way round: the decode node has a secret, the router none. The router's
+/// plain HTTP/2 meets a TLS-only listener; under `--on-split-failure fail` the client is
+/// told the node is unreachable and what to check.
+#[tokio::test]
+async fn a_router_without_the_decode_nodes_secret_says_what_to_check() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_secret = Some(SECRET.into());
+    o.fail_on_split_failure = true;
+    let s = common::start(o);
+    let (st, v) = post_with_key(
+        &format!("{}/v1/chat/completions", s.router),
+        &common::chat_body(
+            json!([{"role":"user","content":"Hi"}]),
+            json!({"max_tokens": 4}),
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v["error"]["code"], "decode_unavailable", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("give the router the same one"), "{v}");
+}
+
 #[tokio::test]
 async fn the_api_key_is_required_when_configured() {
     let s = secured();

@@ -78,6 +78,8 @@ pub struct StackOptions {
     pub secret: Option<String>,
     /// A different secret for the decode node only (a wrong-key peer).
     pub decode_secret: Option<String>,
+    /// No secret on the decode node, whatever `secret` says (a device left unconfigured).
+    pub decode_plain: bool,
     /// The router's API key.
     pub api_key: Option<String>,
     /// The router's default handoff mode. `after` here (the product's default is `live`):
@@ -113,6 +115,7 @@ impl StackOptions {
             bench_db: None,
             secret: None,
             decode_secret: None,
+            decode_plain: false,
             api_key: None,
             handoff: edgesplit_router::api::HandoffMode::After,
             stream_prefill: false,
@@ -168,7 +171,7 @@ async fn serve(opts: StackOptions) -> Stack {
     let handoff = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let v1 = TcpListener::bind("127.0.0.1:0").await.unwrap();
     // The decode node's V1 port speaks TLS when it has a secret.
-    let scheme = if opts.decode_secret.is_some() || opts.secret.is_some() {
+    let scheme = if !opts.decode_plain && (opts.decode_secret.is_some() || opts.secret.is_some()) {
         "https"
     } else {
         "http"
@@ -207,7 +210,11 @@ async fn serve(opts: StackOptions) -> Stack {
     let secret_file = write("secret", &opts.secret);
     let decode_secret_file = write(
         "decode-secret",
-        &opts.decode_secret.clone().or(opts.secret.clone()),
+        &(if opts.decode_plain {
+            None
+        } else {
+            opts.decode_secret.clone().or(opts.secret.clone())
+        }),
     );
     let api_key_file = write("api-key", &opts.api_key);
     let engine_args = edgesplit_engine::EngineArgs {
