@@ -344,8 +344,6 @@ impl Backend {
         }
     }
 
-    /// The colocated path. `fallback`: the split path could not start (the cause), so
-    /// this answer is a fallback and reports it first.
     /// Starts the prefill of a split request with its state going to the decode node
     /// `info` describes; returns the stream once its first token is known.
     async fn split_prefill(
@@ -395,6 +393,8 @@ impl Backend {
         }
     }
 
+    /// The colocated path. `fallback`: the split path could not start (the cause), so
+    /// this answer is a fallback and reports it first.
     async fn start_local(
         &self,
         req: &ValidRequest,
