@@ -212,7 +212,15 @@ async fn a_recording_proxy_sees_no_prompt_answer_or_state_on_a_private_link() {
         );
     }
 
-    let private = exchange(&recorded_stack(Some(SECRET))).await;
+    let stack = recorded_stack(Some(SECRET));
+    let private = exchange(&stack).await;
+    // The decode node's metrics stay scrapable in plain HTTP on `--metrics-listen`, and
+    // count the handoffs that crossed encrypted.
+    let metrics = common::scrape(&stack.decode_metrics).await;
+    assert!(
+        metrics.contains("edgesplit:handoff_bytes_received_total"),
+        "{metrics}"
+    );
     assert_eq!(
         private.answers, plain.answers,
         "same answers with the secret"

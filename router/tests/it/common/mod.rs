@@ -135,6 +135,9 @@ pub struct Stack {
     pub v1_url: String,
     /// The prefill node's `/metrics` URL.
     pub prefill_metrics: String,
+    /// The decode node's `--metrics-listen` `/metrics` URL (plain HTTP, with or without a
+    /// secret; its V1 port serves them too, over TLS when private).
+    pub decode_metrics: String,
     /// The stack runs until the last clone of this is dropped.
     alive: Option<Arc<tokio::sync::oneshot::Sender<()>>>,
 }
@@ -185,6 +188,8 @@ async fn serve(opts: StackOptions) -> Stack {
     let prefill_grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let prefill_metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let prefill_metrics_url = format!("http://{}/metrics", prefill_metrics.local_addr().unwrap());
+    let decode_metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let decode_metrics_url = format!("http://{}/metrics", decode_metrics.local_addr().unwrap());
     let router = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handoff_addr = handoff.local_addr().unwrap().to_string();
     let decode_url = format!("http://{}", decode_grpc.local_addr().unwrap());
@@ -196,6 +201,7 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_addr: handoff_addr.clone(),
         v1_url,
         prefill_metrics: prefill_metrics_url,
+        decode_metrics: decode_metrics_url,
         alive: None,
     };
 
@@ -276,7 +282,7 @@ async fn serve(opts: StackOptions) -> Stack {
             grpc: decode_grpc,
             handoff,
             v1,
-            metrics: None,
+            metrics: Some(decode_metrics),
         };
         edgesplit_decode::run(listeners, dengine, &dcfg, std::future::pending())
             .await
