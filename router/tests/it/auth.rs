@@ -278,13 +278,13 @@ async fn grpc_calls_need_the_secret() {
     );
 }
 
-#[tokio::test]
-async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
+/// A request on a stack whose services are configured as `configure` says: its status,
+/// error code and message.
+async fn misconfigured(configure: fn(&mut common::StackOptions)) -> (u16, Value) {
     let mut o = common::StackOptions::new(common::SMOLLM2);
-    o.secret = Some(SECRET.into());
-    o.decode_secret = Some("the decode node's other secret".into());
+    configure(&mut o);
     let s = common::start(o);
-    let (st, v) = post_with_key(
+    post_with_key(
         &format!("{}/v1/chat/completions", s.router),
         &common::chat_body(
             json!([{"role":"user","content":"Hi"}]),
@@ -292,14 +292,26 @@ async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
         ),
         None,
     )
-    .await;
-    assert_eq!(st, 502, "{v}");
-    assert_eq!(v["error"]["code"], "auth_failed", "{v}");
+    .await
+}
+
+fn assert_error(st: u16, v: &Value, status: u16, code: &str, says: &[&str]) {
+    assert_eq!(st, status, "{v}");
+    assert_eq!(v["error"]["code"], code, "{v}");
     let message = v["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("handshake") && message.contains("same secret"),
-        "{v}"
-    );
+    for w in says {
+        assert!(message.contains(w), "{w:?}: {v}");
+    }
+}
+
+#[tokio::test]
+async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
+    let (st, v) = misconfigured(|o| {
+        o.secret = Some(SECRET.into());
+        o.decode_secret = Some("the decode node's other secret".into());
+    })
+    .await;
+    assert_error(st, &v, 502, "auth_failed", &["handshake", "same secret"]);
 }
 
 /// The router and the prefill node have the secret, the decode node none (left
@@ -307,23 +319,12 @@ async fn a_decode_node_with_another_secret_fails_the_request_clearly() {
 /// 502 `auth_failed` rather than answering elsewhere as if the node were down.
 #[tokio::test]
 async fn a_decode_node_without_the_secret_fails_the_request_clearly() {
-    let mut o = common::StackOptions::new(common::SMOLLM2);
-    o.secret = Some(SECRET.into());
-    o.decode_plain = true;
-    let s = common::start(o);
-    let (st, v) = post_with_key(
-        &format!("{}/v1/chat/completions", s.router),
-        &common::chat_body(
-            json!([{"role":"user","content":"Hi"}]),
-            json!({"max_tokens": 4}),
-        ),
-        None,
-    )
+    let (st, v) = misconfigured(|o| {
+        o.secret = Some(SECRET.into());
+        o.decode_plain = true;
+    })
     .await;
-    assert_eq!(st, 502, "{v}");
-    assert_eq!(v["error"]["code"], "auth_failed", "{v}");
-    let message = v["error"]["message"].as_str().unwrap();
-    assert!(message.contains("does not speak TLS"), "{v}");
+    assert_error(st, &v, 502, "auth_failed", &["does not speak TLS"]);
 }
 
 /// The other way round: the decode node has a secret, the router none. The router's
@@ -331,23 +332,18 @@ async fn a_decode_node_without_the_secret_fails_the_request_clearly() {
 /// told the node is unreachable and what to check.
 #[tokio::test]
 async fn a_router_without_the_decode_nodes_secret_says_what_to_check() {
-    let mut o = common::StackOptions::new(common::SMOLLM2);
-    o.decode_secret = Some(SECRET.into());
-    o.fail_on_split_failure = true;
-    let s = common::start(o);
-    let (st, v) = post_with_key(
-        &format!("{}/v1/chat/completions", s.router),
-        &common::chat_body(
-            json!([{"role":"user","content":"Hi"}]),
-            json!({"max_tokens": 4}),
-        ),
-        None,
-    )
+    let (st, v) = misconfigured(|o| {
+        o.decode_secret = Some(SECRET.into());
+        o.fail_on_split_failure = true;
+    })
     .await;
-    assert_eq!(st, 503, "{v}");
-    assert_eq!(v["error"]["code"], "decode_unavailable", "{v}");
-    let message = v["error"]["message"].as_str().unwrap();
-    assert!(message.contains("give the router the same one"), "{v}");
+    assert_error(
+        st,
+        &v,
+        503,
+        "decode_unavailable",
+        &["give the router the same one"],
+    );
 }
 
 #[tokio::test]
