@@ -249,8 +249,11 @@ impl Link {
                     }
                 };
                 if !link.is_private() {
-                    tcp.set_nodelay(true).ok();
-                    if tx.send((LinkStream::Plain(tcp), peer)).await.is_err() {
+                    // No handshake: handed out at once, in order.
+                    let Ok(plain) = link.accept(tcp).await else {
+                        continue;
+                    };
+                    if tx.send((plain, peer)).await.is_err() {
                         return;
                     }
                     continue;
@@ -296,13 +299,9 @@ impl Link {
         let connector = tower::service_fn(move |uri: tonic::codegen::http::Uri| {
             let link = link.clone();
             async move {
-                let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+                // `host()` keeps an IPv6 address's brackets, as `host:port` needs them.
+                let host = uri.host().unwrap_or_default();
                 let addr = format!("{host}:{}", uri.port_u16().unwrap_or(80));
-                let addr = if host.contains(':') {
-                    format!("[{host}]:{}", uri.port_u16().unwrap_or(80))
-                } else {
-                    addr
-                };
                 link.dial(&addr, connect_timeout)
                     .await
                     .map(hyper_util::rt::TokioIo::new)
@@ -690,18 +689,26 @@ mod tests {
         }
     }
 
+    /// A connection from `client` to a listener of `server`'s through a [`relay`]: the
+    /// relay, the client's side and the server's, handshakes done.
+    async fn through_relay(server: &Link, client: &Link) -> (Relay, LinkStream, LinkStream) {
+        let (l, target) = bound().await;
+        let r = relay(target).await;
+        let mut incoming = server.listen(l, WAIT);
+        let c = dial(client, &r.addr).await.unwrap();
+        let (s, _) = incoming.next().await.unwrap();
+        (r, c, s)
+    }
+
     async fn dial(link: &Link, addr: &str) -> io::Result<LinkStream> {
         link.dial(addr, WAIT).await
     }
 
     #[tokio::test]
     async fn the_same_secret_carries_bytes_both_ways_encrypted() {
+        // Two links made apart from the same secret.
         let (server, client) = (private("the shared secret"), private("the shared secret"));
-        let (l, target) = bound().await;
-        let r = relay(target).await;
-        let mut incoming = server.listen(l, WAIT);
-        let mut c = dial(&client, &r.addr).await.unwrap();
-        let (mut s, _) = incoming.next().await.unwrap();
+        let (r, mut c, mut s) = through_relay(&server, &client).await;
         c.write_all(b"a prompt about the moons of Jupiter")
             .await
             .unwrap();
@@ -778,11 +785,7 @@ mod tests {
     #[tokio::test]
     async fn a_replayed_handshake_is_refused() {
         let link = private("the shared secret");
-        let (l, target) = bound().await;
-        let r = relay(target).await;
-        let mut incoming = link.listen(l, WAIT);
-        let mut c = dial(&link, &r.addr).await.unwrap();
-        let (mut s, _) = incoming.next().await.unwrap();
+        let (r, mut c, mut s) = through_relay(&link, &link).await;
         c.write_all(b"take this state").await.unwrap();
         let mut got = [0u8; 15];
         s.read_exact(&mut got).await.unwrap();
@@ -809,12 +812,8 @@ mod tests {
     #[tokio::test]
     async fn a_flipped_byte_is_refused_not_delivered() {
         let link = private("the shared secret");
-        let (l, target) = bound().await;
-        let r = relay(target).await;
-        let mut incoming = link.listen(l, WAIT);
-        let mut c = dial(&link, &r.addr).await.unwrap();
         // The server side is handed out once the client's last handshake byte arrived.
-        let (mut s, _) = incoming.next().await.unwrap();
+        let (r, mut c, mut s) = through_relay(&link, &link).await;
         let seen = r.from_client.lock().unwrap().len();
         r.flip_at.store(seen + 40, Ordering::SeqCst);
         c.write_all(&[7u8; 1000]).await.unwrap();

@@ -262,33 +262,27 @@ impl Backend {
                     st.message()
                 ),
             )),
-            // The private link's handshake failed: another secret, or none, on the node.
-            Ok(Err(st)) if HandshakeFailed::find(&st).is_some() => Err(ApiError::upstream(
-                "auth_failed",
-                format!(
-                    "{who} refused the router's link ({}): give all three services the same secret",
-                    HandshakeFailed::find(&st).map(ToString::to_string).unwrap_or_default()
-                ),
-            )),
-            // A plain router whose node speaks only TLS reads the node's TLS alert as a
-            // broken HTTP/2 stream: say what likely happened.
-            Ok(Err(st))
-                if !self.config.link.is_private()
-                    && matches!(st.code(), tonic::Code::Internal | tonic::Code::Unknown) =>
-            {
-                Err(ApiError::unavailable(
+            Ok(Err(st)) => Err(match HandshakeFailed::find(&st) {
+                // The private link's handshake failed: another secret, or none, on the node.
+                Some(h) => ApiError::link_refused(who, h),
+                // A plain router whose node speaks only TLS reads the node's TLS alert as
+                // a broken HTTP/2 stream or a reset connection (which of them varies with
+                // timing): say what may have happened.
+                None if !self.config.link.is_private() => {
+                    ApiError::unavailable(
+                        code,
+                        format!(
+                            "{who} is not reachable: {} (if it has a shared secret, give the \
+                             router the same one: it then speaks TLS only)",
+                            st.message()
+                        ),
+                    )
+                }
+                None => ApiError::unavailable(
                     code,
-                    format!(
-                        "{who} is not reachable: {} (if it has a shared secret, give the router \
-                         the same one: it then speaks TLS only)",
-                        st.message()
-                    ),
-                ))
-            }
-            Ok(Err(st)) => Err(ApiError::unavailable(
-                code,
-                format!("{who} is not reachable: {}", st.message()),
-            )),
+                    format!("{who} is not reachable: {}", st.message()),
+                ),
+            }),
             Err(_) => Err(ApiError::unavailable(
                 code,
                 format!("{who} did not answer within {:?}", self.config.info_timeout),

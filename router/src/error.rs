@@ -70,6 +70,18 @@ impl ApiError {
         }
     }
 
+    /// The private link to `who` failed its handshake in a way that says the devices are
+    /// configured differently: no fallback would help.
+    #[must_use]
+    pub fn link_refused(who: &str, h: &edgesplit_proto::link::HandshakeFailed) -> Self {
+        Self::upstream(
+            "auth_failed",
+            format!(
+                "{who} refused the router's link ({h}): give all three services the same secret"
+            ),
+        )
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -108,10 +120,7 @@ impl ApiError {
         if name.is_empty() {
             if let Some(source) = std::error::Error::source(st) {
                 if let Some(h) = edgesplit_proto::link::HandshakeFailed::find(source) {
-                    return Self::upstream(
-                        "auth_failed",
-                        format!("{h}: give all three services the same secret"),
-                    );
+                    return Self::link_refused("a node", h);
                 }
                 return Self::unavailable(
                     "node_unavailable",
