@@ -12,6 +12,12 @@ pub struct Ask {
     /// `/v1/chat/completions` (else `/v1/completions`, for base models).
     pub chat: bool,
     pub seed: u64,
+    /// The whole conversation (chat only; else one user message of `prompt`).
+    pub messages: Option<Value>,
+    /// Let the servers reuse KV kept from earlier requests (`cache_prompt`). Off for every
+    /// measurement but the conversation's (`edgesplit-bench chat`): a repeated prompt must
+    /// be prefilled anew, on our nodes and on a stock llama-server alike.
+    pub cache_prompt: bool,
 }
 
 /// The EdgeSplit transports a run may name (see [`Target::EdgeSplit`]).
@@ -62,6 +68,9 @@ pub struct Measure {
     pub prefill_tokens: Option<u64>,
     /// Ours, live handoff: ms from the request to the switch (none when there was none).
     pub switch_ms: Option<f64>,
+    /// Ours: which node prefilled the prompt, and how many of its tokens' KV was reused.
+    pub placement: Option<String>,
+    pub cached_tokens: Option<u64>,
     pub text: String,
 }
 
@@ -94,7 +103,11 @@ pub fn chat_messages(prompt: &str) -> Value {
 
 pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow::Result<Measure> {
     let mut body = if ask.chat {
-        json!({ "messages": chat_messages(&ask.prompt) })
+        let messages = ask
+            .messages
+            .clone()
+            .unwrap_or_else(|| chat_messages(&ask.prompt));
+        json!({ "messages": messages })
     } else {
         json!({"prompt": ask.prompt})
     };
@@ -103,6 +116,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
     body["seed"] = json!(ask.seed);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
+    body["cache_prompt"] = json!(ask.cache_prompt);
     let path = if ask.chat {
         "/v1/chat/completions"
     } else {
@@ -116,12 +130,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
             };
             format!("{url}{path}")
         }
-        Target::Stock { url } => {
-            // llama-server reuses the KV cache of a repeated prompt by default; every
-            // request here must prefill, as ours do.
-            body["cache_prompt"] = json!(false);
-            format!("{url}{path}")
-        }
+        Target::Stock { url } => format!("{url}{path}"),
     };
     let t0 = Instant::now();
     let mut resp = client.post(url).json(&body).send().await?;
@@ -173,6 +182,8 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.decode_tps = es["decode_tokens_per_s"].as_f64();
                 m.prefill_tokens = es["prefill_tokens"].as_u64();
                 m.switch_ms = es["switch_ms"].as_f64();
+                m.placement = es["placement"].as_str().map(str::to_string);
+                m.cached_tokens = es["cached_tokens"].as_u64();
                 if let Some(f) = es["fallback"].as_str() {
                     m.fallback = Some(f.to_string());
                 }

@@ -276,7 +276,7 @@ async fn edgesplit(
     }
     let body = json!({
         "messages": chat_messages(prompt), "max_tokens": 2, "temperature": 0, "seed": 42,
-        "edgesplit": edgesplit,
+        "edgesplit": edgesplit, "cache_prompt": false,
     });
     let v = chat(http, router, &body).await?;
     let es = &v["edgesplit"];

@@ -157,6 +157,8 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         chat: stack.chat,
         seed: 42,
+        messages: None,
+        cache_prompt: false,
     };
 
     // The answers written alone, one request at a time, on the single-device path.

@@ -5,6 +5,8 @@
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
 //! - `handoff`: where a handoff's time goes, beside the original EdgeSplit's V1 path.
+//! - `chat`: a multi-turn conversation with and without the nodes' caches, beside one
+//!   device.
 //! - `load`: N concurrent clients for a fixed time against the whole stack; failures,
 //!   wrong answers, latency percentiles and each process's peak memory.
 //!
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod chat_bench;
 mod client;
 mod engine_bench;
 mod handoff_bench;
@@ -57,6 +60,9 @@ enum Cli {
     /// Where a handoff's time goes (loopback, no link emulation), beside the original
     /// EdgeSplit's V1 path (stock llama-server slot save, upload, restore) in one run.
     Handoff(handoff_bench::HandoffArgs),
+    /// A multi-turn conversation: per-turn TTFT, handoff bytes, where each turn was
+    /// prefilled, with the nodes' caches and without, beside one device (issue 15).
+    Chat(chat_bench::ChatArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -181,6 +187,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::Load(args) => load::run(&args).await,
         Cli::KvQuality(args) => kv_quality::run(&args).await,
         Cli::Handoff(args) => handoff_bench::run(&args).await,
+        Cli::Chat(args) => chat_bench::run(&args).await,
     }
 }
 
@@ -354,6 +361,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                         max_tokens: mt,
                         chat,
                         seed: args.seed,
+                        messages: None,
+                        cache_prompt: false,
                     };
                     let c = pairs(&env, &args, &model_name, profile, &targets, &ask, pt).await?;
                     let lines = c.summarise();
@@ -374,6 +383,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                         max_tokens: args.max_tokens[0],
                         chat,
                         seed: args.seed,
+                        messages: None,
+                        cache_prompt: false,
                     };
                     let c = concurrent(&env, &args, &model_name, profile, t, &ask).await?;
                     let lines = c.summarise();

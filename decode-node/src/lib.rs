@@ -14,8 +14,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgesplit_engine::wire::{status, status_with_code, token_events};
-use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
+use edgesplit_engine::wire::{prompt_of, status, status_with_code, token_events};
+use edgesplit_engine::{Engine, EngineConfig, Reuse, SamplingParams, Start};
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
@@ -118,6 +118,40 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = EventStream<pb::TokenEvent>;
+    type LocalStream = EventStream<pb::TokenEvent>;
+
+    /// A conversation this node holds goes on here: its cached KV (the earlier answer this
+    /// node wrote included) is reused, the rest of the prompt prefilled here, nothing
+    /// crosses the link. Refused with `not_cached` (the cache untouched) when more than
+    /// `max_uncached` tokens would have to be prefilled.
+    async fn local(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::LocalStream>, Status> {
+        let req = request.into_inner();
+        let (tokens, max_tokens) = prompt_of(&self.engine, &req, self.kv_budget_bytes).await?;
+        let params = req
+            .sampling
+            .as_ref()
+            .map(SamplingParams::from)
+            .unwrap_or_default();
+        let start = Start::Cached {
+            tokens,
+            reuse: if req.no_cache {
+                Reuse::None
+            } else {
+                Reuse::Conversation
+            },
+            max_uncached: req.max_uncached,
+        };
+        tracing::info!(request_id = %req.request_id, "continuing a conversation held here");
+        let rx = self
+            .engine
+            .generate(start, params, max_tokens)
+            .await
+            .map_err(|e| status(&e))?;
+        Ok(Response::new(Box::pin(token_events(rx))))
+    }
 
     async fn generate(
         &self,
@@ -184,7 +218,7 @@ impl pb::decode_server::Decode for DecodeService {
     }
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
-        let mut info = self.engine.info().node_info("decode");
+        let mut info = self.engine.node_info("decode");
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         info.handoffs_awaited = u32::try_from(self.store.awaited_count()).unwrap_or(u32::MAX);

@@ -6,7 +6,9 @@
 //! | `edgesplit:handoffs_received_total` | counter | states verified and held (V1 and V2) |
 //! | `edgesplit:handoff_bytes_received_total` | counter | their bytes |
 //! | `edgesplit:handoffs_refused_total` | counter | refused states and uploads |
-//! | `edgesplit:kv_bytes_in_use` | gauge | KV of the sequence being decoded (tokens x KV bytes/token) |
+//! | `edgesplit:kv_bytes_in_use` | gauge | KV of the sequences being decoded (tokens x KV bytes/token) |
+//! | `edgesplit:prefix_cache_tokens`, `_bytes` | gauge | the prefix cache: KV kept in idle sequences |
+//! | `edgesplit:prefix_cache_hits_total`, `_misses_total`, `_reused_tokens_total` | counter | prompts that reused a cached prefix, that found none; prompt tokens not prefilled |
 //! | `edgesplit:pending_handoff_bytes` | gauge | verified states waiting for their `Generate` |
 //! | `edgesplit:mem_available_bytes` | gauge | `MemAvailable` of the machine |
 
@@ -67,13 +69,14 @@ pub fn render(src: &Sources) -> String {
         "Refused states and uploads",
         c.handoffs_refused.load(Ordering::Relaxed),
     );
-    let kv = src.engine.kv_tokens() * src.engine.info().kv_bytes_per_token;
+    let per = src.engine.info().kv_bytes_per_token;
     gauge(
         &mut r,
         "edgesplit:kv_bytes_in_use",
-        "KV bytes of the sequence being decoded",
-        kv,
+        "KV bytes of the sequences being decoded",
+        src.engine.kv_tokens() * per,
     );
+    r.register_collector(Box::new(src.engine.cache_collector()));
     gauge(
         &mut r,
         "edgesplit:pending_handoff_bytes",

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::sampling::SamplingParams;
-use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Snapshot, Start};
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Reuse, Snapshot, Start};
 
 /// What async code asks of the owner thread.
 pub(crate) enum Command {
@@ -43,6 +43,7 @@ pub(crate) struct PrefillJob {
     pub params: SamplingParams,
     pub max_tokens: u32,
     pub export: Export,
+    pub reuse: Reuse,
 }
 
 /// A generation: where it starts, how it samples, and how many tokens it may emit.
@@ -89,8 +90,27 @@ impl Drop for InFlight {
 /// What the owner thread publishes about its slots.
 #[derive(Default)]
 pub(crate) struct Gauges {
-    /// Tokens in all slots' KV.
+    /// Tokens in the KV of the slots in use.
     pub(crate) kv_tokens: AtomicU64,
     /// Slots prefilling or writing an answer.
     pub(crate) active: AtomicU64,
+    /// Tokens kept in the KV of the slots not in use (the prefix cache).
+    pub(crate) cached_tokens: AtomicU64,
+    /// Prompts that reused a cached prefix, and prompts that found none (counters).
+    pub(crate) cache_hits: AtomicU64,
+    pub(crate) cache_misses: AtomicU64,
+    /// Prompt tokens whose cached KV was reused, all prompts together (counter).
+    pub(crate) reused_tokens: AtomicU64,
+}
+
+/// The prefix cache's figures ([`crate::Engine::cache_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Tokens kept in the KV of the slots not in use.
+    pub cached_tokens: u64,
+    /// Prompts that reused a cached prefix, and those that found none to reuse.
+    pub hits: u64,
+    pub misses: u64,
+    /// Prompt tokens not prefilled because their cached KV was reused.
+    pub reused_tokens: u64,
 }

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::command::{Command, Gauges, GenerateJob, InFlight, PrefillJob, SnapshotAsk};
+use crate::command::{CacheStats, Command, Gauges, GenerateJob, InFlight, PrefillJob, SnapshotAsk};
 use crate::config::EngineConfig;
 use crate::info::ModelInfo;
 use crate::sampling::SamplingParams;
-use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Snapshot, Start};
+use crate::types::{EngineError, Export, GenEvent, Input, PrefillOutput, Reuse, Snapshot, Start};
 use crate::worker;
 
 /// Handle to an engine's owner thread. Cheap to clone.
@@ -57,10 +57,23 @@ impl Engine {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Tokens whose KV the contexts hold now, all sequences together (0 when idle).
+    /// Tokens whose KV the slots in use hold now, all together (0 when idle; the prefix
+    /// cache kept in idle slots is [`Engine::cache_stats`]).
     #[must_use]
     pub fn kv_tokens(&self) -> u64 {
         self.gauges.kv_tokens.load(Ordering::Relaxed)
+    }
+
+    /// The prefix cache: tokens kept in idle slots, hits, misses, tokens reused.
+    #[must_use]
+    pub fn cache_stats(&self) -> CacheStats {
+        let g = &self.gauges;
+        CacheStats {
+            cached_tokens: g.cached_tokens.load(Ordering::Relaxed),
+            hits: g.cache_hits.load(Ordering::Relaxed),
+            misses: g.cache_misses.load(Ordering::Relaxed),
+            reused_tokens: g.reused_tokens.load(Ordering::Relaxed),
+        }
     }
 
     /// Slots in use now: prefilling, or writing an answer (at most `info().parallel`).
@@ -97,6 +110,22 @@ impl Engine {
         max_tokens: u32,
         export: Export,
     ) -> Result<PrefillOutput, EngineError> {
+        self.prefill_with(tokens, params, max_tokens, export, Reuse::Exact)
+            .await
+    }
+
+    /// [`Engine::prefill`] under a given reuse rule for the prefix cache.
+    ///
+    /// # Errors
+    /// Context overflow, llama.cpp decode or export failure.
+    pub async fn prefill_with(
+        &self,
+        tokens: Vec<i32>,
+        params: SamplingParams,
+        max_tokens: u32,
+        export: Export,
+        reuse: Reuse,
+    ) -> Result<PrefillOutput, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Prefill {
             job: PrefillJob {
@@ -104,6 +133,7 @@ impl Engine {
                 params,
                 max_tokens,
                 export,
+                reuse,
             },
             reply,
             in_flight: InFlight::new(&self.in_flight),

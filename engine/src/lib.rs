@@ -9,6 +9,7 @@
 //! model), `worker` (the llama.cpp calls), `exit_guard` (no llama.cpp call once the process
 //! exits), `config` (the engine's and both nodes' shared settings).
 
+mod cache;
 mod command;
 mod config;
 mod exit_guard;
@@ -21,12 +22,13 @@ mod types;
 pub mod wire;
 mod worker;
 
+pub use command::CacheStats;
 pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, GGML_TYPE_F16};
 pub use handle::{Engine, Live, LiveAnswer};
 pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use types::{
-    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, TokenLogprobs, TokenOut, TopLogprob,
+    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Reuse,
+    Snapshot, Start, TokenLogprobs, TokenOut, TopLogprob,
 };

@@ -10,7 +10,8 @@ use tokio::sync::mpsc;
 use crate::command::{Command, GenerateJob, InFlight, PrefillJob, SnapshotAsk};
 use crate::exit_guard::{park_forever, register_exit_guard, Busy};
 use crate::types::{
-    EngineError, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot, TokenOut,
+    EngineError, Finish, GenEvent, GenSummary, Input, PrefillOutput, Reuse, Snapshot, Start,
+    TokenOut,
 };
 
 /// Most prefills and generations waiting for a free slot; beyond it a request is refused
@@ -24,11 +25,15 @@ pub(crate) trait Slots {
     type Answer;
 
     fn count(&self) -> usize;
+    /// Which of the `free` slots (never empty) a job takes, and marks it in use: the one
+    /// whose cached sequence the prompt `want` can reuse most of, under its reuse rule;
+    /// else an empty one; else the least recently used.
+    fn pick(&mut self, free: &[usize], want: Option<(&[i32], Reuse)>) -> usize;
     fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError>;
-    /// Runs a whole prefill in `slot` and leaves the slot empty.
+    /// Runs a whole prefill in `slot`.
     fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError>;
     /// Reads `tokens` in `slot` and sends, for each position, the log-probabilities of the
-    /// next token (a measurement, not an answer); leaves the slot empty.
+    /// next token (a measurement, not an answer).
     fn score(
         &mut self,
         slot: usize,
@@ -37,7 +42,7 @@ pub(crate) trait Slots {
     ) -> Result<(), EngineError>;
     /// Sets an answer up in `slot` (prefill, import or rebuild) and emits what comes before
     /// the first decode step. `None` when the answer already ended (`summary.finish` says
-    /// why). The scheduler clears the slot when this fails or ends.
+    /// why). The scheduler releases the slot when this fails or ends.
     fn begin(
         &mut self,
         slot: usize,
@@ -59,8 +64,9 @@ pub(crate) trait Slots {
         answer: &Self::Answer,
         from: usize,
     ) -> Result<Snapshot, EngineError>;
-    /// Empties `slot`'s sequence.
-    fn clear(&mut self, slot: usize);
+    /// `slot` is no longer in use: its sequence stays as a cached prefix when `keep` (the
+    /// job ended with its KV whole), else it is emptied.
+    fn release(&mut self, slot: usize, keep: bool);
     /// Publishes how many slots are in use now.
     fn publish_active(&self, n: usize);
 }
@@ -179,15 +185,22 @@ impl<S: Slots> Scheduler<S> {
         }
     }
 
-    fn free_slot(&self) -> Option<usize> {
-        (0..self.slots.count()).find(|s| self.running.iter().all(|r| r.slot != *s))
+    fn free_slots(&self) -> Vec<usize> {
+        (0..self.slots.count())
+            .filter(|s| self.running.iter().all(|r| r.slot != *s))
+            .collect()
     }
 
     fn start_waiting(&mut self) {
-        while let Some(slot) = self.free_slot() {
+        loop {
+            let free = self.free_slots();
+            if free.is_empty() {
+                return;
+            }
             let Some(cmd) = self.waiting.pop_front() else {
                 return;
             };
+            let slot = self.slots.pick(&free, wanted(&cmd));
             match cmd {
                 Command::Prefill {
                     job,
@@ -199,6 +212,7 @@ impl<S: Slots> Scheduler<S> {
                     } else {
                         self.publish_active(1);
                         let out = self.slots.prefill(slot, &job);
+                        self.slots.release(slot, out.is_ok());
                         self.publish_active(0);
                         out
                     };
@@ -212,6 +226,7 @@ impl<S: Slots> Scheduler<S> {
                 } => {
                     if events.is_closed() {
                         // Its reader left while it waited: drop it unrun.
+                        self.slots.release(slot, true);
                         continue;
                     }
                     self.begin(slot, job, events, in_flight);
@@ -225,7 +240,8 @@ impl<S: Slots> Scheduler<S> {
                     if let Err(e) = self.slots.score(slot, &tokens, &out) {
                         let _ = out.blocking_send(Err(e));
                     }
-                    self.slots.clear(slot);
+                    // Scored in batches of their own: no prefix worth keeping.
+                    self.slots.release(slot, false);
                     self.publish_active(0);
                     drop(in_flight);
                 }
@@ -255,12 +271,14 @@ impl<S: Slots> Scheduler<S> {
                 in_flight,
             }),
             Ok(None) => {
-                self.slots.clear(slot);
+                self.slots.release(slot, true);
                 drop(in_flight);
                 let _ = events.send(GenEvent::Done(summary));
             }
             Err(e) => {
-                self.slots.clear(slot);
+                // A cache that holds too little was left as it was.
+                self.slots
+                    .release(slot, matches!(e, EngineError::NotCached { .. }));
                 drop(in_flight);
                 let _ = events.send(GenEvent::Error(e));
             }
@@ -283,7 +301,7 @@ impl<S: Slots> Scheduler<S> {
                         in_flight,
                         ..
                     } = self.running.remove(i);
-                    self.slots.clear(slot);
+                    self.slots.release(slot, done.is_ok());
                     self.publish_active(0);
                     summary.decode_ms = decoding_since.elapsed().as_secs_f64() * 1000.0;
                     drop(in_flight);
@@ -329,6 +347,20 @@ impl<S: Slots> Scheduler<S> {
     }
 }
 
+/// The prompt a waiting job would reuse a cached prefix for, and its rule.
+fn wanted(cmd: &Command) -> Option<(&[i32], Reuse)> {
+    match cmd {
+        Command::Prefill { job, .. } => Some((&job.tokens, job.reuse)),
+        Command::Generate { job, .. } => match &job.start {
+            Start::Prompt(t) => Some((t, Reuse::Exact)),
+            Start::Cached { tokens, reuse, .. } => Some((tokens, *reuse)),
+            Start::Resume { prompt, .. } => Some((prompt, Reuse::Exact)),
+            Start::Imported { .. } => None,
+        },
+        Command::Score { .. } | Command::Tokenize { .. } => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicU64;
@@ -365,6 +397,7 @@ mod tests {
             self.log.lock().unwrap().push(format!("prefill {slot}"));
             Ok(PrefillOutput {
                 prompt_tokens: job.tokens.clone(),
+                cached_tokens: 0,
                 first: token(0, false),
                 prefill_ms: 0.0,
                 state: None,
@@ -425,8 +458,12 @@ mod tests {
                 export_ms: 0.0,
             })
         }
-        fn clear(&mut self, slot: usize) {
-            self.log.lock().unwrap().push(format!("clear {slot}"));
+        fn pick(&mut self, free: &[usize], _: Option<(&[i32], Reuse)>) -> usize {
+            free[0]
+        }
+        fn release(&mut self, slot: usize, keep: bool) {
+            let what = if keep { "keep" } else { "clear" };
+            self.log.lock().unwrap().push(format!("{what} {slot}"));
         }
         fn publish_active(&self, n: usize) {
             self.active
@@ -499,6 +536,7 @@ mod tests {
                     params: SamplingParams::default(),
                     max_tokens: 4,
                     export: Export::None,
+                    reuse: Reuse::Exact,
                 },
                 reply,
                 in_flight: InFlight::new(&self.in_flight),
@@ -598,7 +636,7 @@ mod tests {
                 "snapshot 0",
                 "step 0",
                 "snapshot 0",
-                "clear 0"
+                "keep 0"
             ]
         );
         assert_eq!(h.in_flight(), 0);
@@ -698,7 +736,8 @@ mod tests {
         // The next round sees `a`'s reader gone, ends it without a step and frees the slot.
         h.round();
         assert_eq!(h.steps(), ["step 0"], "no step for an answer nobody reads");
-        assert!(h.log.lock().unwrap().contains(&"clear 0".to_string()));
+        // Cancelled between two steps: its KV is whole, kept as a cached prefix.
+        assert!(h.log.lock().unwrap().contains(&"keep 0".to_string()));
         h.round();
         assert_eq!(ids(&drain(&mut b)), [1]);
         h.round();

@@ -29,6 +29,37 @@ pub enum EngineError {
     Closed,
     #[error("{waiting} requests are already waiting for a free sequence; try again later")]
     Busy { waiting: usize },
+    /// A [`Start::Cached`] with `max_uncached`: the cache holds none, or too little, of
+    /// the prompt. Nothing was changed (the cached sequences are still there).
+    #[error("not cached here: {cached} of the prompt's {prompt} tokens are, more than {max_uncached} would have to be prefilled")]
+    NotCached {
+        cached: u32,
+        prompt: u32,
+        max_uncached: u32,
+    },
+}
+
+/// How much of a sequence slot's cached KV a prompt may reuse (the engine keeps each
+/// slot's sequence after its answer ends, least recently used first out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reuse {
+    /// Prefill the whole prompt.
+    None,
+    /// Reuse only what makes no difference to the answer: a cached prefix whose KV a
+    /// prefill of the prompt from position 0 computes the same way (the slot prefilled it
+    /// itself, from 0, in the same batches), cut at a batch boundary, so the rest is
+    /// prefilled in the batches a whole prefill would use. The KV, and so the answer, is
+    /// bit for bit the uncached one's. Not for a sliding-window model (its ring cache
+    /// cannot be cut back).
+    #[default]
+    Exact,
+    /// Continue a conversation: reuse the longest cached prefix, the answer tokens that
+    /// earlier decode steps wrote included, as llama-server's `cache_prompt` does. The
+    /// answer is then the one this engine gives from that cache: what any engine that
+    /// wrote the same conversation the same way gives (the split's identity argument,
+    /// ARCHITECTURE.md "Conversations"). Where the reusable prefix holds no decoded token,
+    /// this is [`Reuse::Exact`].
+    Conversation,
 }
 
 /// The input of a request.
@@ -72,6 +103,8 @@ pub struct TopLogprob {
 #[derive(Debug)]
 pub struct PrefillOutput {
     pub prompt_tokens: Vec<i32>,
+    /// Of the prompt, the leading tokens whose cached KV was reused (not prefilled).
+    pub cached_tokens: u32,
     pub first: TokenOut,
     pub prefill_ms: f64,
     /// The exported state, when an export was asked for and the answer continues.
@@ -135,6 +168,8 @@ pub enum GenEvent {
     /// Colocated runs: the prompt was prefilled (sent before the first token).
     Prefilled {
         prompt_tokens: u32,
+        /// Of them, the tokens whose cached KV was reused.
+        cached_tokens: u32,
         prefill_ms: f64,
     },
     Token(TokenOut),
@@ -151,6 +186,8 @@ pub struct GenSummary {
     /// `generated / decode_ms` is the decode speed on either path.
     pub generated: u32,
     pub prompt_tokens: u32,
+    /// Of them, the tokens whose cached KV was reused (not prefilled).
+    pub cached_tokens: u32,
     pub prefill_ms: f64,
     pub import_ms: f64,
     pub decode_ms: f64,
@@ -159,8 +196,17 @@ pub struct GenSummary {
 /// Where a generation starts from.
 #[derive(Debug)]
 pub enum Start {
-    /// Prefill these tokens here, then continue (the colocated run).
+    /// Prefill these tokens here, then continue (the colocated run), reusing a cached
+    /// prefix only as [`Reuse::Exact`] does.
     Prompt(Vec<i32>),
+    /// [`Start::Prompt`] under another reuse rule; with `max_uncached`, refused with
+    /// [`EngineError::NotCached`] (and nothing changed) when nothing of the prompt is
+    /// cached or more tokens than that would have to be prefilled.
+    Cached {
+        tokens: Vec<i32>,
+        reuse: Reuse,
+        max_uncached: Option<u32>,
+    },
     /// Import a verified state covering `tokens`, then continue from `first`, the
     /// `answered`-th token of the answer (1 when the state is the prompt's; more when a
     /// live answer was handed over after the prefill node wrote some of it).

@@ -10,7 +10,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::Status;
 
-use crate::{EngineError, GenEvent, ModelInfo, SamplingParams, TokenLogprobs, TokenOut};
+use crate::{
+    Engine, EngineError, GenEvent, Input, ModelInfo, SamplingParams, TokenLogprobs, TokenOut,
+};
 
 impl ModelInfo {
     /// What this node presents in the V2 handshake.
@@ -26,7 +28,7 @@ impl ModelInfo {
         }
     }
 
-    /// The node's info reply, without the per-node counters.
+    /// The node's info reply, without the per-node counters (see `Engine::node_info`).
     #[must_use]
     pub fn node_info(&self, role: &str) -> pb::NodeInfo {
         pb::NodeInfo {
@@ -44,6 +46,41 @@ impl ModelInfo {
             parallel: self.parallel,
             ..Default::default()
         }
+    }
+}
+
+impl crate::Engine {
+    /// The node's info reply with the engine's own figures (the prefix cache); the node
+    /// adds its own counters.
+    #[must_use]
+    pub fn node_info(&self, role: &str) -> pb::NodeInfo {
+        let c = self.cache_stats();
+        pb::NodeInfo {
+            cached_tokens: c.cached_tokens,
+            cache_hits: c.hits,
+            cache_misses: c.misses,
+            cache_reused_tokens: c.reused_tokens,
+            ..self.info().node_info(role)
+        }
+    }
+}
+
+impl Engine {
+    /// The prefix cache's series for a node's `/metrics`, read from this engine on each
+    /// scrape.
+    #[must_use]
+    pub fn cache_collector(&self) -> edgesplit_proto::metrics::CacheCollector {
+        let e = self.clone();
+        edgesplit_proto::metrics::CacheCollector(Box::new(move || {
+            let c = e.cache_stats();
+            edgesplit_proto::metrics::CacheFigures {
+                cached_tokens: c.cached_tokens,
+                cached_bytes: c.cached_tokens * e.info().kv_bytes_per_token,
+                hits: c.hits,
+                misses: c.misses,
+                reused_tokens: c.reused_tokens,
+            }
+        }))
     }
 }
 
@@ -92,6 +129,68 @@ impl From<TokenOut> for pb::Token {
     }
 }
 
+/// A request's input as the engine takes it.
+///
+/// # Errors
+/// The request has none.
+pub fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
+    match &req.input {
+        Some(pb::prefill_request::Input::Chat(c)) => Ok(Input::Chat(
+            c.messages
+                .iter()
+                .map(|m| (m.role.clone(), m.content.clone()))
+                .collect(),
+        )),
+        Some(pb::prefill_request::Input::Prompt(p)) => Ok(Input::Raw(p.clone())),
+        None => Err(Status::invalid_argument("request has no input")),
+    }
+}
+
+/// A request's prompt tokens and the answer's token budget (`max_tokens` 0: up to the
+/// context, or to what `kv_budget_bytes` leaves, when not 0), refused when prompt and
+/// answer would need more KV than `kv_budget_bytes` (the decode node's budget).
+///
+/// # Errors
+/// No input, the template or tokenizer failed, or the budget is exceeded.
+pub async fn prompt_of(
+    engine: &Engine,
+    req: &pb::PrefillRequest,
+    kv_budget_bytes: u64,
+) -> Result<(Vec<i32>, u32), Status> {
+    let tokens = engine
+        .tokenize(input_of(req)?)
+        .await
+        .map_err(|e| status(&e))?;
+    let info = engine.info();
+    let mut max = if req.max_tokens == 0 {
+        info.n_ctx.saturating_sub(tokens.len() as u32).max(1)
+    } else {
+        req.max_tokens
+    };
+    if kv_budget_bytes > 0 {
+        let per = info.kv_bytes_per_token.max(1);
+        let fit = kv_budget_bytes / per;
+        if req.max_tokens == 0 {
+            // "As long as it fits": cap the answer at what the budget allows.
+            max =
+                max.min(u32::try_from(fit.saturating_sub(tokens.len() as u64)).unwrap_or(u32::MAX));
+        }
+        let need = (tokens.len() as u64 + u64::from(max)) * per;
+        if need > kv_budget_bytes || max == 0 {
+            return Err(status_with_code(
+                tonic::Code::InvalidArgument,
+                "kv_budget_exceeded",
+                format!(
+                    "the decode node's KV memory budget is {kv_budget_bytes} bytes ({fit} tokens at {per} bytes/token); \
+                     this request needs {need} bytes ({} prompt + {max} completion tokens)",
+                    tokens.len()
+                ),
+            ));
+        }
+    }
+    Ok((tokens, max))
+}
+
 /// gRPC metadata key carrying a stable, machine-readable error code.
 pub const ERROR_CODE_KEY: &str = "x-edgesplit-error";
 
@@ -108,6 +207,7 @@ pub fn status(e: &EngineError) -> tonic::Status {
         EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
         EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
         EngineError::Busy { .. } => (tonic::Code::Unavailable, "engine_busy"),
+        EngineError::NotCached { .. } => (tonic::Code::FailedPrecondition, "not_cached"),
         EngineError::Closed | EngineError::Load { .. } | EngineError::Decode(_) => {
             (tonic::Code::Internal, "engine_error")
         }
@@ -139,11 +239,13 @@ pub fn token_events(
                     }),
                     GenEvent::Prefilled {
                         prompt_tokens,
+                        cached_tokens,
                         prefill_ms,
                     } => Ok(pb::TokenEvent {
                         event: Some(pb::token_event::Event::Prefilled(pb::Prefilled {
                             prompt_tokens,
                             prefill_ms,
+                            cached_tokens,
                         })),
                     }),
                     GenEvent::Done(s) => Ok(pb::TokenEvent {

@@ -17,6 +17,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::cache::{self, Candidate, Held};
 use crate::command::{Command, Gauges, GenerateJob, PrefillJob};
 use crate::config::{EngineConfig, FlashAttn};
 use crate::exit_guard::{park_forever, Busy};
@@ -25,8 +26,8 @@ use crate::sampling::{self, Grammar, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
 use crate::template::{ChatTemplate, SpecialTokens};
 use crate::types::{
-    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Snapshot,
-    Start, TokenLogprobs, TokenOut, TopLogprob,
+    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Reuse,
+    Snapshot, Start, TokenLogprobs, TokenOut, TopLogprob,
 };
 
 fn backend() -> &'static LlamaBackend {
@@ -97,7 +98,13 @@ pub(crate) fn owner_thread(
     let mut slots = Vec::new();
     for _ in 0..config.n_parallel.max(1) {
         match model.new_context(backend, cparams.clone()) {
-            Ok(ctx) => slots.push(Slot { ctx, kv: 0 }),
+            Ok(ctx) => slots.push(Slot {
+                ctx,
+                tokens: Vec::new(),
+                exact: 0,
+                used: 0,
+                busy: false,
+            }),
             Err(e) => {
                 let _ = ready.send(Err(load_err(format!(
                     "context {} of {}: {e}",
@@ -136,6 +143,7 @@ pub(crate) fn owner_thread(
         n_ctx,
         n_vocab: model.n_vocab(),
         gauges,
+        ticks: 0,
         export_buf: Vec::new(),
         sliding_window: info.sliding_window,
         chat,
@@ -150,11 +158,28 @@ pub(crate) fn owner_thread(
     drop(model);
 }
 
-/// One context and what its sequence holds.
+/// One context and what its sequence holds. A slot not in use keeps its sequence as a
+/// cached prefix (`cache.rs`).
 struct Slot<'m> {
     ctx: LlamaContext<'m>,
-    /// Tokens in the sequence's KV.
-    kv: usize,
+    /// Every token whose KV the sequence holds, in position order.
+    tokens: Vec<i32>,
+    /// Of `tokens`, the leading ones whose KV a prefill of them from position 0 computes
+    /// (see [`Held::exact`]).
+    exact: usize,
+    /// When a job last took the slot (a tick of `Worker::ticks`).
+    used: u64,
+    /// A job holds it.
+    busy: bool,
+}
+
+impl Slot<'_> {
+    fn held(&self) -> Held<'_> {
+        Held {
+            tokens: &self.tokens,
+            exact: self.exact,
+        }
+    }
 }
 
 /// An answer being written in a slot, between two steps.
@@ -181,6 +206,8 @@ struct Worker<'m> {
     n_ctx: u32,
     n_vocab: i32,
     gauges: Arc<Gauges>,
+    /// Counts the jobs given a slot (the cache's recency).
+    ticks: u64,
     /// Kept between the exports of a live handoff's pieces (see `export_from`), and for
     /// the relayout of a sliding-window cache (see `lay_out_as_imported`).
     export_buf: Vec<u8>,
@@ -328,14 +355,29 @@ impl Worker<'_> {
         out
     }
 
-    /// Clears the slot, prefills `tokens` and samples the first answer token (step 0).
+    /// How many leading tokens of `tokens` may keep the KV `slot` holds for them under
+    /// `reuse` (`cache::reusable`).
+    fn reusable(&self, slot: usize, tokens: &[i32], reuse: Reuse) -> usize {
+        cache::reusable(
+            self.slots[slot].held(),
+            tokens,
+            reuse,
+            self.n_batch,
+            self.sliding_window,
+        )
+    }
+
+    /// Prefills `tokens` in `slot`, keeping the KV the slot holds for the first `keep` of
+    /// them (from [`Worker::reusable`]; 0: from an empty slot), and samples the first
+    /// answer token (step 0).
     fn prefill(
         &mut self,
         slot: usize,
         tokens: &[i32],
+        keep: usize,
         params: &SamplingParams,
     ) -> Result<TokenOut, EngineError> {
-        self.prefill_in_pieces(slot, tokens, params, None)
+        self.prefill_in_pieces(slot, tokens, keep, params, None)
     }
 
     /// [`Worker::prefill`], sending the state after every batch but the last to `pieces`
@@ -345,44 +387,51 @@ impl Worker<'_> {
         &mut self,
         slot: usize,
         tokens: &[i32],
+        keep: usize,
         params: &SamplingParams,
         pieces: Option<&mpsc::UnboundedSender<Snapshot>>,
     ) -> Result<TokenOut, EngineError> {
         // First: a schema that cannot be a grammar is refused before the prompt is read.
         let mut grammar = grammar(self.model, params, &[])?;
-        self.clear(slot);
-        let last_chunk = (tokens.len() - 1) / self.n_batch;
+        let keep = self.cut_back(slot, keep.min(tokens.len() - 1));
+        // Reusing decoded tokens (a conversation's earlier answer): what follows is not
+        // what a prefill from 0 computes.
+        let conversation = keep > self.slots[slot].exact;
+        let counter = if keep > 0 {
+            self.gauges
+                .reused_tokens
+                .fetch_add(keep as u64, Ordering::Relaxed);
+            &self.gauges.cache_hits
+        } else {
+            &self.gauges.cache_misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let rest = &tokens[keep..];
+        let last_chunk = (rest.len() - 1) / self.n_batch;
         // Where the last piece sent ended; pieces stop at the first that fails (the
         // prefill does not: they are an optimisation, and the handoff sends what is left).
         let mut sent = Some(0usize);
-        for (c, chunk) in tokens.chunks(self.n_batch).enumerate() {
+        // A reused prefix is there already: it is the first piece.
+        if let (Some(tx), true) = (pieces, keep > 0) {
+            sent = self.send_piece(slot, tokens, 0, keep, tx);
+        }
+        for (c, chunk) in rest.chunks(self.n_batch).enumerate() {
+            let at = keep + c * self.n_batch;
             self.batch.clear();
             for (i, t) in chunk.iter().enumerate() {
-                let pos = (c * self.n_batch + i) as i32;
                 let logits = c == last_chunk && i == chunk.len() - 1;
                 self.batch
-                    .add(LlamaToken(*t), pos, &[0], logits)
+                    .add(LlamaToken(*t), (at + i) as i32, &[0], logits)
                     .map_err(|e| EngineError::Decode(e.to_string()))?;
             }
             self.slots[slot]
                 .ctx
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
+            self.slots[slot].tokens.extend_from_slice(chunk);
             if let (Some(tx), Some(from)) = (pieces, sent) {
-                if c < last_chunk && !tx.is_closed() {
-                    let t0 = Instant::now();
-                    let covered = (c + 1) * self.n_batch;
-                    sent = self.export_from(slot, from).ok().and_then(|state| {
-                        let piece = Snapshot {
-                            state,
-                            tokens: tokens[..covered].to_vec(),
-                            from,
-                            last: 0,
-                            answered: 0,
-                            export_ms: ms(t0),
-                        };
-                        tx.send(piece).ok().map(|()| covered)
-                    });
+                if c < last_chunk {
+                    sent = self.send_piece(slot, tokens, from, at + chunk.len(), tx);
                 }
             }
         }
@@ -395,8 +444,57 @@ impl Worker<'_> {
         if self.sliding_window {
             self.lay_out_as_imported(slot)?;
         }
-        self.set_kv(slot, tokens.len());
+        if !conversation {
+            self.slots[slot].exact = tokens.len();
+        }
+        self.publish_kv();
         Ok(first)
+    }
+
+    /// Sends the state of `tokens[from..covered]` (all the slot holds) as a live piece;
+    /// where the next piece starts, or `None` when this one failed or nobody reads them.
+    fn send_piece(
+        &mut self,
+        slot: usize,
+        tokens: &[i32],
+        from: usize,
+        covered: usize,
+        tx: &mpsc::UnboundedSender<Snapshot>,
+    ) -> Option<usize> {
+        if tx.is_closed() {
+            return None;
+        }
+        let t0 = Instant::now();
+        let state = self.export_from(slot, from).ok()?;
+        let piece = Snapshot {
+            state,
+            tokens: tokens[..covered].to_vec(),
+            from,
+            last: 0,
+            answered: 0,
+            export_ms: ms(t0),
+        };
+        tx.send(piece).ok().map(|()| covered)
+    }
+
+    /// Keeps the first `keep` positions of `slot`'s sequence and removes the rest; returns
+    /// how many it kept (0, the slot cleared, when llama.cpp cannot cut this cache).
+    fn cut_back(&mut self, slot: usize, keep: usize) -> usize {
+        let s = &mut self.slots[slot];
+        if keep == 0 || keep > s.tokens.len() {
+            self.clear(slot);
+            return 0;
+        }
+        if keep < s.tokens.len() {
+            let p0 = u32::try_from(keep).ok();
+            if !matches!(s.ctx.clear_kv_cache_seq(Some(0), p0, None), Ok(true)) {
+                self.clear(slot);
+                return 0;
+            }
+            s.tokens.truncate(keep);
+            s.exact = s.exact.min(keep);
+        }
+        keep
     }
 
     /// After a prefill, a sliding-window cache holds the window's cells in a ring, at
@@ -412,7 +510,9 @@ impl Worker<'_> {
     fn lay_out_as_imported(&mut self, slot: usize) -> Result<(), EngineError> {
         Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
         let state = std::mem::take(&mut self.export_buf);
-        let res = self.import(slot, &state);
+        let ctx = &mut self.slots[slot].ctx;
+        let _ = ctx.clear_kv_cache_seq(Some(0), None, None);
+        let res = Self::import_raw(ctx, &state).map(|_| ());
         self.export_buf = state;
         res
     }
@@ -435,20 +535,28 @@ impl Worker<'_> {
             .ctx
             .decode(&mut self.batch)
             .map_err(|e| EngineError::Decode(e.to_string()))?;
-        self.set_kv(slot, history.len());
+        self.slots[slot].tokens.push(token);
+        self.publish_kv();
         Ok(())
     }
 
     fn clear(&mut self, slot: usize) {
+        let s = &mut self.slots[slot];
         // Seq id 0 always fits in an i32; this cannot fail.
-        let _ = self.slots[slot].ctx.clear_kv_cache_seq(Some(0), None, None);
-        self.set_kv(slot, 0);
+        let _ = s.ctx.clear_kv_cache_seq(Some(0), None, None);
+        s.tokens.clear();
+        s.exact = 0;
+        self.publish_kv();
     }
 
-    fn set_kv(&mut self, slot: usize, n: usize) {
-        self.slots[slot].kv = n;
-        let total: usize = self.slots.iter().map(|s| s.kv).sum();
-        self.gauges.kv_tokens.store(total as u64, Ordering::Relaxed);
+    /// Publishes the tokens held by the slots in use and by the cache.
+    fn publish_kv(&self) {
+        let (mut busy, mut idle) = (0u64, 0u64);
+        for s in &self.slots {
+            *(if s.busy { &mut busy } else { &mut idle }) += s.tokens.len() as u64;
+        }
+        self.gauges.kv_tokens.store(busy, Ordering::Relaxed);
+        self.gauges.cached_tokens.store(idle, Ordering::Relaxed);
     }
 
     fn prefill_cmd(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
@@ -457,13 +565,15 @@ impl Worker<'_> {
             params,
             max_tokens,
             export,
+            reuse,
         } = job;
         self.check_fits(tokens.len(), *max_tokens)?;
-        let out = self.prefill_export(slot, tokens, params, *max_tokens, export);
-        self.clear(slot);
-        let (first, state, prefill_ms, export_ms) = out?;
+        let keep = self.reusable(slot, tokens, *reuse);
+        let (first, state, prefill_ms, export_ms) =
+            self.prefill_export(slot, tokens, keep, params, *max_tokens, export)?;
         Ok(PrefillOutput {
             prompt_tokens: tokens.to_vec(),
+            cached_tokens: keep as u32,
             first,
             prefill_ms,
             state,
@@ -475,12 +585,13 @@ impl Worker<'_> {
         &mut self,
         slot: usize,
         tokens: &[i32],
+        keep: usize,
         params: &SamplingParams,
         max_tokens: u32,
         export: &Export,
     ) -> Result<(TokenOut, Option<Exported>, f64, f64), EngineError> {
         let t0 = Instant::now();
-        let first = self.prefill(slot, tokens, params)?;
+        let first = self.prefill(slot, tokens, keep, params)?;
         let prefill_ms = ms(t0);
         let t1 = Instant::now();
         let continues = !first.eog && max_tokens > 1;
@@ -540,9 +651,33 @@ impl Worker<'_> {
             .map_err(|e| EngineError::Export(e.to_string()))
     }
 
-    fn import(&mut self, slot: usize, state: &[u8]) -> Result<(), EngineError> {
+    /// Imports `state`, the KV of `tokens`, into the emptied `slot`; the first `exact` of
+    /// them are what a prefill from 0 computes.
+    fn import(
+        &mut self,
+        slot: usize,
+        state: &[u8],
+        tokens: &[i32],
+        exact: usize,
+    ) -> Result<(), EngineError> {
         self.clear(slot);
-        let ctx = &mut self.slots[slot].ctx;
+        let held = Self::import_raw(&mut self.slots[slot].ctx, state)?;
+        if held != tokens.len() {
+            self.clear(slot);
+            return Err(EngineError::Import(format!(
+                "the state holds {held} positions for {} tokens",
+                tokens.len()
+            )));
+        }
+        let s = &mut self.slots[slot];
+        s.tokens = tokens.to_vec();
+        s.exact = exact.min(held);
+        self.publish_kv();
+        Ok(())
+    }
+
+    /// Imports `state` into `ctx`'s (empty) sequence; returns the positions it holds.
+    fn import_raw(ctx: &mut LlamaContext<'_>, state: &[u8]) -> Result<usize, EngineError> {
         // SAFETY: the bytes were produced by `state_seq_get_data_ext` of the same llama.cpp
         // build and model (the V2 handshake compared build id and model fingerprint), their
         // SHA-256 passed and their tensor layout was re-derived and compared before we got
@@ -555,8 +690,7 @@ impl Worker<'_> {
             ));
         }
         let held = ctx.kv_cache_seq_pos_max(0) + 1;
-        self.set_kv(slot, usize::try_from(held).unwrap_or(0));
-        Ok(())
+        Ok(usize::try_from(held).unwrap_or(0))
     }
 }
 
@@ -565,6 +699,25 @@ impl Slots for Worker<'_> {
 
     fn count(&self) -> usize {
         self.slots.len()
+    }
+
+    fn pick(&mut self, free: &[usize], want: Option<(&[i32], Reuse)>) -> usize {
+        let candidates: Vec<Candidate> = free
+            .iter()
+            .map(|&slot| Candidate {
+                slot,
+                reusable: want.map_or(0, |(tokens, reuse)| self.reusable(slot, tokens, reuse)),
+                empty: self.slots[slot].tokens.is_empty(),
+                used: self.slots[slot].used,
+            })
+            .collect();
+        let slot = cache::choose(&candidates).unwrap_or(free[0]);
+        self.ticks += 1;
+        let s = &mut self.slots[slot];
+        s.used = self.ticks;
+        s.busy = true;
+        self.publish_kv();
+        slot
     }
 
     fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError> {
@@ -593,16 +746,43 @@ impl Slots for Worker<'_> {
         // Step 0 sampled the first token (on whichever node prefilled); a resumed answer
         // continues at the step after its last token.
         let mut step = 1u32;
+        let start = match start {
+            Start::Prompt(tokens) => Start::Cached {
+                tokens,
+                reuse: Reuse::Exact,
+                max_uncached: None,
+            },
+            other => other,
+        };
         let (history, first, budget) = match start {
-            Start::Prompt(tokens) => {
+            Start::Cached {
+                tokens,
+                reuse,
+                max_uncached,
+            } => {
+                let keep = self.reusable(slot, &tokens, reuse);
+                let uncached = tokens.len().saturating_sub(keep);
+                let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+                // A bound asks to continue what is cached: nothing cached is refused too.
+                if let Some(max_uncached) =
+                    max_uncached.filter(|&m| keep == 0 || uncached > m as usize)
+                {
+                    return Err(EngineError::NotCached {
+                        cached: count(keep),
+                        prompt: count(tokens.len()),
+                        max_uncached,
+                    });
+                }
                 self.check_fits(tokens.len(), max_tokens)?;
-                summary.prompt_tokens = tokens.len() as u32;
+                summary.prompt_tokens = count(tokens.len());
+                summary.cached_tokens = count(keep);
                 let t0 = Instant::now();
-                let first = self.prefill_in_pieces(slot, &tokens, params, pieces.as_ref())?;
+                let first = self.prefill_in_pieces(slot, &tokens, keep, params, pieces.as_ref())?;
                 drop(pieces);
                 summary.prefill_ms = ms(t0);
                 let prefilled = GenEvent::Prefilled {
                     prompt_tokens: summary.prompt_tokens,
+                    cached_tokens: summary.cached_tokens,
                     prefill_ms: summary.prefill_ms,
                 };
                 if events.send(prefilled).is_err()
@@ -623,11 +803,14 @@ impl Slots for Worker<'_> {
                 self.check_fits(tokens.len(), max_tokens + 1)?;
                 summary.prompt_tokens = tokens.len() as u32;
                 let t0 = Instant::now();
-                self.import(slot, &state)?;
-                summary.import_ms = ms(t0);
                 step = answered.max(1);
+                // The prompt's KV came from a prefill from 0; the answer's from decode steps.
+                let prompt = tokens.len() + 1 - (step as usize).min(tokens.len() + 1);
+                self.import(slot, &state, &tokens, prompt)?;
+                summary.import_ms = ms(t0);
                 (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
+            Start::Prompt(_) => unreachable!("made a Start::Cached above"),
             Start::Resume { prompt, answer } => {
                 let Some((&last, before)) = answer.split_last() else {
                     return Err(EngineError::Decode(
@@ -638,7 +821,8 @@ impl Slots for Worker<'_> {
                 summary.prompt_tokens = prompt.len() as u32;
                 let t0 = Instant::now();
                 // The same batches as the original prefill (its sampled token is not used).
-                self.prefill(slot, &prompt, params)?;
+                let keep = self.reusable(slot, &prompt, Reuse::Exact);
+                self.prefill(slot, &prompt, keep, params)?;
                 let mut history = prompt;
                 for &t in before {
                     self.decode_one(slot, t, &mut history)?;
@@ -735,8 +919,12 @@ impl Slots for Worker<'_> {
         })
     }
 
-    fn clear(&mut self, slot: usize) {
-        Worker::clear(self, slot);
+    fn release(&mut self, slot: usize, keep: bool) {
+        if !keep {
+            self.clear(slot);
+        }
+        self.slots[slot].busy = false;
+        self.publish_kv();
     }
 
     fn publish_active(&self, n: usize) {

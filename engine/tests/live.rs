@@ -10,7 +10,8 @@ mod common;
 
 use common::model_path;
 use edgesplit_engine::{
-    Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, SamplingParams, Snapshot, Start,
+    Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot,
+    Start,
 };
 use edgesplit_proto::splice;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -78,7 +79,17 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
             live,
             mut pieces,
         } = a
-            .generate_live(Start::Prompt(prompt.clone()), params.clone(), 24)
+            // Not from the prefix the first run left in the cache: the prefill's pieces
+            // are what this test reads.
+            .generate_live(
+                Start::Cached {
+                    tokens: prompt.clone(),
+                    reuse: Reuse::None,
+                    max_uncached: None,
+                },
+                params.clone(),
+                24,
+            )
             .await
             .unwrap();
         let mut ids = Vec::new();

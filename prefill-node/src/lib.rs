@@ -12,9 +12,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use edgesplit_engine::wire::{status, status_with_code, token_events};
+use edgesplit_engine::wire::{input_of, prompt_of, status, status_with_code, token_events};
 use edgesplit_engine::{
-    Engine, EngineConfig, Export, Exported, GenEvent, Input, SamplingParams, Start,
+    Engine, EngineConfig, Export, Exported, GenEvent, Reuse, SamplingParams, Start,
 };
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
@@ -111,19 +111,6 @@ fn http_client(link: &Link, limits: &Limits) -> std::io::Result<reqwest::Client>
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
-    match &req.input {
-        Some(pb::prefill_request::Input::Chat(c)) => Ok(Input::Chat(
-            c.messages
-                .iter()
-                .map(|m| (m.role.clone(), m.content.clone()))
-                .collect(),
-        )),
-        Some(pb::prefill_request::Input::Prompt(p)) => Ok(Input::Raw(p.clone())),
-        None => Err(Status::invalid_argument("request has no input")),
-    }
-}
-
 impl PrefillService {
     /// A service over a started engine.
     ///
@@ -131,11 +118,13 @@ impl PrefillService {
     /// The HTTP client (V1 uploads) cannot be built.
     pub fn new(engine: Engine, limits: Limits) -> std::io::Result<Self> {
         let link = Link::plain();
+        let metrics = Arc::new(metrics::NodeMetrics::default());
+        metrics.watch_cache(engine.cache_collector());
         Ok(Self {
             engine,
             limits,
             http: http_client(&link, &limits)?,
-            metrics: Arc::default(),
+            metrics,
             link,
             stream_prefill: false,
         })
@@ -168,44 +157,6 @@ impl PrefillService {
             link: self.link.clone(),
         }
     }
-
-    async fn tokenize(&self, req: &pb::PrefillRequest) -> Result<(Vec<i32>, u32), Status> {
-        let tokens = self
-            .engine
-            .tokenize(input_of(req)?)
-            .await
-            .map_err(|e| status(&e))?;
-        let info = self.engine.info();
-        let mut max = if req.max_tokens == 0 {
-            info.n_ctx.saturating_sub(tokens.len() as u32).max(1)
-        } else {
-            req.max_tokens
-        };
-        if req.kv_budget_bytes > 0 {
-            let per = info.kv_bytes_per_token.max(1);
-            let fit = req.kv_budget_bytes / per;
-            if req.max_tokens == 0 {
-                // "As long as it fits": cap the answer at what the budget allows.
-                max = max.min(
-                    u32::try_from(fit.saturating_sub(tokens.len() as u64)).unwrap_or(u32::MAX),
-                );
-            }
-            let need = (tokens.len() as u64 + u64::from(max)) * per;
-            if need > req.kv_budget_bytes || max == 0 {
-                return Err(status_with_code(
-                    tonic::Code::InvalidArgument,
-                    "kv_budget_exceeded",
-                    format!(
-                        "the decode node's KV memory budget is {} bytes ({fit} tokens at {per} bytes/token); \
-                         this request needs {need} bytes ({} prompt + {max} completion tokens)",
-                        req.kv_budget_bytes,
-                        tokens.len()
-                    ),
-                ));
-            }
-        }
-        Ok((tokens, max))
-    }
 }
 
 fn sampling_of(req: &pb::PrefillRequest) -> SamplingParams {
@@ -225,7 +176,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
         let req = request.into_inner();
-        let (tokens, max_tokens) = self.tokenize(&req).await?;
+        let (tokens, max_tokens) = prompt_of(&self.engine, &req, req.kv_budget_bytes).await?;
         let params = sampling_of(&req);
         let handoff = req.handoff.clone();
         if let Some(h) = &handoff {
@@ -248,14 +199,21 @@ impl pb::prefill_server::Prefill for PrefillService {
             None => Export::None,
             Some(_) => Export::Raw,
         };
+        // A split prompt reuses only the cached KV that makes no difference to the answer.
+        let reuse = if req.no_cache {
+            Reuse::None
+        } else {
+            Reuse::Exact
+        };
         let mut out = self
             .engine
-            .prefill(tokens, params, max_tokens, export)
+            .prefill_with(tokens, params, max_tokens, export, reuse)
             .await
             .map_err(|e| status(&e))?;
         tracing::info!(
             request_id = %req.request_id,
             prompt_tokens = out.prompt_tokens.len(),
+            cached_tokens = out.cached_tokens,
             prefill_ms = out.prefill_ms,
             "prefilled"
         );
@@ -274,6 +232,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 eog: out.first.eog,
                 max_tokens,
                 logprobs: out.first.logprobs.clone().map(Into::into),
+                cached_tokens: out.cached_tokens,
             })),
         };
         // The first token goes out before the handoff starts: TTFT does not wait for it.
@@ -321,17 +280,28 @@ impl pb::prefill_server::Prefill for PrefillService {
                 .map_err(|e| status(&e))?;
             return Ok(Response::new(Box::pin(token_events(rx))));
         }
-        let (tokens, max_tokens) = self.tokenize(&req).await?;
+        let (tokens, max_tokens) = prompt_of(&self.engine, &req, req.kv_budget_bytes).await?;
+        // The single-device run continues a conversation it holds, as llama-server's
+        // `cache_prompt` does.
+        let start = Start::Cached {
+            tokens,
+            reuse: if req.no_cache {
+                Reuse::None
+            } else {
+                Reuse::Conversation
+            },
+            max_uncached: None,
+        };
         let rx = self
             .engine
-            .generate(Start::Prompt(tokens), sampling_of(&req), max_tokens)
+            .generate(start, sampling_of(&req), max_tokens)
             .await
             .map_err(|e| status(&e))?;
         Ok(Response::new(Box::pin(token_events(rx))))
     }
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
-        let mut info = self.engine.info().node_info("prefill");
+        let mut info = self.engine.node_info("prefill");
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         Ok(Response::new(info))
@@ -351,13 +321,22 @@ impl PrefillService {
         handoff: pb::Handoff,
     ) -> Result<Response<EventStream<pb::PrefillEvent>>, Status> {
         let n_prompt = tokens.len();
+        let start = Start::Cached {
+            tokens,
+            reuse: if req.no_cache {
+                Reuse::None
+            } else {
+                Reuse::Exact
+            },
+            max_uncached: None,
+        };
         let edgesplit_engine::LiveAnswer {
             mut events,
             live,
             pieces,
         } = self
             .engine
-            .generate_live(Start::Prompt(tokens), params, max_tokens)
+            .generate_live(start, params, max_tokens)
             .await
             .map_err(|e| status(&e))?;
         let handoff = Arc::new(live::LiveHandoff {
@@ -392,8 +371,12 @@ impl PrefillService {
             }))
         };
         let protocol = || Status::internal("the engine did not prefill the live answer");
-        let prefill_ms = match events.recv().await {
-            Some(GenEvent::Prefilled { prefill_ms, .. }) => prefill_ms,
+        let (prefill_ms, cached_tokens) = match events.recv().await {
+            Some(GenEvent::Prefilled {
+                prefill_ms,
+                cached_tokens,
+                ..
+            }) => (prefill_ms, cached_tokens),
             Some(GenEvent::Error(e)) => return Err(status(&e)),
             _ => return Err(protocol()),
         };
@@ -423,6 +406,7 @@ impl PrefillService {
                     eog: first.eog,
                     max_tokens,
                     logprobs: first.logprobs.map(Into::into),
+                    cached_tokens,
                 })),
             }))
             .await;

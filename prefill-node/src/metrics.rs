@@ -7,6 +7,8 @@
 //! | `edgesplit:prompt_tokens_total` | counter | their prompt tokens |
 //! | `edgesplit:handoff_bytes_total{transport}` | counter | KV bytes handed over |
 //! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time, `ok` or `error` |
+//! | `edgesplit:prefix_cache_tokens`, `_bytes` | gauge | the prefix cache: KV kept in idle sequences |
+//! | `edgesplit:prefix_cache_hits_total`, `_misses_total`, `_reused_tokens_total` | counter | prompts that reused a cached prefix, that found none; prompt tokens not prefilled |
 //!
 //! Colocated (`local`) runs are counted by the router only.
 
@@ -56,6 +58,13 @@ impl NodeMetrics {
     /// Records one handoff attempt.
     pub fn handoff(&self, transport: &str, ok: bool, bytes: u64, seconds: f64) {
         self.handoffs.record(transport, ok, bytes, seconds);
+    }
+
+    /// Adds the prefix cache's series, read on each scrape.
+    pub fn watch_cache(&self, collector: edgesplit_proto::metrics::CacheCollector) {
+        self.metrics
+            .registry()
+            .register_collector(Box::new(collector));
     }
 
     /// The OpenMetrics text.

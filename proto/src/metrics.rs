@@ -39,6 +39,79 @@ pub fn phase_histogram() -> Histogram {
     Histogram::new(PHASE_SECONDS)
 }
 
+/// The prefix cache's figures, read on every scrape ([`CacheCollector`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CacheFigures {
+    /// Tokens kept in idle sequences' KV, and their bytes.
+    pub cached_tokens: u64,
+    pub cached_bytes: u64,
+    /// Prompts that reused a cached prefix; prompts that found none.
+    pub hits: u64,
+    pub misses: u64,
+    /// Prompt tokens not prefilled because their cached KV was reused.
+    pub reused_tokens: u64,
+}
+
+/// The prefix cache's series, read from the engine on each scrape:
+/// `edgesplit:prefix_cache_tokens` and `_bytes` (gauges), `edgesplit:prefix_cache_hits`,
+/// `_misses` and `_reused_tokens` (counters).
+pub struct CacheCollector(pub Box<dyn Fn() -> CacheFigures + Send + Sync>);
+
+impl std::fmt::Debug for CacheCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CacheCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for CacheCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let f = (self.0)();
+        let gauge = |v: u64| ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX));
+        for (name, help, v) in [
+            (
+                "edgesplit:prefix_cache_tokens",
+                "Tokens kept in idle sequences' KV",
+                f.cached_tokens,
+            ),
+            (
+                "edgesplit:prefix_cache_bytes",
+                "KV bytes kept in idle sequences",
+                f.cached_bytes,
+            ),
+        ] {
+            let g = gauge(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        for (name, help, v) in [
+            (
+                "edgesplit:prefix_cache_hits",
+                "Prompts that reused a cached prefix",
+                f.hits,
+            ),
+            (
+                "edgesplit:prefix_cache_misses",
+                "Prompts that found no cached prefix",
+                f.misses,
+            ),
+            (
+                "edgesplit:prefix_cache_reused_tokens",
+                "Prompt tokens not prefilled: their cached KV was reused",
+                f.reused_tokens,
+            ),
+        ] {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
 /// A registry that series are registered into once and rendered from on every scrape.
 #[derive(Default)]
 pub struct Metrics {

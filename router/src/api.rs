@@ -147,6 +147,9 @@ pub struct ValidRequest {
     pub return_token_ids: bool,
     /// `edgesplit.handoff`: the handoff mode of a split answer (else the router's default).
     pub handoff: Option<HandoffMode>,
+    /// `cache_prompt` (llama-server's name; default true): the nodes may reuse the KV they
+    /// keep from earlier requests for this prompt (ARCHITECTURE.md, "Conversations").
+    pub cache_prompt: bool,
 }
 
 const ROLES: [&str; 4] = ["system", "user", "assistant", "developer"];
@@ -350,6 +353,7 @@ const FIELDS: &[&str] = &[
     "user",
     "logprobs",
     "response_format",
+    "cache_prompt",
 ];
 const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
@@ -684,7 +688,12 @@ pub fn parse(
             ))
         }
     };
+    let cache_prompt = match obj.get("cache_prompt") {
+        None | Some(Value::Null) => true,
+        Some(_) => boolean(&obj, "cache_prompt")?,
+    };
     Ok(ValidRequest {
+        cache_prompt,
         return_token_ids,
         endpoint,
         model,

@@ -22,6 +22,7 @@ type Authed = InterceptedService<Channel, GrpcCredentials>;
 
 use crate::api::{HandoffMode, Input, Transport, ValidRequest};
 use crate::error::ApiError;
+use crate::placement::{Conversations, Rates};
 
 /// How the nodes are reached.
 #[derive(Debug, Clone)]
@@ -75,6 +76,7 @@ pub enum Event {
     /// Prompt prefilled (colocated runs report it before their first token).
     Prefilled {
         prompt_tokens: u32,
+        cached_tokens: u32,
         prefill_ms: f64,
     },
     /// One sampled token (an end-of-generation token has empty bytes), with its
@@ -127,12 +129,77 @@ pub enum Event {
     Error(ApiError),
 }
 
+/// Which node prefilled a request's prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefilledOn {
+    PrefillNode,
+    /// The decode node, continuing a conversation it held: nothing crossed the link.
+    DecodeNode,
+}
+
+impl PrefilledOn {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefilledOn::PrefillNode => "prefill_node",
+            PrefilledOn::DecodeNode => "decode_node",
+        }
+    }
+}
+
 /// A request whose first token is known (or whose failure was already mapped).
 pub struct Started {
     pub transport: Transport,
     pub prompt_tokens: Option<u32>,
+    /// Of the prompt, the tokens whose cached KV was reused.
+    pub cached_tokens: Option<u32>,
     pub prefill_ms: Option<f64>,
+    pub placement: PrefilledOn,
     pub events: mpsc::Receiver<Event>,
+}
+
+/// What the router learns from answers to place the next ones (`placement.rs`).
+#[derive(Debug, Default)]
+struct Learned {
+    conversations: Conversations,
+    rates: Rates,
+}
+
+/// The text of an answer the decode node may end, kept to remember its conversation.
+struct Transcript {
+    learned: Arc<std::sync::Mutex<Learned>>,
+    input: Input,
+    prompt_tokens: u32,
+    text: Vec<u8>,
+    tokens: u32,
+}
+
+impl Transcript {
+    fn token(&mut self, bytes: &[u8]) {
+        self.text.extend_from_slice(bytes);
+        self.tokens += 1;
+    }
+
+    /// The decode node ended the answer: it keeps the prompt and every answer token but
+    /// the last (sampled, never decoded) as a cached prefix.
+    fn held_by_decode_node(self) {
+        let held = (self.prompt_tokens + self.tokens).saturating_sub(1);
+        let answer = String::from_utf8_lossy(&self.text);
+        lock(&self.learned)
+            .conversations
+            .record(&self.input, &answer, held);
+    }
+}
+
+fn lock_info(
+    l: &std::sync::Mutex<Option<pb::NodeInfo>>,
+) -> std::sync::MutexGuard<'_, Option<pb::NodeInfo>> {
+    l.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn lock(l: &std::sync::Mutex<Learned>) -> std::sync::MutexGuard<'_, Learned> {
+    // A poisoned lock holds nothing an invariant depends on.
+    l.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// gRPC clients of the two nodes.
@@ -144,6 +211,7 @@ pub struct Backend {
     /// The decode node's `Info` as last answered: a split request starts its prefill
     /// towards these addresses while its own `Info` call is on the way ([`Backend::start`]).
     last_decode_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
+    learned: Arc<std::sync::Mutex<Learned>>,
 }
 
 fn input_of(input: &Input) -> pb::prefill_request::Input {
@@ -198,6 +266,7 @@ impl Backend {
             ),
             config,
             last_decode_info: Arc::default(),
+            learned: Arc::default(),
         })
     }
 
@@ -241,7 +310,7 @@ impl Backend {
             )
             .await;
         if let Ok(i) = &info {
-            *self.last_decode_info.lock().expect("not poisoned") = Some(i.clone());
+            *lock_info(&self.last_decode_info) = Some(i.clone());
         }
         info
     }
@@ -304,6 +373,8 @@ impl Backend {
             handoff,
             kv_budget_bytes,
             resume_tokens: Vec::new(),
+            no_cache: !req.cache_prompt,
+            max_uncached: None,
         }
     }
 
@@ -402,17 +473,9 @@ impl Backend {
             .first_within(async { client.generate(preq).await }, param)
             .await?
             .into_inner();
-        let (prompt_tokens, prefill_ms) = match self.first_within(stream.message(), param).await? {
-            Some(pb::TokenEvent {
-                event: Some(pb::token_event::Event::Prefilled(p)),
-            }) => (p.prompt_tokens, p.prefill_ms),
-            _ => {
-                return Err(ApiError::upstream(
-                    "protocol_error",
-                    "the prefill node did not report its prefill",
-                ))
-            }
-        };
+        let p = self
+            .prefilled(&mut stream, param, "the prefill node")
+            .await?;
         let (tx, rx) = mpsc::channel(64);
         let idle = self.config.token_idle_timeout;
         if let Some(cause) = fallback {
@@ -421,9 +484,98 @@ impl Backend {
         tokio::spawn(async move { forward_prefill_node(stream, &tx, false, idle, param).await });
         Ok(Started {
             transport: Transport::Local,
-            prompt_tokens: Some(prompt_tokens),
-            prefill_ms: Some(prefill_ms),
+            prompt_tokens: Some(p.prompt_tokens),
+            cached_tokens: Some(p.cached_tokens),
+            prefill_ms: Some(p.prefill_ms),
+            placement: PrefilledOn::PrefillNode,
             events: rx,
+        })
+    }
+
+    /// A colocated stream's first message, its prefill report.
+    async fn prefilled(
+        &self,
+        stream: &mut tonic::Streaming<pb::TokenEvent>,
+        param: &str,
+        who: &str,
+    ) -> Result<pb::Prefilled, ApiError> {
+        match self.first_within(stream.message(), param).await? {
+            Some(pb::TokenEvent {
+                event: Some(pb::token_event::Event::Prefilled(p)),
+            }) => Ok(p),
+            _ => Err(ApiError::upstream(
+                "protocol_error",
+                format!("{who} did not report its prefill"),
+            )),
+        }
+    }
+
+    /// A split request that continues a conversation the decode node holds (`held` of its
+    /// tokens, as remembered): the decode node prefills the new part itself, if that is
+    /// sooner than a split ([`Rates::max_uncached`]) and it still holds the conversation.
+    /// `Err` with code `not_cached` when it refused (nothing changed there).
+    async fn continue_on_decode_node(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+        held: u32,
+    ) -> Result<Started, ApiError> {
+        let param = input_param(&req.input);
+        let kv_per_token = lock_info(&self.last_decode_info)
+            .as_ref()
+            .map_or(0, |i| i.kv_bytes_per_token);
+        let max_uncached = lock(&self.learned).rates.max_uncached(held, kv_per_token);
+        let mut preq = Self::prefill_request(req, request_id, None, 0);
+        preq.max_uncached = Some(max_uncached);
+        let mut client = self.decode.clone();
+        let mut stream = self
+            .first_within(async { client.local(preq).await }, param)
+            .await?
+            .into_inner();
+        let p = self
+            .prefilled(&mut stream, param, "the decode node")
+            .await?;
+        lock(&self.learned).rates.prefilled(
+            true,
+            p.prompt_tokens.saturating_sub(p.cached_tokens),
+            p.prefill_ms,
+        );
+        tracing::info!(
+            request_id,
+            prompt_tokens = p.prompt_tokens,
+            cached_tokens = p.cached_tokens,
+            max_uncached,
+            "the decode node continues a conversation it holds"
+        );
+        let (tx, rx) = mpsc::channel(64);
+        let transcript = Transcript {
+            learned: self.learned.clone(),
+            input: req.input.clone(),
+            prompt_tokens: p.prompt_tokens,
+            text: Vec::new(),
+            tokens: 0,
+        };
+        let fallback = self.fallback(req, request_id);
+        let idle = self.config.token_idle_timeout;
+        tokio::spawn(async move {
+            forward_decode_node(stream, tx, transcript, fallback, idle, param).await;
+        });
+        Ok(Started {
+            transport,
+            prompt_tokens: Some(p.prompt_tokens),
+            cached_tokens: Some(p.cached_tokens),
+            prefill_ms: Some(p.prefill_ms),
+            placement: PrefilledOn::DecodeNode,
+            events: rx,
+        })
+    }
+
+    fn fallback(&self, req: &ValidRequest, request_id: &str) -> Option<Fallback> {
+        self.config.fallback.then(|| Fallback {
+            prefill: self.prefill.clone(),
+            request: Self::prefill_request(req, request_id, None, 0),
+            first_token_timeout: self.config.first_token_timeout,
         })
     }
 
@@ -434,6 +586,10 @@ impl Backend {
     /// dropped (which cancels it) and the request goes on as it would without it. So a
     /// split request no longer waits one round trip of the link before its prefill, and
     /// decides exactly as before.
+    ///
+    /// First, when the request continues a conversation the decode node holds, the decode
+    /// node may prefill the new part itself ([`Backend::continue_on_decode_node`]); when it
+    /// refuses or cannot, the request is split as any other.
     async fn start_split(
         &self,
         req: &ValidRequest,
@@ -441,6 +597,25 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
+        let held = if req.cache_prompt {
+            lock(&self.learned).conversations.find(&req.input)
+        } else {
+            None
+        };
+        if let Some(held) = held {
+            match self
+                .continue_on_decode_node(req, transport, request_id, held)
+                .await
+            {
+                Ok(started) => return Ok(started),
+                Err(e) => {
+                    if e.code.as_deref() == Some("not_cached") {
+                        lock(&self.learned).conversations.forget(&req.input);
+                    }
+                    tracing::info!(request_id, reason = %e.message, "split after all");
+                }
+            }
+        }
         let mode = match (transport, req.handoff) {
             (Transport::V1, Some(HandoffMode::Live)) => {
                 return Err(ApiError::invalid(
@@ -451,7 +626,7 @@ impl Backend {
             (Transport::V1, _) => HandoffMode::After,
             (_, m) => m.unwrap_or(self.config.handoff),
         };
-        let last = self.last_decode_info.lock().expect("not poisoned").clone();
+        let last = lock_info(&self.last_decode_info).clone();
         let tried_early = last
             .as_ref()
             .is_some_and(|l| !target(l, transport).0.is_empty());
@@ -516,11 +691,18 @@ impl Backend {
                     .await?
             }
         };
+        lock(&self.learned).rates.prefilled(
+            false,
+            first.prompt_tokens.saturating_sub(first.cached_tokens),
+            first.prefill_ms,
+        );
         let (tx, rx) = mpsc::channel(64);
         let started = Started {
             transport,
             prompt_tokens: Some(first.prompt_tokens),
+            cached_tokens: Some(first.cached_tokens),
             prefill_ms: Some(first.prefill_ms),
+            placement: PrefilledOn::PrefillNode,
             events: rx,
         };
         let greq = pb::GenerateRequest {
@@ -531,12 +713,17 @@ impl Backend {
             first_token: Some(first.token),
             answered: 1,
         };
-        let fallback = self.config.fallback.then(|| Fallback {
-            prefill: self.prefill.clone(),
-            request: Self::prefill_request(req, request_id, None, 0),
-            first_token_timeout: self.config.first_token_timeout,
-        });
+        let fallback = self.fallback(req, request_id);
+        let transcript = Transcript {
+            learned: self.learned.clone(),
+            input: req.input.clone(),
+            prompt_tokens: first.prompt_tokens,
+            text: Vec::new(),
+            tokens: 0,
+        };
         let split = SplitAnswer {
+            transcript: Some(transcript),
+            learned: self.learned.clone(),
             // Every token the client has been sent, the first included.
             sent: vec![first.token],
             first,
@@ -563,6 +750,7 @@ fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
         },
         Some(pb::token_event::Event::Prefilled(p)) => Event::Prefilled {
             prompt_tokens: p.prompt_tokens,
+            cached_tokens: p.cached_tokens,
             prefill_ms: p.prefill_ms,
         },
         Some(pb::token_event::Event::Finished(f)) => Event::Finished {
@@ -608,6 +796,9 @@ type HandoffReport = tokio::task::JoinHandle<Result<Option<pb::PrefillEvent>, to
 /// tokens, while the handoff report comes in; when the handoff or the decode node fails it
 /// finishes on the prefill node (`fallback`) or ends with the error.
 struct SplitAnswer {
+    /// Kept while the answer may end on the decode node (which then holds it).
+    transcript: Option<Transcript>,
+    learned: Arc<std::sync::Mutex<Learned>>,
     first: pb::FirstToken,
     decode: DecodeClient<Authed>,
     generate: pb::GenerateRequest,
@@ -650,6 +841,9 @@ impl SplitAnswer {
             bytes: self.first.piece.clone(),
             logprobs: self.first.logprobs.clone(),
         };
+        if let Some(t) = &mut self.transcript {
+            t.token(&self.first.piece);
+        }
         if self.tx.send(Event::Mode(self.mode)).await.is_err() || self.tx.send(first).await.is_err()
         {
             return Split::Over;
@@ -701,6 +895,9 @@ impl SplitAnswer {
             let ev = match event {
                 Some(P::Token(t)) => {
                     self.sent.push(t.id);
+                    if let Some(tr) = &mut self.transcript {
+                        tr.token(&t.piece);
+                    }
                     Event::Token {
                         id: t.id,
                         bytes: t.piece,
@@ -762,6 +959,9 @@ impl SplitAnswer {
             whole = sw.whole,
             "live handoff: the decode node takes over"
         );
+        lock(&self.learned)
+            .rates
+            .handed_off(sw.bytes, sw.transfer_ms);
         let handoff = Event::Handoff {
             bytes: sw.bytes,
             export_ms: sw.export_ms,
@@ -803,12 +1003,15 @@ impl SplitAnswer {
         match r {
             Ok(Ok(Some(pb::PrefillEvent {
                 event: Some(pb::prefill_event::Event::Handoff(h)),
-            }))) => Ok(Event::Handoff {
-                bytes: h.bytes,
-                export_ms: h.export_ms,
-                transfer_ms: h.transfer_ms,
-                connect_ms: Some(h.connect_ms),
-                hash_ms: Some(h.hash_ms),
+            }))) => Ok({
+                lock(&self.learned).rates.handed_off(h.bytes, h.transfer_ms);
+                Event::Handoff {
+                    bytes: h.bytes,
+                    export_ms: h.export_ms,
+                    transfer_ms: h.transfer_ms,
+                    connect_ms: Some(h.connect_ms),
+                    hash_ms: Some(h.hash_ms),
+                }
             }),
             Ok(Err(st)) => Err(ApiError::from_status(&st, self.param)),
             _ => Err(ApiError::upstream(
@@ -899,8 +1102,16 @@ impl SplitAnswer {
                             let _ = self.tx.send(hev).await;
                         }
                     }
-                    if let Event::Token { id, .. } = &ev {
+                    if let Event::Token { id, bytes, .. } = &ev {
                         self.sent.push(*id);
+                        if let Some(t) = &mut self.transcript {
+                            t.token(bytes);
+                        }
+                    }
+                    if end {
+                        if let Some(t) = self.transcript.take() {
+                            t.held_by_decode_node();
+                        }
                     }
                     if self.tx.send(ev).await.is_err() || end {
                         return Split::Over;
@@ -974,6 +1185,62 @@ impl Fallback {
     }
 }
 
+/// Forwards the decode node's `Local` stream (a conversation it continues) to the client;
+/// remembers the conversation when the decode node ends the answer, and finishes it on the
+/// prefill node (`fallback`) when the decode node fails after its first token.
+async fn forward_decode_node(
+    mut stream: tonic::Streaming<pb::TokenEvent>,
+    tx: mpsc::Sender<Event>,
+    mut transcript: Transcript,
+    fallback: Option<Fallback>,
+    idle: Duration,
+    param: &'static str,
+) {
+    let mut sent = Vec::new();
+    let failure = loop {
+        let ev = match tokio::time::timeout(idle, stream.message()).await {
+            Ok(Ok(Some(m))) => token_event(m, true),
+            Ok(Ok(None)) => Event::Error(ApiError::upstream(
+                "stream_ended",
+                "the decode node ended the answer without finishing",
+            )),
+            Ok(Err(st)) => Event::Error(ApiError::from_decode_stream(&st, param)),
+            Err(_) => Event::Error(ApiError::upstream(
+                "timeout",
+                format!("no token from the decode node within {idle:?}"),
+            )),
+        };
+        match ev {
+            Event::Error(e) => break e,
+            Event::Token { id, ref bytes, .. } => {
+                sent.push(id);
+                transcript.token(bytes);
+            }
+            Event::Finished { .. } => {
+                transcript.held_by_decode_node();
+                let _ = tx.send(ev).await;
+                return;
+            }
+            _ => {}
+        }
+        if tx.send(ev).await.is_err() {
+            return;
+        }
+    };
+    match fallback {
+        // The prefill node rebuilds the prompt's and the answer's KV and goes on.
+        // (An answer "up to the context" has no budget the router knows: it ends with the
+        // error.)
+        Some(fb) if !sent.is_empty() && fb.request.max_tokens > 0 => {
+            let total = fb.request.max_tokens;
+            fb.resume(failure, sent, total, &tx, idle, param).await;
+        }
+        _ => {
+            let _ = tx.send(Event::Error(failure)).await;
+        }
+    }
+}
+
 /// Forwards the prefill node's `Generate` stream (a colocated or a resumed answer) to the
 /// client until it finishes or fails; each message must come within `wait`.
 async fn forward_prefill_node(
@@ -1029,6 +1296,8 @@ mod tests {
         let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
         let (tx, _) = mpsc::channel(1);
         SplitAnswer {
+            transcript: None,
+            learned: Arc::default(),
             first: pb::FirstToken::default(),
             decode: DecodeClient::with_interceptor(channel, GrpcCredentials(None)),
             generate: pb::GenerateRequest::default(),

@@ -86,6 +86,10 @@ fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, u
             "handoffs_received": i.handoffs_received,
             "handoffs_refused": i.handoffs_refused,
             "handoff_bytes_received": i.handoff_bytes_received,
+            "cached_tokens": i.cached_tokens,
+            "cached_bytes": i.cached_tokens * i.kv_bytes_per_token,
+            "cache_hits": i.cache_hits,
+            "cache_misses": i.cache_misses,
         }),
         Err(e) => json!({"up": false, "url": url, "error": e.message}),
     }

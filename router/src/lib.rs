@@ -11,6 +11,7 @@ pub mod backend;
 pub mod dashboard;
 pub mod error;
 pub mod metrics;
+pub mod placement;
 pub mod recent;
 pub mod respond;
 pub mod server;

@@ -77,6 +77,11 @@ pub struct Timing {
     pub switch_ms: Option<f64>,
     /// Live handoff: why it gave up, when it did (the answer stayed on the prefill node).
     pub handoff_cancelled: Option<String>,
+    /// Which node prefilled the prompt: `prefill_node`, or `decode_node` (it continued a
+    /// conversation it held; nothing crossed the link).
+    pub placement: Option<&'static str>,
+    /// Of the prompt, the tokens whose cached KV was reused (not prefilled).
+    pub cached_tokens: Option<u32>,
 }
 
 impl RecentAnswer {

@@ -159,9 +159,11 @@ impl Answer {
         match ev {
             Event::Prefilled {
                 prompt_tokens,
+                cached_tokens,
                 prefill_ms,
             } => {
                 self.prompt_tokens = prompt_tokens;
+                self.timing.cached_tokens = Some(cached_tokens);
                 self.timing.prefill_ms = Some(prefill_ms);
                 Step::Nothing
             }
@@ -260,6 +262,7 @@ impl Answer {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.timing.cached_tokens.unwrap_or(0)},
         })
     }
 
@@ -514,7 +517,8 @@ mod tests {
         );
         assert_eq!(
             a.usage(),
-            json!({"prompt_tokens":5,"completion_tokens":3,"total_tokens":8})
+            json!({"prompt_tokens":5,"completion_tokens":3,"total_tokens":8,
+                   "prompt_tokens_details":{"cached_tokens":0}})
         );
         let t = a.timing_json();
         assert_eq!(t["handoff_bytes"], 100);

@@ -202,13 +202,15 @@ async fn serve_inner(
         seed: req.sampling.seed,
         logprobs: req.sampling.logprobs.is_some(),
     };
-    let answer = Answer::new(
+    let mut answer = Answer::new(
         meta,
         req.stop.clone(),
         started.prompt_tokens,
         started.prefill_ms,
     )
     .observed(observer);
+    answer.timing.placement = Some(started.placement.as_str());
+    answer.timing.cached_tokens = started.cached_tokens;
     if req.stream {
         Ok(stream_response(answer, started.events).into_response())
     } else {

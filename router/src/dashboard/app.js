@@ -70,6 +70,8 @@ function nodeRows(n) {
     ['context', n.n_ctx + ' tokens, flash attention ' + (n.flash_attn ? 'on' : 'off')],
     ['memory available', fmtBytes(n.mem_available_bytes)],
     ['requests in flight', n.requests_in_flight],
+    ['prefix cache', n.cached_tokens + ' tokens (' + fmtBytes(n.cached_bytes) + '), ' +
+      n.cache_hits + ' hits / ' + n.cache_misses + ' misses'],
     ['address', n.url],
   ];
 }

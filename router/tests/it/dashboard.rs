@@ -147,6 +147,10 @@ async fn dashboard_runs_a_v2_request_in_a_real_browser() {
             .contains("SmolLM2-135M-Instruct"),
         "{decode_card}"
     );
+    assert!(
+        decode_card.as_str().unwrap().contains("prefix cache"),
+        "the decode node's cache figures: {decode_card}"
+    );
 
     // Fill the form as a user would and run.
     let prompt = "Write one sentence about a phone and a laptop working together.";

@@ -440,11 +440,19 @@ impl pb::decode_server::Decode for EndsEarly {
     type GenerateStream = std::pin::Pin<
         Box<dyn futures::Stream<Item = Result<pb::TokenEvent, tonic::Status>> + Send>,
     >;
+    type LocalStream = Self::GenerateStream;
 
     async fn generate(
         &self,
         _: tonic::Request<pb::GenerateRequest>,
     ) -> Result<tonic::Response<Self::GenerateStream>, tonic::Status> {
+        Ok(tonic::Response::new(Box::pin(futures::stream::empty())))
+    }
+
+    async fn local(
+        &self,
+        _: tonic::Request<pb::PrefillRequest>,
+    ) -> Result<tonic::Response<Self::LocalStream>, tonic::Status> {
         Ok(tonic::Response::new(Box::pin(futures::stream::empty())))
     }
 

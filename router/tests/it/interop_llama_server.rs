@@ -38,6 +38,8 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             })),
             sampling: Some(greedy()),
             max_tokens: N,
+            no_cache: false,
+            max_uncached: None,
             handoff: Some(pb::Handoff {
                 live: false,
                 handoff_id: "interop-1".into(),

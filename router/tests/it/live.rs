@@ -97,8 +97,9 @@ async fn live_handoff_on_a_slow_link() {
     }
 
     // 1b. A prompt of several prefill batches: its state crosses while it is prefilled,
-    //     in pieces, then the rest after the first token; identical.
-    let body = long_answer_after(150, json!({"temperature": 0}));
+    //     in pieces, then the rest after the first token; identical. (Prefilled anew, not
+    //     from the prefix the local run left in the prefill node's cache.)
+    let body = long_answer_after(150, json!({"temperature": 0, "cache_prompt": false}));
     RATE.store(0, Ordering::SeqCst);
     let reference = common::run(s, "/v1/completions", &body, "local", false).await;
     assert!(

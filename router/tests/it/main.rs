@@ -15,6 +15,7 @@ mod backpressure;
 mod cancel;
 mod chat_template;
 mod concurrency;
+mod conversation;
 mod dashboard;
 mod documented;
 mod fallback;

@@ -1,0 +1,267 @@
+//! `edgesplit-bench chat`: a multi-turn conversation (issue 15). A fixed script of user
+//! turns - a long first message, then about `--turn-tokens` of new text each turn - is
+//! played through three clients side by side, each keeping its own history (its own
+//! answers as the assistant messages):
+//! - `reuse`: split (`v2`) with the nodes' caches (`cache_prompt` on): from turn 2 the
+//!   decode node continues the conversation it holds;
+//! - `no-reuse`: split with `cache_prompt: false`: every turn prefilled whole and its
+//!   whole state handed over (the product before issue 15);
+//! - `local`: one device continuing its own conversation (`cache_prompt` on), the
+//!   reference for the answers and for TTFT.
+//!
+//! Per turn: TTFT, prompt tokens, tokens reused, where the prompt was prefilled, handoff
+//! bytes; medians over `--rounds` (the clients' order rotates each turn). A `reuse` answer
+//! that is not the `local` answer is a fidelity failure, counted. Both nodes run with
+//! `--parallel 4`, so the three conversations do not push each other out of the caches.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+
+use crate::client::{self, Ask, Measure, Target};
+use crate::link::Profile;
+use crate::stack::{Stack, StackConfig};
+
+/// Options of the conversation benchmark.
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// `smollm2` or a GGUF path of a model with a chat template.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Link profiles between the laptop side and the phone side.
+    #[arg(long, value_delimiter = ',', default_value = "wifi", value_parser = Profile::parse)]
+    pub profiles: Vec<Profile>,
+    /// Turns of the conversation.
+    #[arg(long, default_value_t = 8)]
+    pub turns: usize,
+    /// Approximate tokens of the first user message.
+    #[arg(long, default_value_t = 700)]
+    pub first_turn_tokens: usize,
+    /// Approximate tokens of each later user message.
+    #[arg(long, default_value_t = 200)]
+    pub turn_tokens: usize,
+    /// Each answer's max_tokens.
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: u32,
+    /// Conversations played per client (their medians are reported).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub n_ctx: u32,
+    /// Threads per server (default: physical cores).
+    #[arg(long)]
+    pub threads: Option<i32>,
+    /// Output folder (default: bench/results/chat-<unix time>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// The three clients.
+const CLIENTS: [(&str, &str, bool); 3] = [
+    ("reuse", "v2", true),
+    ("no-reuse", "v2", false),
+    ("local", "local", true),
+];
+
+/// One turn of one client.
+#[derive(Debug, Clone, serde::Serialize)]
+struct TurnSample {
+    profile: String,
+    round: usize,
+    turn: usize,
+    client: &'static str,
+    #[serde(flatten)]
+    measure: Measure,
+}
+
+/// The user's message of turn `turn` (1-based): readings of a weather log, then a question.
+fn user_message(turn: usize, first_tokens: usize, tokens: usize) -> String {
+    if turn == 1 {
+        return client::prompt(first_tokens);
+    }
+    // About 21 tokens per line, as `client::prompt`.
+    let lines = (tokens.saturating_sub(20) / 21).max(1);
+    let start = 1000 * turn;
+    let log = (start..start + lines)
+        .map(|i| {
+            format!(
+                "Day {i}: harbour {} recorded {} degrees, wind {} km/h.",
+                i % 7,
+                10 + (i * 7) % 23,
+                (i * 13) % 41
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!("More readings: {log}\nWhich day of these was the windiest?")
+}
+
+/// Runs the benchmark and writes `summary.md` and `turns.json`.
+///
+/// # Errors
+/// The stack does not start, a request fails, or the files cannot be written.
+pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
+    let repo = crate::repo_root();
+    let threads = args
+        .threads
+        .unwrap_or_else(edgesplit_engine::default_threads);
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| repo.join(format!("bench/results/chat-{stamp}")));
+    std::fs::create_dir_all(&out)?;
+    let first = args.profiles.first().context("no link profile")?.clone();
+    let cfg = StackConfig {
+        model: crate::model_path(&args.model),
+        n_ctx: args.n_ctx,
+        threads,
+        parallel: Some(4),
+        dir: out.join("services"),
+        stream_prefill: false,
+        direct: false,
+        flash_attn: "auto".into(),
+        cache_type: "f16".into(),
+        secret: None,
+    };
+    let stack = Stack::start(&cfg, first).await?;
+    anyhow::ensure!(
+        stack.chat,
+        "the model has no chat template: a conversation needs one"
+    );
+    let http = reqwest::Client::new();
+    let mut samples = Vec::new();
+    let mut differing = 0usize;
+    for profile in &args.profiles {
+        stack.set_profile(profile);
+        for round in 0..args.rounds {
+            let mut histories: Vec<Vec<Value>> = vec![Vec::new(); CLIENTS.len()];
+            for turn in 1..=args.turns {
+                let message = user_message(turn, args.first_turn_tokens, args.turn_tokens);
+                let mut texts: Vec<Option<String>> = vec![None; CLIENTS.len()];
+                for k in 0..CLIENTS.len() {
+                    let c = (k + turn + round) % CLIENTS.len();
+                    let (name, transport, cache_prompt) = CLIENTS[c];
+                    histories[c].push(json!({"role": "user", "content": message}));
+                    let ask = Ask {
+                        prompt: String::new(),
+                        max_tokens: args.max_tokens,
+                        chat: true,
+                        seed: 42,
+                        messages: Some(Value::Array(histories[c].clone())),
+                        cache_prompt,
+                    };
+                    let target = Target::EdgeSplit {
+                        url: stack.router.clone(),
+                        transport: transport.into(),
+                    };
+                    let m = client::run(&http, &target, &ask).await.with_context(|| {
+                        format!("{} round {round} turn {turn} {name}", profile.name)
+                    })?;
+                    eprintln!(
+                        "{} round {round} turn {turn} {name}: ttft {:.0} ms, prompt {} (cached {}), {} bytes, {}",
+                        profile.name,
+                        m.ttft_ms,
+                        m.prompt_tokens,
+                        m.cached_tokens.unwrap_or(0),
+                        m.handoff_bytes.unwrap_or(0),
+                        m.placement.as_deref().unwrap_or("-")
+                    );
+                    histories[c].push(json!({"role": "assistant", "content": m.text}));
+                    texts[c] = Some(m.text.clone());
+                    samples.push(TurnSample {
+                        profile: profile.name.clone(),
+                        round,
+                        turn,
+                        client: name,
+                        measure: m,
+                    });
+                }
+                if texts[0] != texts[2] {
+                    differing += 1;
+                    eprintln!("turn {turn}: the reuse answer is not the local one");
+                }
+            }
+        }
+    }
+    let summary = summarise(args, &samples, differing);
+    println!("{summary}");
+    std::fs::write(out.join("summary.md"), &summary)?;
+    std::fs::write(
+        out.join("turns.json"),
+        serde_json::to_string_pretty(&samples)?,
+    )?;
+    eprintln!("written to {}", out.display());
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(crate::stats::percentile(&v, 50.0))
+}
+
+/// The per-turn table of each profile: medians over the rounds, and the targets.
+fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> String {
+    let mut s = format!(
+        "# Conversation: {} turns ({} then ~{} tokens a turn, {} answer tokens), {} rounds\n\n\
+         Answers of `reuse` that are not `local`'s: {differing}\n",
+        args.turns, args.first_turn_tokens, args.turn_tokens, args.max_tokens, args.rounds
+    );
+    for profile in &args.profiles {
+        s.push_str(&format!(
+            "\n## {}\n\n| turn | prompt tokens | reused | placement | bytes reuse | bytes no-reuse | bytes ratio | TTFT reuse ms | TTFT no-reuse ms | TTFT local ms | TTFT reuse / local |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            profile.name
+        ));
+        for turn in 1..=args.turns {
+            let of = |client: &str, f: &dyn Fn(&Measure) -> Option<f64>| {
+                median(
+                    samples
+                        .iter()
+                        .filter(|x| {
+                            x.profile == profile.name && x.turn == turn && x.client == client
+                        })
+                        .filter_map(|x| f(&x.measure))
+                        .collect(),
+                )
+            };
+            let bytes = |m: &Measure| Some(m.handoff_bytes.unwrap_or(0) as f64);
+            let ttft = |m: &Measure| Some(m.ttft_ms);
+            let (b_reuse, b_full) = (of("reuse", &bytes), of("no-reuse", &bytes));
+            let (t_reuse, t_local) = (of("reuse", &ttft), of("local", &ttft));
+            let placement = samples
+                .iter()
+                .find(|x| x.profile == profile.name && x.turn == turn && x.client == "reuse")
+                .and_then(|x| x.measure.placement.clone())
+                .unwrap_or_default();
+            let f =
+                |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
+            let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) if b > 0.0 => format!("{:.3}", a / b),
+                _ => "-".into(),
+            };
+            s.push_str(&format!(
+                "| {turn} | {} | {} | {placement} | {} | {} | {} | {} | {} | {} | {} |\n",
+                f(of("reuse", &|m| Some(m.prompt_tokens as f64)), 0),
+                f(of("reuse", &|m| m.cached_tokens.map(|c| c as f64)), 0),
+                f(b_reuse, 0),
+                f(b_full, 0),
+                ratio(b_reuse, b_full),
+                f(t_reuse, 0),
+                f(of("no-reuse", &ttft), 0),
+                f(t_local, 0),
+                ratio(t_reuse, t_local),
+            ));
+        }
+    }
+    s.push_str(
+        "\nTargets (issue 15): from turn 2, bytes ratio <= 0.10; TTFT reuse / local <= 1.2 \
+         on wifi; no `reuse` answer that is not `local`'s.\n",
+    );
+    s
+}

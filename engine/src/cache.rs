@@ -1,0 +1,199 @@
+//! The prefix cache's rules, as plain functions of what a slot holds: how much of a cached
+//! sequence a prompt may reuse ([`reusable`]) and which free slot a job takes ([`choose`]).
+//! The worker keeps each slot's sequence after its job ends and applies these; they are
+//! unit-tested here with no model file.
+
+use crate::types::Reuse;
+
+/// A slot's cached sequence, as the rules see it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held<'a> {
+    /// Every token whose KV the slot holds, in position order.
+    pub tokens: &'a [i32],
+    /// Of `tokens`, the leading ones whose KV is what a prefill of them from position 0
+    /// computes in this engine's batches (the slot prefilled them itself from 0, or
+    /// imported such a prefill); the rest came from decode steps or a prefill that
+    /// continued a conversation.
+    pub exact: usize,
+}
+
+/// Length of the common prefix of `a` and `b`.
+pub(crate) fn common_prefix(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// How many leading tokens of `prompt` may keep the KV `held` has for them under `reuse`;
+/// the rest is prefilled from there. Always leaves at least the prompt's last token to
+/// prefill (its logits give the first answer token: the state holds no logits).
+///
+/// - [`Reuse::Exact`]: within the exact part, cut down to a multiple of `n_batch`, so the
+///   rest is prefilled in the batches a whole prefill would use: the KV is then bit for bit
+///   an uncached prefill's. None for a sliding-window model: after a prefill its cache is
+///   laid out as an import would (`Worker::lay_out_as_imported`), not as the prefill left
+///   it, and a cut-back ring has lost the cells before its window.
+/// - [`Reuse::Conversation`]: the whole common prefix when it goes past the exact part (it
+///   holds decoded tokens: the conversation's earlier answer); on a sliding-window model
+///   only when the prompt extends everything held (a ring cannot be cut back). Otherwise
+///   as `Exact`, so that a repeated prompt still gets the uncached answer.
+pub(crate) fn reusable(
+    held: Held<'_>,
+    prompt: &[i32],
+    reuse: Reuse,
+    n_batch: usize,
+    sliding_window: bool,
+) -> usize {
+    if reuse == Reuse::None || prompt.is_empty() || n_batch == 0 {
+        return 0;
+    }
+    let lcp = common_prefix(held.tokens, prompt);
+    let most = lcp.min(prompt.len() - 1);
+    if reuse == Reuse::Conversation
+        && most > held.exact
+        && (!sliding_window || most == held.tokens.len())
+    {
+        return most;
+    }
+    if sliding_window {
+        return 0;
+    }
+    most.min(held.exact) / n_batch * n_batch
+}
+
+/// A free slot, as [`choose`] weighs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Candidate {
+    pub slot: usize,
+    /// Tokens the job would reuse there ([`reusable`]).
+    pub reusable: usize,
+    /// Holds nothing.
+    pub empty: bool,
+    /// When it was last taken (a counter).
+    pub used: u64,
+}
+
+/// The slot a job takes: the one it reuses most of; when it reuses nothing anywhere, an
+/// empty one, else the least recently used (whose cache is the one given up).
+pub(crate) fn choose(candidates: &[Candidate]) -> Option<usize> {
+    candidates
+        .iter()
+        .max_by_key(|c| (c.reusable, c.empty, std::cmp::Reverse(c.used)))
+        .map(|c| c.slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: usize = 4;
+
+    fn held(tokens: &[i32], exact: usize) -> Held<'_> {
+        Held { tokens, exact }
+    }
+
+    #[test]
+    fn exact_reuse_stops_at_a_batch_boundary_inside_the_prefilled_part() {
+        let cached: Vec<i32> = (0..10).collect();
+        // Prefilled 10, the prompt shares 9: two whole batches of 4.
+        let mut prompt: Vec<i32> = (0..9).collect();
+        prompt.push(99);
+        assert_eq!(
+            reusable(held(&cached, 10), &prompt, Reuse::Exact, B, false),
+            8
+        );
+        // Only 7 were prefilled (3 decoded after): one batch.
+        assert_eq!(
+            reusable(held(&cached, 7), &prompt, Reuse::Exact, B, false),
+            4
+        );
+        // Less than a batch in common: nothing.
+        assert_eq!(
+            reusable(held(&cached, 10), &[0, 1, 2, 7], Reuse::Exact, B, false),
+            0
+        );
+    }
+
+    #[test]
+    fn the_last_prompt_token_is_always_prefilled() {
+        let cached: Vec<i32> = (0..8).collect();
+        // The same 8 tokens again: the 8th is prefilled, so the exact cut is at 4.
+        assert_eq!(
+            reusable(held(&cached, 8), &cached, Reuse::Exact, B, false),
+            4
+        );
+        // Continuing a conversation that holds them all (decoded past the exact 2):
+        // everything but the last.
+        assert_eq!(
+            reusable(held(&cached, 2), &cached, Reuse::Conversation, B, false),
+            7
+        );
+    }
+
+    #[test]
+    fn a_conversation_reuses_decoded_tokens_and_a_repeated_prompt_does_not() {
+        // A prompt of 6, then 4 answer tokens decoded.
+        let cached: Vec<i32> = (0..10).collect();
+        let mut next: Vec<i32> = (0..10).collect();
+        next.extend([50, 51, 52]);
+        assert_eq!(
+            reusable(held(&cached, 6), &next, Reuse::Conversation, B, false),
+            10
+        );
+        assert_eq!(reusable(held(&cached, 6), &next, Reuse::Exact, B, false), 4);
+        // An edited earlier message: only the common prefix, 8 (past the exact 6).
+        let mut edited: Vec<i32> = (0..8).collect();
+        edited.extend([70, 71]);
+        assert_eq!(
+            reusable(held(&cached, 6), &edited, Reuse::Conversation, B, false),
+            8
+        );
+        // The same prompt again (nothing decoded in common): the uncached answer's cut.
+        let prompt: Vec<i32> = (0..6).chain([80]).collect();
+        assert_eq!(
+            reusable(held(&cached, 6), &prompt, Reuse::Conversation, B, false),
+            4
+        );
+        assert_eq!(reusable(held(&cached, 6), &next, Reuse::None, B, false), 0);
+    }
+
+    #[test]
+    fn a_sliding_window_cache_is_only_extended() {
+        let cached: Vec<i32> = (0..10).collect();
+        let mut next = cached.clone();
+        next.push(11);
+        assert_eq!(
+            reusable(held(&cached, 6), &next, Reuse::Conversation, B, true),
+            10
+        );
+        // Cutting back the ring: no.
+        let mut edited: Vec<i32> = (0..8).collect();
+        edited.push(70);
+        assert_eq!(
+            reusable(held(&cached, 6), &edited, Reuse::Conversation, B, true),
+            0
+        );
+        assert_eq!(reusable(held(&cached, 10), &next, Reuse::Exact, B, true), 0);
+    }
+
+    #[test]
+    fn a_job_takes_the_slot_it_reuses_most_else_an_empty_else_the_oldest() {
+        let c = |slot, reusable, empty, used| Candidate {
+            slot,
+            reusable,
+            empty,
+            used,
+        };
+        assert_eq!(
+            choose(&[c(0, 0, false, 1), c(1, 8, false, 9), c(2, 0, true, 0)]),
+            Some(1)
+        );
+        assert_eq!(
+            choose(&[c(0, 0, false, 1), c(1, 0, true, 9), c(2, 0, false, 0)]),
+            Some(1)
+        );
+        assert_eq!(
+            choose(&[c(0, 0, false, 5), c(1, 0, false, 2), c(2, 0, false, 7)]),
+            Some(1)
+        );
+        assert_eq!(choose(&[]), None);
+    }
+}

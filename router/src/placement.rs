@@ -1,0 +1,282 @@
+//! Where a split request's prompt is prefilled. The decode node keeps each conversation it
+//! wrote (its engine's prefix cache); when a request continues one, the decode node can
+//! prefill just the new part itself and nothing crosses the link. The router remembers
+//! which conversations ended there ([`Conversations`]) and, from the figures it measured
+//! ([`Rates`]), how many uncached tokens the decode node may prefill before sending the
+//! prompt to the prefill node would be sooner ([`Rates::max_uncached`]). The decode node
+//! checks the exact count against its cache and refuses (`not_cached`) past that bound;
+//! the request is then split as any other. ARCHITECTURE.md, "Conversations", states the
+//! rule.
+
+use std::collections::VecDeque;
+
+use crate::api::Input;
+
+/// Conversations remembered at most (the decode node's cache holds `--parallel` of them;
+/// an entry it no longer holds costs one refused call, then is forgotten).
+const MAX_CONVERSATIONS: usize = 64;
+/// Characters of conversation text remembered at most, all entries together.
+const MAX_CHARS: usize = 4 << 20;
+
+/// A conversation as its next request would start: the request's input, and the answer.
+#[derive(Debug, Clone, PartialEq)]
+enum Key {
+    /// The messages and the answer (which the next request sends as an `assistant`
+    /// message).
+    Chat(Vec<(String, String)>, String),
+    /// The prompt followed by the answer.
+    Prompt(String),
+}
+
+impl Key {
+    fn chars(&self) -> usize {
+        match self {
+            Key::Chat(m, a) => a.len() + m.iter().map(|(r, c)| r.len() + c.len()).sum::<usize>(),
+            Key::Prompt(p) => p.len(),
+        }
+    }
+
+    /// `input` goes on from this conversation (and says something after it).
+    fn continued_by(&self, input: &Input) -> bool {
+        match (self, input) {
+            (Key::Chat(held, answer), Input::Chat(msgs)) => {
+                let n = held.len();
+                msgs.len() > n + 1
+                    && msgs[..n] == held[..]
+                    && msgs[n].0 == "assistant"
+                    && !msgs[n].1.trim().is_empty()
+                    && answer.trim_start().starts_with(msgs[n].1.trim())
+            }
+            (Key::Prompt(held), Input::Prompt(p)) => p.len() > held.len() && p.starts_with(held),
+            _ => false,
+        }
+    }
+}
+
+/// The conversations whose last answer the decode node wrote, most recent last.
+#[derive(Debug, Default)]
+pub struct Conversations {
+    entries: VecDeque<(Key, u32)>,
+}
+
+impl Conversations {
+    /// The decode node ended the answer `answer` to `input`, holding `held` tokens of it.
+    pub fn record(&mut self, input: &Input, answer: &str, held: u32) {
+        let key = match input {
+            Input::Chat(m) => Key::Chat(m.clone(), answer.to_string()),
+            Input::Prompt(p) => Key::Prompt(format!("{p}{answer}")),
+        };
+        // A conversation's new turn replaces the entry of the turn before.
+        self.entries
+            .retain(|(k, _)| !k.continued_by(input) && *k != key);
+        self.entries.push_back((key, held));
+        let mut chars: usize = self.entries.iter().map(|(k, _)| k.chars()).sum();
+        while self.entries.len() > MAX_CONVERSATIONS
+            || (chars > MAX_CHARS && self.entries.len() > 1)
+        {
+            if let Some((k, _)) = self.entries.pop_front() {
+                chars -= k.chars();
+            }
+        }
+    }
+
+    /// Tokens the decode node holds of the longest remembered conversation that `input`
+    /// continues.
+    #[must_use]
+    pub fn find(&self, input: &Input) -> Option<u32> {
+        self.entries
+            .iter()
+            .filter(|(k, _)| k.continued_by(input))
+            .map(|(_, held)| *held)
+            .max()
+    }
+
+    /// The decode node did not hold what `input` continues: forget it.
+    pub fn forget(&mut self, input: &Input) {
+        self.entries.retain(|(k, _)| !k.continued_by(input));
+    }
+}
+
+/// An exponentially weighted mean of a measured rate.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ewma(Option<f64>);
+
+impl Ewma {
+    fn add(&mut self, v: f64) {
+        if v.is_finite() && v > 0.0 {
+            self.0 = Some(self.0.map_or(v, |m| 0.7 * m + 0.3 * v));
+        }
+    }
+}
+
+/// Dynamo's default rule, used until the decode node's prefill speed has been measured:
+/// prefill on the decode worker when at most this many tokens are not cached there, and
+/// they are at most 70% of the prompt.
+pub const DEFAULT_MAX_UNCACHED: u32 = 2048;
+
+/// Least prompt tokens a prefill must compute for its speed to be measured (shorter ones
+/// are mostly fixed costs).
+const MIN_MEASURED_TOKENS: u32 = 32;
+
+/// What the router has measured of the nodes and the link.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Rates {
+    /// Prefill speeds in tokens per millisecond: the prefill node's (split prefills), the
+    /// decode node's (prompts it continued itself).
+    prefill_node: Ewma,
+    decode_node: Ewma,
+    /// Handoff goodput, bytes per millisecond.
+    link: Ewma,
+}
+
+impl Rates {
+    /// A prefill computed `tokens` (the uncached part of its prompt) in `ms`.
+    pub fn prefilled(&mut self, on_decode_node: bool, tokens: u32, ms: f64) {
+        if tokens >= MIN_MEASURED_TOKENS && ms > 0.0 {
+            let r = if on_decode_node {
+                &mut self.decode_node
+            } else {
+                &mut self.prefill_node
+            };
+            r.add(f64::from(tokens) / ms);
+        }
+    }
+
+    /// A handoff moved `bytes` in `ms`.
+    pub fn handed_off(&mut self, bytes: u64, ms: f64) {
+        if bytes > 0 && ms > 0.0 {
+            self.link.add(bytes as f64 / ms);
+        }
+    }
+
+    /// The most tokens the decode node may prefill itself for a prompt that continues a
+    /// conversation of which it holds `held` tokens. The decode node prefilling `u` new
+    /// tokens takes `u / d`; splitting takes the prefill node's prefill of the prompt
+    /// (`held + u` tokens at `p`) and the state's crossing (`(held + u) x b / g` at the
+    /// link's goodput `g`) before the decode node can write. So the decode node goes when
+    /// `u / d <= (held + u) (1/p + b/g)`, that is `u <= held (1/p + b/g) / (1/d - 1/p -
+    /// b/g)` (no bound when the divisor is not positive: the decode node is always
+    /// sooner). Until `d` or `p` has been measured: Dynamo's rule (fewer than 2,048
+    /// tokens and at most 70% of the prompt).
+    #[must_use]
+    pub fn max_uncached(&self, held: u32, kv_bytes_per_token: u64) -> u32 {
+        let (Some(d), Some(p)) = (self.decode_node.0, self.prefill_node.0) else {
+            // u <= 0.7 (held + u)  <=>  u <= held x 7 / 3
+            let share = u64::from(held) * 7 / 3;
+            return DEFAULT_MAX_UNCACHED.min(u32::try_from(share).unwrap_or(u32::MAX));
+        };
+        let cross = self.link.0.map_or(0.0, |g| kv_bytes_per_token as f64 / g);
+        let later = 1.0 / p + cross;
+        let divisor = 1.0 / d - later;
+        if divisor <= 0.0 {
+            return u32::MAX;
+        }
+        (f64::from(held) * later / divisor).min(f64::from(u32::MAX)) as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(msgs: &[(&str, &str)]) -> Input {
+        Input::Chat(
+            msgs.iter()
+                .map(|(r, c)| ((*r).to_string(), (*c).to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_chat_that_goes_on_from_a_held_answer_is_found() {
+        let mut c = Conversations::default();
+        let turn1 = chat(&[("user", "Hi")]);
+        c.record(&turn1, " Hello! How can I help?", 40);
+        let turn2 = chat(&[
+            ("user", "Hi"),
+            ("assistant", "Hello! How can I help?"),
+            ("user", "Tell me a story."),
+        ]);
+        assert_eq!(c.find(&turn2), Some(40));
+        // Cut by a stop string: still a prefix of what the node holds.
+        let cut = chat(&[("user", "Hi"), ("assistant", "Hello!"), ("user", "Go on.")]);
+        assert_eq!(c.find(&cut), Some(40));
+        // An edited earlier message, another answer, or nothing new: not found.
+        for other in [
+            chat(&[
+                ("user", "Hey"),
+                ("assistant", "Hello! How can I help?"),
+                ("user", "x"),
+            ]),
+            chat(&[("user", "Hi"), ("assistant", "Goodbye."), ("user", "x")]),
+            chat(&[("user", "Hi"), ("assistant", "Hello! How can I help?")]),
+            chat(&[("user", "Hi")]),
+            Input::Prompt("Hi".into()),
+        ] {
+            assert_eq!(c.find(&other), None, "{other:?}");
+        }
+        // The next turn replaces the one it continues.
+        c.record(&turn2, " Once upon a time.", 90);
+        assert_eq!(c.entries.len(), 1);
+        c.forget(&chat(&[
+            ("user", "Hi"),
+            ("assistant", "Hello! How can I help?"),
+            ("user", "Tell me a story."),
+            ("assistant", "Once upon a time."),
+            ("user", "More."),
+        ]));
+        assert!(c.entries.is_empty());
+    }
+
+    #[test]
+    fn a_prompt_that_goes_on_from_a_held_answer_is_found() {
+        let mut c = Conversations::default();
+        c.record(&Input::Prompt("1, 2, 3,".into()), " 4, 5", 9);
+        assert_eq!(c.find(&Input::Prompt("1, 2, 3, 4, 5, 6".into())), Some(9));
+        assert_eq!(c.find(&Input::Prompt("1, 2, 3, 4, 5".into())), None);
+        assert_eq!(c.find(&Input::Prompt("1, 2, 3, 4".into())), None);
+    }
+
+    #[test]
+    fn the_index_is_bounded() {
+        let mut c = Conversations::default();
+        for i in 0..(MAX_CONVERSATIONS + 10) {
+            c.record(&Input::Prompt(format!("prompt {i}")), "!", 1);
+        }
+        assert_eq!(c.entries.len(), MAX_CONVERSATIONS);
+        let big = "x".repeat(MAX_CHARS);
+        c.record(&Input::Prompt(big.clone()), "", 1);
+        c.record(&Input::Prompt(big), "y", 1);
+        assert_eq!(
+            c.entries.len(),
+            1,
+            "over the character cap: only the newest"
+        );
+    }
+
+    #[test]
+    fn the_decode_node_goes_while_its_prefill_beats_prefill_plus_transfer() {
+        let mut r = Rates::default();
+        // Unmeasured: Dynamo's rule.
+        assert_eq!(r.max_uncached(300, 23_040), 700);
+        assert_eq!(r.max_uncached(2000, 23_040), DEFAULT_MAX_UNCACHED);
+        // Prefill node 1 token/ms, decode node 0.25 token/ms, no handoff measured:
+        // u/0.25 <= (held + u)/1  <=>  u <= held/3.
+        r.prefilled(false, 1000, 1000.0);
+        r.prefilled(true, 250, 1000.0);
+        assert_eq!(r.max_uncached(3000, 23_040), 1000);
+        // A link of 11,520 bytes/ms (23,040 bytes/token: 2 ms a token) makes the split
+        // slower: u/0.25 <= (held + u) x 3  <=>  u <= 3 held.
+        r.handed_off(11_520_000, 1000.0);
+        assert_eq!(r.max_uncached(3000, 23_040), 9000);
+        // A decode node as fast as the prefill node is always sooner.
+        let mut fast = Rates::default();
+        fast.prefilled(false, 1000, 1000.0);
+        fast.prefilled(true, 1000, 1000.0);
+        assert_eq!(fast.max_uncached(10, 23_040), u32::MAX);
+        // Prefills too short to measure do not count.
+        let mut short = Rates::default();
+        short.prefilled(true, 5, 1.0);
+        assert!(short.decode_node.0.is_none());
+    }
+}

@@ -1,0 +1,253 @@
+//! Issue 15: a conversation goes on where it is held. The decode node keeps each
+//! conversation it wrote; the next turn is prefilled there (only its new part) and nothing
+//! crosses the link. Each answer is token for token what one device answers under the same
+//! reuse of its cache: continuing its own copy of the conversation (`local`, whose prefill
+//! node keeps it) when the decode node continued one, and from scratch (`cache_prompt:
+//! false`) when the prompt was prefilled on the prefill node (which reuses only what makes
+//! no difference). Each test has a stack of its own: other tests' requests would evict.
+
+use serde_json::{json, Value};
+
+use crate::common::{self, run_reporting, Outcome, Stack};
+
+fn stack() -> Stack {
+    common::start(common::StackOptions::new(common::SMOLLM2))
+}
+
+fn greedy() -> Value {
+    json!({"temperature": 0, "max_tokens": 24})
+}
+
+fn seeded() -> Value {
+    json!({"temperature": 0.9, "top_p": 0.95, "seed": 17, "max_tokens": 24,
+           "logprobs": true, "top_logprobs": 2})
+}
+
+/// One turn: the answer and the `edgesplit` object.
+async fn turn(s: &Stack, messages: &Value, sampling: &Value, transport: &str) -> (Outcome, Value) {
+    let body = common::chat_body(messages.clone(), sampling.clone());
+    run_reporting(s, "/v1/chat/completions", &body, transport, false).await
+}
+
+/// The same turn on one device from scratch (no cached KV reused).
+async fn uncached(s: &Stack, messages: &Value, sampling: &Value) -> Outcome {
+    let mut sampling = sampling.clone();
+    sampling["cache_prompt"] = json!(false);
+    let (o, e) = turn(s, messages, &sampling, "local").await;
+    assert_eq!(e["cached_tokens"], 0, "{e}");
+    o
+}
+
+/// `messages`, the assistant's `answer`, and the user's next `question`.
+fn next(messages: &Value, answer: &str, question: &str) -> Value {
+    let mut m = messages.as_array().unwrap().clone();
+    m.push(json!({"role": "assistant", "content": answer}));
+    m.push(json!({"role": "user", "content": question}));
+    Value::Array(m)
+}
+
+fn decode_node_continued(e: &Value) {
+    assert_eq!(e["placement"], "decode_node", "{e}");
+    assert!(e["handoff_bytes"].is_null(), "no state crossed: {e}");
+    assert!(e["fallback"].is_null(), "{e}");
+}
+
+const QUESTIONS: [&str; 3] = [
+    "Name two rivers of Europe.",
+    "Which of them is longer?",
+    "Say it again in one short sentence.",
+];
+
+/// Three turns, split and local side by side: from the second on, the decode node
+/// continues the conversation, reusing more than the previous turn's prompt, and the
+/// answer is the local one (which continued its own copy).
+async fn goes_on_as_on_one_device(s: &Stack, sampling: &Value, transport: &str) {
+    let mut messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let mut previous_prompt = 0;
+    for i in 1..=QUESTIONS.len() {
+        let (local, le) = turn(s, &messages, sampling, "local").await;
+        let (split, se) = turn(s, &messages, sampling, transport).await;
+        let what = format!("turn {i} over {transport}, sampling {sampling}");
+        assert_eq!(split, local, "{what}");
+        if i == 1 {
+            assert_eq!(se["placement"], "prefill_node", "{what}: {se}");
+            common::assert_split(&se, split.completion_tokens);
+        } else {
+            decode_node_continued(&se);
+            let cached = se["cached_tokens"].as_u64().unwrap();
+            assert!(
+                cached > previous_prompt,
+                "{what}: {cached} cached, {previous_prompt} in the turn before's prompt"
+            );
+            assert_eq!(se["cached_tokens"], le["cached_tokens"], "{what}: {le}");
+        }
+        previous_prompt = split.prompt_tokens;
+        if let Some(question) = QUESTIONS.get(i) {
+            messages = next(&messages, &local.text, question);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_conversation_goes_on_on_the_decode_node_as_on_one_device() {
+    let s = stack();
+    goes_on_as_on_one_device(&s, &greedy(), "v2").await;
+    goes_on_as_on_one_device(&s, &seeded(), "v2-live").await;
+    goes_on_as_on_one_device(&s, &greedy(), "v1").await;
+    // The decode node's figures: hits, reused tokens, what it keeps.
+    let text = reqwest::get(&s.decode_metrics)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+    };
+    assert!(value("edgesplit:prefix_cache_hits_total") >= 6, "{text}");
+    assert!(value("edgesplit:prefix_cache_reused_tokens_total") > 0);
+    assert!(value("edgesplit:prefix_cache_tokens") > 0);
+    assert!(value("edgesplit:prefix_cache_bytes") > 0);
+}
+
+/// The usage object says what was reused, as OpenAI's does.
+#[tokio::test]
+async fn usage_reports_the_cached_tokens() {
+    let s = stack();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, _) = turn(&s, &messages, &greedy(), "v2").await;
+    let body = common::chat_body(next(&messages, &first.text, QUESTIONS[1]), greedy());
+    let (status, _, v) = common::post(&format!("{}/v1/chat/completions", s.router), &body).await;
+    assert_eq!(status, 200, "{v}");
+    let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+    assert!(
+        cached.as_u64().is_some_and(|c| c >= first.prompt_tokens),
+        "{v}"
+    );
+    assert_eq!(cached, &v["edgesplit"]["cached_tokens"]);
+    assert_eq!(v["edgesplit"]["placement"], "decode_node");
+}
+
+/// An edited earlier message, or a conversation the decode node no longer holds: the
+/// prompt is prefilled on the prefill node, and the answer is the uncached one.
+#[tokio::test]
+async fn an_edited_or_evicted_conversation_is_prefilled_again() {
+    let s = stack();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, _) = turn(&s, &messages, &greedy(), "v2").await;
+    let edited = next(
+        &json!([{"role": "user", "content": "Name two rivers of Asia."}]),
+        &first.text,
+        QUESTIONS[1],
+    );
+    let (split, e) = turn(&s, &edited, &greedy(), "v2").await;
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    common::assert_split(&e, split.completion_tokens);
+    assert_eq!(split, uncached(&s, &edited, &greedy()).await, "edited");
+    // The test stack's decode node keeps two sequences: two other answers push the
+    // conversation out (least recently used first).
+    for q in ["Count to five.", "Name a colour."] {
+        turn(
+            &s,
+            &json!([{"role": "user", "content": q}]),
+            &greedy(),
+            "v2",
+        )
+        .await;
+    }
+    let going_on = next(&messages, &first.text, QUESTIONS[1]);
+    let (split, e) = turn(&s, &going_on, &greedy(), "v2").await;
+    assert_eq!(
+        e["placement"], "prefill_node",
+        "the decode node no longer holds it: {e}"
+    );
+    common::assert_split(&e, split.completion_tokens);
+    assert_eq!(split, uncached(&s, &going_on, &greedy()).await, "evicted");
+    // Remembered again: the turn after goes on on the decode node.
+    let (local, _) = turn(&s, &going_on, &greedy(), "local").await;
+    assert_eq!(split, local);
+    let third = next(&going_on, &split.text, QUESTIONS[2]);
+    let (_, e) = turn(&s, &third, &greedy(), "v2").await;
+    decode_node_continued(&e);
+}
+
+/// Two clients continue the same conversation at once: one continues the decode node's
+/// copy, the other (the copy is taken) is prefilled from scratch; each gets the answer one
+/// device gives under the same reuse.
+#[tokio::test]
+async fn two_clients_going_on_at_once_each_get_their_answer() {
+    let s = stack();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (local1, _) = turn(&s, &messages, &greedy(), "local").await;
+    let (split1, _) = turn(&s, &messages, &greedy(), "v2").await;
+    assert_eq!(split1, local1);
+    let going_on = next(&messages, &local1.text, QUESTIONS[1]);
+    let (continued, le) = turn(&s, &going_on, &greedy(), "local").await;
+    assert!(le["cached_tokens"].as_u64().unwrap() > local1.prompt_tokens);
+    let scratch = uncached(&s, &going_on, &greedy()).await;
+    let g = greedy();
+    let (a, b) = tokio::join!(turn(&s, &going_on, &g, "v2"), turn(&s, &going_on, &g, "v2"));
+    let mut placements = Vec::new();
+    for (answer, e) in [a, b] {
+        let reference = if e["placement"] == "decode_node" {
+            assert_eq!(e["cached_tokens"], le["cached_tokens"], "{e}");
+            &continued
+        } else {
+            &scratch
+        };
+        assert_eq!(&answer, reference, "{e}");
+        placements.push(e["placement"].as_str().unwrap().to_string());
+    }
+    assert!(
+        placements.contains(&"decode_node".to_string()),
+        "{placements:?}"
+    );
+}
+
+/// `cache_prompt: false` reuses nothing, on the decode node neither: the turn is split.
+#[tokio::test]
+async fn cache_prompt_false_reuses_nothing() {
+    let s = stack();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, _) = turn(&s, &messages, &greedy(), "v2").await;
+    let mut sampling = greedy();
+    sampling["cache_prompt"] = json!(false);
+    let going_on = next(&messages, &first.text, QUESTIONS[1]);
+    let (split, e) = turn(&s, &going_on, &sampling, "v2").await;
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    assert_eq!(e["cached_tokens"], 0, "{e}");
+    assert_eq!(split, uncached(&s, &going_on, &greedy()).await);
+    let body = common::chat_body(messages, json!({"cache_prompt": "yes"}));
+    let (status, _, v) = common::post(&format!("{}/v1/chat/completions", s.router), &body).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "cache_prompt");
+}
+
+/// Gemma-3 (a sliding-window model; raw completions): a text that goes on from the decode
+/// node's answer is continued there, as `local` continues its own copy. Its cache is a ring
+/// that cannot be cut back, so only a text that extends everything held is continued.
+#[tokio::test]
+async fn a_sliding_window_models_text_goes_on_on_the_decode_node() {
+    let s = common::start(common::StackOptions::new(common::GEMMA3));
+    let body = |prompt: &str| json!({"prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let first = "The harbour was quiet in the early morning, and the fishermen were already \
+                 mending their nets on the stones. "
+        .repeat(12);
+    let path = "/v1/completions";
+    let (local, _) = run_reporting(&s, path, &body(&first), "local", false).await;
+    let (split, e) = run_reporting(&s, path, &body(&first), "v2", false).await;
+    assert_eq!(split, local);
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    let second = format!("{first}{} Then the boats went out.", local.text);
+    let (local2, le) = run_reporting(&s, path, &body(&second), "local", false).await;
+    let (split2, e) = run_reporting(&s, path, &body(&second), "v2", false).await;
+    decode_node_continued(&e);
+    assert!(
+        e["cached_tokens"].as_u64().unwrap() > local.prompt_tokens,
+        "{e}"
+    );
+    assert_eq!(e["cached_tokens"], le["cached_tokens"], "{le}");
+    assert_eq!(split2, local2);
+}
