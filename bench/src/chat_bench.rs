@@ -44,6 +44,9 @@ pub struct ChatArgs {
     /// Each answer's max_tokens.
     #[arg(long, default_value_t = 48)]
     pub max_tokens: u32,
+    /// The split clients' handoff mode: `live` (the default's) or `after`.
+    #[arg(long, default_value = "live")]
+    pub handoff: String,
     /// Conversations played per client (their medians are reported).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
@@ -57,11 +60,11 @@ pub struct ChatArgs {
     pub out: Option<PathBuf>,
 }
 
-/// The three clients.
-const CLIENTS: [(&str, &str, bool); 3] = [
-    ("reuse", "v2", true),
-    ("no-reuse", "v2", false),
-    ("local", "local", true),
+/// The three clients: name, whether split, `cache_prompt`.
+const CLIENTS: [(&str, bool, bool); 3] = [
+    ("reuse", true, true),
+    ("no-reuse", true, false),
+    ("local", false, true),
 ];
 
 /// One turn of one client.
@@ -75,10 +78,12 @@ struct TurnSample {
     measure: Measure,
 }
 
-/// The user's message of turn `turn` (1-based): readings of a weather log, then a question.
-fn user_message(turn: usize, first_tokens: usize, tokens: usize) -> String {
+/// The user's message of turn `turn` (1-based) of conversation `round`: readings of a
+/// weather log, then a question (each round's first message its own, so nothing of it is
+/// cached from the round before).
+fn user_message(round: usize, turn: usize, first_tokens: usize, tokens: usize) -> String {
     if turn == 1 {
-        return client::prompt(first_tokens);
+        return format!("Station {round}. {}", client::prompt(first_tokens));
     }
     // About 21 tokens per line, as `client::prompt`.
     let lines = (tokens.saturating_sub(20) / 21).max(1);
@@ -140,11 +145,16 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
         for round in 0..args.rounds {
             let mut histories: Vec<Vec<Value>> = vec![Vec::new(); CLIENTS.len()];
             for turn in 1..=args.turns {
-                let message = user_message(turn, args.first_turn_tokens, args.turn_tokens);
+                let message = user_message(round, turn, args.first_turn_tokens, args.turn_tokens);
                 let mut texts: Vec<Option<String>> = vec![None; CLIENTS.len()];
                 for k in 0..CLIENTS.len() {
                     let c = (k + turn + round) % CLIENTS.len();
-                    let (name, transport, cache_prompt) = CLIENTS[c];
+                    let (name, split, cache_prompt) = CLIENTS[c];
+                    let transport = if split {
+                        format!("v2-{}", args.handoff)
+                    } else {
+                        "local".into()
+                    };
                     histories[c].push(json!({"role": "user", "content": message}));
                     let ask = Ask {
                         prompt: String::new(),
@@ -156,7 +166,7 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
                     };
                     let target = Target::EdgeSplit {
                         url: stack.router.clone(),
-                        transport: transport.into(),
+                        transport,
                     };
                     let m = client::run(&http, &target, &ask).await.with_context(|| {
                         format!("{} round {round} turn {turn} {name}", profile.name)
@@ -209,9 +219,15 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 /// The per-turn table of each profile: medians over the rounds, and the targets.
 fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> String {
     let mut s = format!(
-        "# Conversation: {} turns ({} then ~{} tokens a turn, {} answer tokens), {} rounds\n\n\
+        "# Conversation: {} turns ({} then ~{} tokens a turn, {} answer tokens), {} rounds, \
+         `{}` handoff\n\n\
          Answers of `reuse` that are not `local`'s: {differing}\n",
-        args.turns, args.first_turn_tokens, args.turn_tokens, args.max_tokens, args.rounds
+        args.turns,
+        args.first_turn_tokens,
+        args.turn_tokens,
+        args.max_tokens,
+        args.rounds,
+        args.handoff
     );
     for profile in &args.profiles {
         s.push_str(&format!(

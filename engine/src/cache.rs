@@ -15,6 +15,12 @@ pub(crate) struct Held<'a> {
     /// imported such a prefill); the rest came from decode steps or a prefill that
     /// continued a conversation.
     pub exact: usize,
+    /// The runs of positions `[start, end)` whose tokens were decoded one at a time (an
+    /// answer), in order. A conversation may be cut anywhere in such a run: each of its
+    /// tokens was a batch of its own. Not inside a prefill's batch: the tokens after the
+    /// cut would be computed in other batches than those of the one device that prefilled
+    /// them together.
+    pub decoded: &'a [(usize, usize)],
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -31,10 +37,12 @@ pub(crate) fn common_prefix(a: &[i32], b: &[i32]) -> usize {
 ///   an uncached prefill's. None for a sliding-window model: after a prefill its cache is
 ///   laid out as an import would (`Worker::lay_out_as_imported`), not as the prefill left
 ///   it, and a cut-back ring has lost the cells before its window.
-/// - [`Reuse::Conversation`]: the whole common prefix when it goes past the exact part (it
-///   holds decoded tokens: the conversation's earlier answer); on a sliding-window model
-///   only when the prompt extends everything held (a ring cannot be cut back). Otherwise
-///   as `Exact`, so that a repeated prompt still gets the uncached answer.
+/// - [`Reuse::Conversation`]: the common prefix up to the furthest point that lies in a
+///   run of decoded tokens (the conversation's earlier answers) - where one device
+///   continuing its own copy of the conversation cuts too - when that is past what `Exact`
+///   reuses; on a sliding-window model only when the prompt extends everything held (a
+///   ring cannot be cut back). Otherwise as `Exact`, so that a repeated prompt still gets
+///   the uncached answer.
 pub(crate) fn reusable(
     held: Held<'_>,
     prompt: &[i32],
@@ -47,16 +55,27 @@ pub(crate) fn reusable(
     }
     let lcp = common_prefix(held.tokens, prompt);
     let most = lcp.min(prompt.len() - 1);
-    if reuse == Reuse::Conversation
-        && most > held.exact
-        && (!sliding_window || most == held.tokens.len())
-    {
-        return most;
+    let exact = if sliding_window {
+        0
+    } else {
+        most.min(held.exact) / n_batch * n_batch
+    };
+    if reuse == Reuse::Conversation {
+        // The furthest cut at or before `most` after at least one token of a decoded run
+        // (none of it: the prompt does not go on from that answer).
+        let cut = held
+            .decoded
+            .iter()
+            .filter(|(start, _)| *start < most)
+            .map(|(_, end)| (*end).min(most))
+            .max();
+        if let Some(cut) = cut.filter(|&c| c > exact && c > 0) {
+            if !sliding_window || cut == held.tokens.len() {
+                return cut;
+            }
+        }
     }
-    if sliding_window {
-        return 0;
-    }
-    most.min(held.exact) / n_batch * n_batch
+    exact
 }
 
 /// A free slot, as [`choose`] weighs it.
@@ -86,8 +105,18 @@ mod tests {
 
     const B: usize = 4;
 
+    /// Held tokens: a prompt of `exact` prefilled, the rest decoded.
     fn held(tokens: &[i32], exact: usize) -> Held<'_> {
-        Held { tokens, exact }
+        let decoded: &'static [(usize, usize)] = if exact < tokens.len() {
+            Box::leak(vec![(exact, tokens.len())].into_boxed_slice())
+        } else {
+            &[]
+        };
+        Held {
+            tokens,
+            exact,
+            decoded,
+        }
     }
 
     #[test]
@@ -153,6 +182,31 @@ mod tests {
             4
         );
         assert_eq!(reusable(held(&cached, 6), &next, Reuse::None, B, false), 0);
+    }
+
+    #[test]
+    fn a_conversation_is_cut_only_where_answers_were_decoded() {
+        // Prompt 0..6 prefilled, answer 6..10 decoded, next turn's prompt 10..14
+        // prefilled in one batch (continuing), its answer 14..16 decoded.
+        let cached: Vec<i32> = (0..16).collect();
+        let h = Held {
+            tokens: &cached,
+            exact: 6,
+            decoded: &[(6, 10), (14, 16)],
+        };
+        // The same second-turn prompt again (0..14): not cut inside its batch at 13, but
+        // where the answer before it ended, as the first time.
+        let again: Vec<i32> = (0..14).collect();
+        assert_eq!(reusable(h, &again, Reuse::Conversation, B, false), 10);
+        // A third turn going on from all of it: everything.
+        let third: Vec<i32> = (0..16).chain([90, 91]).collect();
+        assert_eq!(reusable(h, &third, Reuse::Conversation, B, false), 16);
+        // An edit inside the second answer: cut there.
+        let edited: Vec<i32> = (0..15).chain([90]).collect();
+        assert_eq!(reusable(h, &edited, Reuse::Conversation, B, false), 15);
+        // An edit inside the second prompt: back to the end of the first answer.
+        let edited: Vec<i32> = (0..12).chain([90]).collect();
+        assert_eq!(reusable(h, &edited, Reuse::Conversation, B, false), 10);
     }
 
     #[test]

@@ -67,6 +67,8 @@ pub(crate) trait Slots {
     /// `slot` is no longer in use: its sequence stays as a cached prefix when `keep` (the
     /// job ended with its KV whole), else it is emptied.
     fn release(&mut self, slot: usize, keep: bool);
+    /// The answer in `slot` was handed over: another node writes the rest of it.
+    fn handed_over(&mut self, slot: usize);
     /// Publishes how many slots are in use now.
     fn publish_active(&self, n: usize);
 }
@@ -301,6 +303,9 @@ impl<S: Slots> Scheduler<S> {
                         in_flight,
                         ..
                     } = self.running.remove(i);
+                    if summary.finish == Finish::Handover {
+                        self.slots.handed_over(slot);
+                    }
                     self.slots.release(slot, done.is_ok());
                     self.publish_active(0);
                     summary.decode_ms = decoding_since.elapsed().as_secs_f64() * 1000.0;
@@ -464,6 +469,9 @@ mod tests {
         fn release(&mut self, slot: usize, keep: bool) {
             let what = if keep { "keep" } else { "clear" };
             self.log.lock().unwrap().push(format!("{what} {slot}"));
+        }
+        fn handed_over(&mut self, slot: usize) {
+            self.log.lock().unwrap().push(format!("handed over {slot}"));
         }
         fn publish_active(&self, n: usize) {
             self.active
@@ -636,6 +644,7 @@ mod tests {
                 "snapshot 0",
                 "step 0",
                 "snapshot 0",
+                "handed over 0",
                 "keep 0"
             ]
         );

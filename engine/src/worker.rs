@@ -102,6 +102,7 @@ pub(crate) fn owner_thread(
                 ctx,
                 tokens: Vec::new(),
                 exact: 0,
+                decoded: Vec::new(),
                 used: 0,
                 busy: false,
             }),
@@ -167,6 +168,8 @@ struct Slot<'m> {
     /// Of `tokens`, the leading ones whose KV a prefill of them from position 0 computes
     /// (see [`Held::exact`]).
     exact: usize,
+    /// The runs of positions decoded one token at a time (see [`Held::decoded`]).
+    decoded: Vec<(usize, usize)>,
     /// When a job last took the slot (a tick of `Worker::ticks`).
     used: u64,
     /// A job holds it.
@@ -178,6 +181,7 @@ impl Slot<'_> {
         Held {
             tokens: &self.tokens,
             exact: self.exact,
+            decoded: &self.decoded,
         }
     }
 }
@@ -493,6 +497,10 @@ impl Worker<'_> {
             }
             s.tokens.truncate(keep);
             s.exact = s.exact.min(keep);
+            s.decoded.retain(|(start, _)| *start < keep);
+            if let Some(last) = s.decoded.last_mut() {
+                last.1 = last.1.min(keep);
+            }
         }
         keep
     }
@@ -535,7 +543,13 @@ impl Worker<'_> {
             .ctx
             .decode(&mut self.batch)
             .map_err(|e| EngineError::Decode(e.to_string()))?;
-        self.slots[slot].tokens.push(token);
+        let s = &mut self.slots[slot];
+        let at = s.tokens.len();
+        match s.decoded.last_mut() {
+            Some(run) if run.1 == at => run.1 += 1,
+            _ => s.decoded.push((at, at + 1)),
+        }
+        s.tokens.push(token);
         self.publish_kv();
         Ok(())
     }
@@ -546,6 +560,7 @@ impl Worker<'_> {
         let _ = s.ctx.clear_kv_cache_seq(Some(0), None, None);
         s.tokens.clear();
         s.exact = 0;
+        s.decoded.clear();
         self.publish_kv();
     }
 
@@ -672,6 +687,10 @@ impl Worker<'_> {
         let s = &mut self.slots[slot];
         s.tokens = tokens.to_vec();
         s.exact = exact.min(held);
+        // The tokens after the prompt were decoded (on the node that sent the state).
+        if s.exact < held {
+            s.decoded = vec![(s.exact, held)];
+        }
         self.publish_kv();
         Ok(())
     }
@@ -917,6 +936,19 @@ impl Slots for Worker<'_> {
             answered: a.step,
             export_ms: ms(t0),
         })
+    }
+
+    /// The rest of the answer is written elsewhere: what this slot decoded of it would be
+    /// only the start of the conversation's answer, which the next turn's prompt goes on
+    /// past, so a continuation would prefill the rest in a batch where one device decoded
+    /// it token by token. Only the prompt stays cached (nothing, for a ring cache).
+    fn handed_over(&mut self, slot: usize) {
+        if self.sliding_window {
+            self.clear(slot);
+        } else {
+            let exact = self.slots[slot].exact;
+            self.cut_back(slot, exact);
+        }
     }
 
     fn release(&mut self, slot: usize, keep: bool) {

@@ -159,6 +159,19 @@ impl PrefillService {
     }
 }
 
+/// Every prompt here continues a conversation this node holds, as llama-server's
+/// `cache_prompt` does: a slot keeps decoded tokens only of an answer that ended here
+/// (a handed-over one keeps its prompt), so this computes what one device continuing the
+/// same conversation computes (ARCHITECTURE.md, "The prefix cache changes no answer it
+/// should not").
+fn reuse_of(req: &pb::PrefillRequest) -> Reuse {
+    if req.no_cache {
+        Reuse::None
+    } else {
+        Reuse::Conversation
+    }
+}
+
 fn sampling_of(req: &pb::PrefillRequest) -> SamplingParams {
     req.sampling
         .as_ref()
@@ -199,12 +212,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             None => Export::None,
             Some(_) => Export::Raw,
         };
-        // A split prompt reuses only the cached KV that makes no difference to the answer.
-        let reuse = if req.no_cache {
-            Reuse::None
-        } else {
-            Reuse::Exact
-        };
+        let reuse = reuse_of(&req);
         let mut out = self
             .engine
             .prefill_with(tokens, params, max_tokens, export, reuse)
@@ -281,15 +289,9 @@ impl pb::prefill_server::Prefill for PrefillService {
             return Ok(Response::new(Box::pin(token_events(rx))));
         }
         let (tokens, max_tokens) = prompt_of(&self.engine, &req, req.kv_budget_bytes).await?;
-        // The single-device run continues a conversation it holds, as llama-server's
-        // `cache_prompt` does.
         let start = Start::Cached {
             tokens,
-            reuse: if req.no_cache {
-                Reuse::None
-            } else {
-                Reuse::Conversation
-            },
+            reuse: reuse_of(&req),
             max_uncached: None,
         };
         let rx = self
@@ -323,11 +325,7 @@ impl PrefillService {
         let n_prompt = tokens.len();
         let start = Start::Cached {
             tokens,
-            reuse: if req.no_cache {
-                Reuse::None
-            } else {
-                Reuse::Exact
-            },
+            reuse: reuse_of(req),
             max_uncached: None,
         };
         let edgesplit_engine::LiveAnswer {

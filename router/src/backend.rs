@@ -93,9 +93,11 @@ pub enum Event {
     Switched {
         answered: u32,
     },
-    /// A live handoff gave up; the answer goes on on the prefill node.
+    /// A live handoff gave up (after sending `bytes`); the answer goes on on the prefill
+    /// node.
     HandoffCancelled {
         reason: String,
+        bytes: u64,
     },
     /// The KV state reached the decode node.
     Handoff {
@@ -924,7 +926,10 @@ impl SplitAnswer {
                     let _ = self.tx.send(ev).await;
                     return Split::Over;
                 }
-                Some(P::Cancelled(c)) => Event::HandoffCancelled { reason: c.reason },
+                Some(P::Cancelled(c)) => Event::HandoffCancelled {
+                    reason: c.reason,
+                    bytes: c.bytes,
+                },
                 Some(P::Switched(sw)) => return self.switch(sw).await,
                 Some(P::First(_) | P::Handoff(_)) | None => {
                     return Split::Failed(ApiError::upstream(

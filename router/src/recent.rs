@@ -51,6 +51,7 @@ pub struct RecentAnswer {
 pub struct Timing {
     pub ttft_ms: Option<f64>,
     pub prefill_ms: Option<f64>,
+    /// State bytes sent to the decode node (a cancelled live handoff: before it gave up).
     pub handoff_bytes: Option<u64>,
     pub handoff_ms: Option<f64>,
     pub export_ms: Option<f64>,

@@ -247,8 +247,10 @@ impl Answer {
                 self.timing.switch_ms = Some(self.meta.received.elapsed().as_secs_f64() * 1000.0);
                 Step::Nothing
             }
-            Event::HandoffCancelled { reason } => {
+            Event::HandoffCancelled { reason, bytes } => {
                 self.timing.handoff_cancelled = Some(reason);
+                // What crossed before it gave up (no handoff time: it did not complete).
+                self.timing.handoff_bytes = (bytes > 0).then_some(bytes);
                 Step::Nothing
             }
             Event::Error(e) => Step::Failed(e),

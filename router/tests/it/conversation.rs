@@ -174,8 +174,9 @@ async fn an_edited_or_evicted_conversation_is_prefilled_again() {
 }
 
 /// Two clients continue the same conversation at once: one continues the decode node's
-/// copy, the other (the copy is taken) is prefilled from scratch; each gets the answer one
-/// device gives under the same reuse.
+/// copy, the other (the copy is taken) is prefilled on the prefill node; each gets the
+/// answer one device gives under the same reuse (continuing the conversation, or from
+/// scratch).
 #[tokio::test]
 async fn two_clients_going_on_at_once_each_get_their_answer() {
     let s = stack();
@@ -191,10 +192,10 @@ async fn two_clients_going_on_at_once_each_get_their_answer() {
     let (a, b) = tokio::join!(turn(&s, &going_on, &g, "v2"), turn(&s, &going_on, &g, "v2"));
     let mut placements = Vec::new();
     for (answer, e) in [a, b] {
-        let reference = if e["placement"] == "decode_node" {
-            assert_eq!(e["cached_tokens"], le["cached_tokens"], "{e}");
+        let reference = if e["cached_tokens"] == le["cached_tokens"] {
             &continued
         } else {
+            assert_eq!(e["placement"], "prefill_node", "{e}");
             &scratch
         };
         assert_eq!(&answer, reference, "{e}");
@@ -204,6 +205,42 @@ async fn two_clients_going_on_at_once_each_get_their_answer() {
         placements.contains(&"decode_node".to_string()),
         "{placements:?}"
     );
+}
+
+/// A live answer that ends before its state has crossed stays on the prefill node, whose
+/// slot then holds the whole conversation: the next turn's split prefill continues it
+/// there, as one device continues its own.
+#[tokio::test]
+async fn a_conversation_the_prefill_node_ended_goes_on_there() {
+    fn slow_link(target: String) -> String {
+        common::shaping::proxy(target, || common::shaping::Shape {
+            rate: 200_000,
+            corrupt_at: usize::MAX,
+            corrupt_last: false,
+        })
+    }
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.handoff_proxy = Some(slow_link);
+    let s = common::start(o);
+    let sampling = json!({"temperature": 0, "max_tokens": 12});
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (local, _) = turn(&s, &messages, &sampling, "local").await;
+    let (split, e) = turn(&s, &messages, &sampling, "v2-live").await;
+    assert_eq!(split, local);
+    assert!(
+        e["switch_ms"].is_null() && e["prefill_tokens"] == split.completion_tokens,
+        "the answer ended on the prefill node: {e}"
+    );
+    let going_on = next(&messages, &local.text, QUESTIONS[1]);
+    let (local2, le) = turn(&s, &going_on, &sampling, "local").await;
+    let (split2, e) = turn(&s, &going_on, &sampling, "v2-live").await;
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    assert!(
+        le["cached_tokens"].as_u64().unwrap() > local.prompt_tokens,
+        "{le}"
+    );
+    assert_eq!(e["cached_tokens"], le["cached_tokens"], "{e}");
+    assert_eq!(split2, local2);
 }
 
 /// `cache_prompt: false` reuses nothing, on the decode node neither: the turn is split.
