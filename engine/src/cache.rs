@@ -79,23 +79,70 @@ pub(crate) fn reusable(
 }
 
 /// A free slot, as [`choose`] weighs it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Candidate {
     pub slot: usize,
     /// Tokens the job would reuse there ([`reusable`]).
     pub reusable: usize,
+    /// Of them, the tokens decoded one at a time (a conversation's answers).
+    pub decoded: usize,
+    /// Taking it would cut away decoded tokens of a conversation the job does not go on
+    /// from (it reuses at most the exact part).
+    pub discards_conversation: bool,
     /// Holds nothing.
     pub empty: bool,
     /// When it was last taken (a counter).
     pub used: u64,
 }
 
-/// The slot a job takes: the one it reuses most of; when it reuses nothing anywhere, an
-/// empty one, else the least recently used (whose cache is the one given up).
+impl Candidate {
+    /// How a job asking `prompt` under its reuse rule weighs `slot`, which holds `held`.
+    pub(crate) fn new(
+        slot: usize,
+        held: Held<'_>,
+        used: u64,
+        prompt: Option<(&[i32], Reuse)>,
+        n_batch: usize,
+        sliding_window: bool,
+    ) -> Self {
+        let reusable = prompt.map_or(0, |(p, r)| reusable(held, p, r, n_batch, sliding_window));
+        let decoded = held
+            .decoded
+            .iter()
+            .map(|(start, end)| (*end).min(reusable).saturating_sub(*start))
+            .sum();
+        Candidate {
+            slot,
+            reusable,
+            decoded,
+            discards_conversation: reusable <= held.exact
+                && held.decoded.iter().any(|(_, end)| *end > reusable),
+            empty: held.tokens.is_empty(),
+            used,
+        }
+    }
+}
+
+/// The slot a job takes. First, one where it keeps every conversation it does not go on
+/// from (a prefix reused exactly is not worth another client's conversation); among those,
+/// the one whose reused part holds the most decoded tokens: the same tokens may be held
+/// as a conversation, written turn by turn, and as a prompt prefilled whole (another
+/// client sent the conversation so far as one prompt), and the conversation is what one
+/// device going on from it holds, even where the other matches a few tokens further; then
+/// the one it reuses most of; then an empty one; then the least recently used (whose cache
+/// is the one given up).
 pub(crate) fn choose(candidates: &[Candidate]) -> Option<usize> {
     candidates
         .iter()
-        .max_by_key(|c| (c.reusable, c.empty, std::cmp::Reverse(c.used)))
+        .max_by_key(|c| {
+            (
+                !c.discards_conversation,
+                c.decoded,
+                c.reusable,
+                c.empty,
+                std::cmp::Reverse(c.used),
+            )
+        })
         .map(|c| c.slot)
 }
 
@@ -233,6 +280,8 @@ mod tests {
         let c = |slot, reusable, empty, used| Candidate {
             slot,
             reusable,
+            decoded: 0,
+            discards_conversation: false,
             empty,
             used,
         };
@@ -249,5 +298,75 @@ mod tests {
             Some(1)
         );
         assert_eq!(choose(&[]), None);
+    }
+
+    #[test]
+    fn conversations_are_kept_and_preferred_to_the_same_tokens_prefilled_whole() {
+        // A conversation: prompt 0..6, answer 6..10 decoded.
+        let conv: Vec<i32> = (0..10).collect();
+        let conversation = Held {
+            tokens: &conv,
+            exact: 6,
+            decoded: &[(6, 10)],
+        };
+        // The same ten tokens sent as one prompt and prefilled whole, then 10..12 decoded.
+        let whole: Vec<i32> = (0..12).collect();
+        let prefilled = Held {
+            tokens: &whole,
+            exact: 10,
+            decoded: &[(10, 12)],
+        };
+        let empty = Held {
+            tokens: &[],
+            exact: 0,
+            decoded: &[],
+        };
+        let cand = |slot: usize, held, prompt: &[i32], reuse| {
+            Candidate::new(slot, held, slot as u64, Some((prompt, reuse)), B, false)
+        };
+        // Going on from ten tokens: the conversation reuses all ten, the prompt prefilled
+        // whole an exact 8 (its decoded run starts after them).
+        let next: Vec<i32> = (0..10).chain([50, 51]).collect();
+        let a = cand(0, prefilled, &next, Reuse::Conversation);
+        let b = cand(1, conversation, &next, Reuse::Conversation);
+        assert_eq!((a.reusable, b.reusable), (8, 10));
+        assert_eq!(choose(&[a, b]), Some(1));
+        // Going on further than the conversation holds, along what the whole prompt's slot
+        // decoded: it matches 12, the conversation 10, and the conversation is taken.
+        let further: Vec<i32> = (0..12).chain([50]).collect();
+        let a = cand(0, prefilled, &further, Reuse::Conversation);
+        let b = cand(1, conversation, &further, Reuse::Conversation);
+        assert_eq!(
+            (a.reusable, a.decoded, b.reusable, b.decoded),
+            (12, 2, 10, 4)
+        );
+        assert_eq!(choose(&[a, b]), Some(1));
+        // An unrelated prompt sharing the first 4 tokens: an empty slot, not an exact
+        // reuse that would cut the conversation's answer away.
+        let other: Vec<i32> = (0..4).chain([70, 71, 72]).collect();
+        let a = cand(0, conversation, &other, Reuse::Exact);
+        let b = cand(1, empty, &other, Reuse::Exact);
+        assert!(a.discards_conversation && a.reusable == 4);
+        assert_eq!(choose(&[a, b]), Some(1));
+        // The same turn again cuts its own conversation back: not a discard.
+        let again: Vec<i32> = (0..10).chain([60]).collect();
+        let a = cand(0, conversation, &again, Reuse::Conversation);
+        assert!(!a.discards_conversation && a.reusable == 10);
+        // Equal reuse: the one with more decoded tokens in it.
+        let x = Candidate {
+            slot: 0,
+            reusable: 10,
+            decoded: 2,
+            discards_conversation: false,
+            empty: false,
+            used: 0,
+        };
+        let y = Candidate {
+            slot: 1,
+            decoded: 6,
+            used: 9,
+            ..x
+        };
+        assert_eq!(choose(&[x, y]), Some(1));
     }
 }

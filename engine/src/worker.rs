@@ -723,11 +723,16 @@ impl Slots for Worker<'_> {
     fn pick(&mut self, free: &[usize], want: Option<(&[i32], Reuse)>) -> usize {
         let candidates: Vec<Candidate> = free
             .iter()
-            .map(|&slot| Candidate {
-                slot,
-                reusable: want.map_or(0, |(tokens, reuse)| self.reusable(slot, tokens, reuse)),
-                empty: self.slots[slot].tokens.is_empty(),
-                used: self.slots[slot].used,
+            .map(|&slot| {
+                let s = &self.slots[slot];
+                Candidate::new(
+                    slot,
+                    s.held(),
+                    s.used,
+                    want,
+                    self.n_batch,
+                    self.sliding_window,
+                )
             })
             .collect();
         let slot = cache::choose(&candidates).unwrap_or(free[0]);

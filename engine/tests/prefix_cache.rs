@@ -213,3 +213,109 @@ async fn a_reused_prefix_is_the_first_piece_of_a_live_prefill() {
         .collect();
     assert_eq!(covered, expected, "prompt of {}", second.len());
 }
+
+/// The same turn of a conversation asked twice (the second time cut back to where the
+/// answer before it ended) is answered the same; over several turns of long prompts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_turn_twice_gets_the_same_answer() {
+    let mut cfg = config(model_path(), 512);
+    cfg.n_ctx = 4096;
+    cfg.n_parallel = 1;
+    let e = Engine::start(cfg).await.unwrap();
+    let params = SamplingParams::default();
+    let log = |from: usize, n: usize| {
+        (from..from + n)
+            .map(|i| {
+                format!(
+                    "Day {i}: harbour {} recorded {} degrees, wind {} km/h.",
+                    i % 7,
+                    10 + (i * 7) % 23,
+                    (i * 13) % 41
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut prompt = tokens(&e, &format!("{}\nSummarise the weather log.", log(0, 24))).await;
+    for turn in 2..=3 {
+        let (a, _) = answer(&e, conversation(prompt.clone()), &params, 32).await;
+        let (b, sb) = answer(&e, conversation(prompt.clone()), &params, 32).await;
+        assert_eq!(
+            a, b,
+            "turn {turn}: asked again (cut back to {})",
+            sb.cached_tokens
+        );
+        prompt.extend(&a);
+        prompt.extend(
+            tokens(
+                &e,
+                &format!(
+                    "More readings: {}\nWhich day was the windiest?",
+                    log(1000 * turn, 9)
+                ),
+            )
+            .await
+            .into_iter()
+            .skip(1),
+        );
+    }
+}
+
+/// A conversation is continued from its own copy, not from the same tokens held as one
+/// prompt prefilled whole (another client sent the conversation so far as a prompt), even
+/// where that copy matches further: bit for bit (log-probabilities) what an engine that
+/// holds only the conversation gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_goes_on_from_its_own_copy() {
+    let mut two = config(model_path(), 512);
+    two.n_parallel = 2;
+    let e1 = Engine::start(two).await.unwrap();
+    let e2 = Engine::start(config(model_path(), 512)).await.unwrap();
+    let params = SamplingParams {
+        logprobs: Some(2),
+        ..SamplingParams::default()
+    };
+    let p1 = tokens(&e2, "List the planets of the solar system in order.").await;
+    let (a1, _) = answer(&e2, conversation(p1.clone()), &params, 16).await;
+    // The same tokens as one prompt, prefilled whole, then answered on: slot 0 of e1.
+    let mut held = p1.clone();
+    held.extend(&a1[..a1.len() - 1]);
+    let whole = Start::Cached {
+        tokens: held,
+        reuse: Reuse::None,
+        max_uncached: None,
+    };
+    answer(&e1, whole, &params, 4).await;
+    // The conversation's turn 1 on e1: an empty slot, not a cut of the other.
+    let (b1, s1) = answer(&e1, conversation(p1.clone()), &params, 16).await;
+    assert_eq!((b1.clone(), s1.cached_tokens), (a1.clone(), 0));
+    let mut p2 = p1.clone();
+    p2.extend(&a1);
+    p2.extend(
+        tokens(&e2, "Which is the largest?")
+            .await
+            .into_iter()
+            .skip(1),
+    );
+    let with_logprobs = |e: &Engine| {
+        let (e, p2, params) = (e.clone(), p2.clone(), params.clone());
+        async move {
+            let mut rx = e.generate(conversation(p2), params, 12).await.unwrap();
+            let mut out = Vec::new();
+            let mut cached = None;
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    GenEvent::Token(t) => out.push(t),
+                    GenEvent::Prefilled { cached_tokens, .. } => cached = Some(cached_tokens),
+                    GenEvent::Done(_) => return (out, cached),
+                    GenEvent::Error(err) => panic!("{err}"),
+                }
+            }
+            panic!("no end")
+        }
+    };
+    let (t1, c1) = with_logprobs(&e1).await;
+    let (t2, c2) = with_logprobs(&e2).await;
+    assert_eq!(c1, c2, "the same cut");
+    assert_eq!(t1, t2, "tokens and log-probabilities");
+}
