@@ -87,18 +87,7 @@ fn user_message(round: usize, turn: usize, first_tokens: usize, tokens: usize) -
     }
     // About 21 tokens per line, as `client::prompt`.
     let lines = (tokens.saturating_sub(20) / 21).max(1);
-    let start = 1000 * turn;
-    let log = (start..start + lines)
-        .map(|i| {
-            format!(
-                "Day {i}: harbour {} recorded {} degrees, wind {} km/h.",
-                i % 7,
-                10 + (i * 7) % 23,
-                (i * 13) % 41
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ");
+    let log = client::weather_log(1000 * turn, lines);
     format!("More readings: {log}\nWhich day of these was the windiest?")
 }
 
@@ -107,30 +96,19 @@ fn user_message(round: usize, turn: usize, first_tokens: usize, tokens: usize) -
 /// # Errors
 /// The stack does not start, a request fails, or the files cannot be written.
 pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
-    let repo = crate::repo_root();
     let threads = args
         .threads
         .unwrap_or_else(edgesplit_engine::default_threads);
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| repo.join(format!("bench/results/chat-{stamp}")));
-    std::fs::create_dir_all(&out)?;
+    let out = crate::results_dir(args.out.as_deref(), "chat")?;
     let first = args.profiles.first().context("no link profile")?.clone();
     let cfg = StackConfig {
-        model: crate::model_path(&args.model),
-        n_ctx: args.n_ctx,
-        threads,
         parallel: Some(4),
-        dir: out.join("services"),
-        stream_prefill: false,
-        direct: false,
-        flash_attn: "auto".into(),
-        cache_type: "f16".into(),
-        secret: None,
+        ..StackConfig::new(
+            crate::model_path(&args.model),
+            args.n_ctx,
+            threads,
+            out.join("services"),
+        )
     };
     let stack = Stack::start(&cfg, first).await?;
     anyhow::ensure!(

@@ -81,7 +81,13 @@ pub fn prompt(target: usize) -> String {
     }
     // About 21 tokens per line.
     let lines = (target.saturating_sub(20) / 21).max(1);
-    let log = (0..lines)
+    let log = weather_log(0, lines);
+    format!("{log}\nSummarise the weather log.")
+}
+
+/// `lines` lines of a weather log from day `from` on (about 21 tokens each).
+pub fn weather_log(from: usize, lines: usize) -> String {
+    (from..from + lines)
         .map(|i| {
             format!(
                 "Day {i}: harbour {} recorded {} degrees, wind {} km/h.",
@@ -91,8 +97,7 @@ pub fn prompt(target: usize) -> String {
             )
         })
         .collect::<Vec<_>>()
-        .join(" ");
-    format!("{log}\nSummarise the weather log.")
+        .join(" ")
 }
 
 /// A chat of one user message, as users send it: no system message (both servers render

@@ -90,27 +90,12 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     let threads = args
         .threads
         .unwrap_or_else(edgesplit_engine::default_threads);
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| repo.join(format!("bench/results/handoff-{stamp}")));
-    std::fs::create_dir_all(&out)?;
+    let out = crate::results_dir(args.out.as_deref(), "handoff")?;
     let bin = tokio::task::spawn_blocking(move || stock::build(&repo)).await??;
 
     let cfg = StackConfig {
-        model: model.clone(),
-        n_ctx: args.n_ctx,
-        threads,
-        parallel: None,
-        dir: out.join("services"),
-        stream_prefill: false,
         direct: true,
-        flash_attn: "auto".into(),
-        cache_type: "f16".into(),
-        secret: None,
+        ..StackConfig::new(model.clone(), args.n_ctx, threads, out.join("services"))
     };
     let loopback = || crate::link::Profile::named("loopback").expect("a profile");
     let stack = Stack::start(&cfg, loopback()).await?;

@@ -135,16 +135,13 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
     });
     std::fs::create_dir_all(&out)?;
     let cfg = StackConfig {
-        model: crate::model_path(&args.model),
-        n_ctx: args.n_ctx,
-        threads,
         parallel: Some(args.parallel),
-        dir: out.join("services"),
-        stream_prefill: false,
-        direct: false,
-        flash_attn: "auto".into(),
-        cache_type: "f16".into(),
-        secret: None,
+        ..StackConfig::new(
+            crate::model_path(&args.model),
+            args.n_ctx,
+            threads,
+            out.join("services"),
+        )
     };
     eprintln!("[load] starting the stack ({})", args.profile.name);
     let stack = Stack::start(&cfg, args.profile.clone()).await?;

@@ -150,6 +150,21 @@ impl RunArgs {
     }
 }
 
+/// `out`, else `bench/results/<kind>-<unix time>`, created.
+fn results_dir(out: Option<&Path>, kind: &str) -> anyhow::Result<PathBuf> {
+    let dir = match out {
+        Some(o) => o.to_path_buf(),
+        None => {
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs();
+            repo_root().join(format!("bench/results/{kind}-{stamp}"))
+        }
+    };
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }

@@ -47,6 +47,25 @@ pub struct StackConfig {
     pub secret: Option<String>,
 }
 
+impl StackConfig {
+    /// The defaults of every benchmark: the nodes' own `--parallel`, emulated links, no
+    /// prefill streaming, flash attention `auto`, f16 KV, no secret.
+    pub fn new(model: PathBuf, n_ctx: u32, threads: i32, dir: PathBuf) -> Self {
+        StackConfig {
+            model,
+            n_ctx,
+            threads,
+            parallel: None,
+            dir,
+            stream_prefill: false,
+            direct: false,
+            flash_attn: "auto".into(),
+            cache_type: "f16".into(),
+            secret: None,
+        }
+    }
+}
+
 /// A running stack; its processes are killed on drop.
 pub struct Stack {
     pub router: String,

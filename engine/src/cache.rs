@@ -125,20 +125,23 @@ impl Candidate {
 
 /// The slot a job takes. First, one where it keeps every conversation it does not go on
 /// from (a prefix reused exactly is not worth another client's conversation); among those,
-/// the one whose reused part holds the most decoded tokens: the same tokens may be held
-/// as a conversation, written turn by turn, and as a prompt prefilled whole (another
-/// client sent the conversation so far as one prompt), and the conversation is what one
-/// device going on from it holds, even where the other matches a few tokens further; then
-/// the one it reuses most of; then an empty one; then the least recently used (whose cache
-/// is the one given up).
+/// the one it reuses most of; between equal reuses, the one whose reused part holds the
+/// most decoded tokens (the same tokens may be held as a conversation, written turn by
+/// turn, and as a prompt prefilled whole - another client sent the conversation so far as
+/// one prompt - and the conversation is what one device going on from it holds); then an
+/// empty one; then the least recently used (whose cache is the one given up).
+///
+/// Not known here: how a state imported from the prefill node was computed before its
+/// answer (its prompt counts as prefilled from 0), so where two copies of a conversation
+/// differ in length the longer one is taken, whatever its history.
 pub(crate) fn choose(candidates: &[Candidate]) -> Option<usize> {
     candidates
         .iter()
         .max_by_key(|c| {
             (
                 !c.discards_conversation,
-                c.decoded,
                 c.reusable,
+                c.decoded,
                 c.empty,
                 std::cmp::Reverse(c.used),
             )
@@ -331,14 +334,20 @@ mod tests {
         let b = cand(1, conversation, &next, Reuse::Conversation);
         assert_eq!((a.reusable, b.reusable), (8, 10));
         assert_eq!(choose(&[a, b]), Some(1));
-        // Going on further than the conversation holds, along what the whole prompt's slot
-        // decoded: it matches 12, the conversation 10, and the conversation is taken.
-        let further: Vec<i32> = (0..12).chain([50]).collect();
-        let a = cand(0, prefilled, &further, Reuse::Conversation);
+        // Held as far in both (the whole prompt's slot decoded nothing further): the
+        // conversation is taken.
+        let whole10: Vec<i32> = (0..10).collect();
+        let prefilled10 = Held {
+            tokens: &whole10,
+            exact: 8,
+            decoded: &[(8, 10)],
+        };
+        let further: Vec<i32> = (0..10).chain([50]).collect();
+        let a = cand(0, prefilled10, &further, Reuse::Conversation);
         let b = cand(1, conversation, &further, Reuse::Conversation);
         assert_eq!(
             (a.reusable, a.decoded, b.reusable, b.decoded),
-            (12, 2, 10, 4)
+            (10, 2, 10, 4)
         );
         assert_eq!(choose(&[a, b]), Some(1));
         // An unrelated prompt sharing the first 4 tokens: an empty slot, not an exact

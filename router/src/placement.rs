@@ -66,9 +66,9 @@ impl Conversations {
             Input::Chat(m) => Key::Chat(m.clone(), answer.to_string()),
             Input::Prompt(p) => Key::Prompt(format!("{p}{answer}")),
         };
-        // A conversation's new turn replaces the entry of the turn before.
-        self.entries
-            .retain(|(k, _)| !k.continued_by(input) && *k != key);
+        // Another client may hold the same conversation so far and still go on from the
+        // turn this one continued: entries go by age and size, not superseded.
+        self.entries.retain(|(k, _)| *k != key);
         self.entries.push_back((key, held));
         let mut chars: usize = self.entries.iter().map(|(k, _)| k.chars()).sum();
         while self.entries.len() > MAX_CONVERSATIONS
@@ -215,9 +215,13 @@ mod tests {
         ] {
             assert_eq!(c.find(&other), None, "{other:?}");
         }
-        // The next turn replaces the one it continues.
+        // The next turn is remembered beside the one it continues (another client may go
+        // on from that one too).
         c.record(&turn2, " Once upon a time.", 90);
-        assert_eq!(c.entries.len(), 1);
+        assert_eq!(c.entries.len(), 2);
+        assert_eq!(c.find(&cut), Some(40));
+        c.record(&turn2, " Once upon a time.", 95);
+        assert_eq!(c.entries.len(), 2, "the same turn again replaces its entry");
         c.forget(&chat(&[
             ("user", "Hi"),
             ("assistant", "Hello! How can I help?"),
@@ -225,6 +229,7 @@ mod tests {
             ("assistant", "Once upon a time."),
             ("user", "More."),
         ]));
+        // (The decode node held nothing worth continuing for it: neither turn.)
         assert!(c.entries.is_empty());
     }
 
