@@ -531,10 +531,22 @@ impl Backend {
         let mut preq = Self::prefill_request(req, request_id, None, 0);
         preq.max_uncached = Some(max_uncached);
         let mut client = self.decode.clone();
-        let mut stream = self
-            .first_within(async { client.local(preq).await }, param)
-            .await?
-            .into_inner();
+        // The call itself is answered at once (the prefill comes after): a node that does
+        // not answer it is bounded like an `Info`, and the request is split instead.
+        let call = tokio::time::timeout(self.config.info_timeout, client.local(preq)).await;
+        let mut stream = match call {
+            Ok(r) => r.map_err(|st| ApiError::from_status(&st, param))?,
+            Err(_) => {
+                return Err(ApiError::unavailable(
+                    "decode_unavailable",
+                    format!(
+                        "the decode node did not answer within {:?}",
+                        self.config.info_timeout
+                    ),
+                ))
+            }
+        }
+        .into_inner();
         let p = self
             .prefilled(&mut stream, param, "the decode node")
             .await?;
