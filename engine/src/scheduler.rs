@@ -210,6 +210,8 @@ impl<S: Slots> Scheduler<S> {
                     in_flight,
                 } => {
                     let out = if reply.is_closed() {
+                        // Nobody waits for it: the slot is given back untouched.
+                        self.slots.release(slot, true);
                         Err(EngineError::Closed)
                     } else {
                         self.publish_active(1);
@@ -806,6 +808,16 @@ mod tests {
         h.round();
         let out = p.try_recv().unwrap().unwrap();
         assert_eq!(out.prompt_tokens, [1, 2]);
+        assert_eq!(h.in_flight(), 0);
+        assert_eq!(h.log.lock().unwrap()[..], ["prefill 0", "keep 0"]);
+    }
+
+    #[test]
+    fn a_prefill_nobody_waits_for_gives_its_slot_back_unrun() {
+        let mut h = harness(1);
+        drop(h.prefill());
+        h.round();
+        assert_eq!(h.log.lock().unwrap()[..], ["keep 0"]);
         assert_eq!(h.in_flight(), 0);
     }
 }
