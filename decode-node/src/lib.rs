@@ -14,8 +14,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgesplit_engine::wire::{prompt_of, status, status_with_code, token_events};
-use edgesplit_engine::{Engine, EngineConfig, Reuse, SamplingParams, Start};
+use edgesplit_engine::wire::{
+    prompt_of, reuse_of, sampling_of, status, status_with_code, token_events,
+};
+use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
@@ -130,18 +132,10 @@ impl pb::decode_server::Decode for DecodeService {
     ) -> Result<Response<Self::LocalStream>, Status> {
         let req = request.into_inner();
         let (tokens, max_tokens) = prompt_of(&self.engine, &req, self.kv_budget_bytes).await?;
-        let params = req
-            .sampling
-            .as_ref()
-            .map(SamplingParams::from)
-            .unwrap_or_default();
+        let params = sampling_of(&req);
         let start = Start::Cached {
             tokens,
-            reuse: if req.no_cache {
-                Reuse::None
-            } else {
-                Reuse::Conversation
-            },
+            reuse: reuse_of(&req),
             max_uncached: req.max_uncached,
         };
         tracing::info!(request_id = %req.request_id, "continuing a conversation held here");

@@ -191,6 +191,29 @@ pub async fn prompt_of(
     Ok((tokens, max))
 }
 
+/// A request's sampling parameters (the defaults when it has none).
+#[must_use]
+pub fn sampling_of(req: &pb::PrefillRequest) -> SamplingParams {
+    req.sampling
+        .as_ref()
+        .map(SamplingParams::from)
+        .unwrap_or_default()
+}
+
+/// How a request's prompt may reuse a node's cache: it continues a conversation the node
+/// holds, as llama-server's `cache_prompt` does (a slot keeps decoded tokens only of an
+/// answer that ended on that node, so this computes what one device continuing the same
+/// conversation computes: ARCHITECTURE.md, "The prefix cache changes no answer it should
+/// not"), unless it asked for none.
+#[must_use]
+pub fn reuse_of(req: &pb::PrefillRequest) -> crate::Reuse {
+    if req.no_cache {
+        crate::Reuse::None
+    } else {
+        crate::Reuse::Conversation
+    }
+}
+
 /// gRPC metadata key carrying a stable, machine-readable error code.
 pub const ERROR_CODE_KEY: &str = "x-edgesplit-error";
 

@@ -12,10 +12,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use edgesplit_engine::wire::{input_of, prompt_of, status, status_with_code, token_events};
-use edgesplit_engine::{
-    Engine, EngineConfig, Export, Exported, GenEvent, Reuse, SamplingParams, Start,
+use edgesplit_engine::wire::{
+    input_of, prompt_of, reuse_of, sampling_of, status, status_with_code, token_events,
 };
+use edgesplit_engine::{Engine, EngineConfig, Export, Exported, GenEvent, SamplingParams, Start};
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
 use edgesplit_proto::link::Link;
@@ -157,26 +157,6 @@ impl PrefillService {
             link: self.link.clone(),
         }
     }
-}
-
-/// Every prompt here continues a conversation this node holds, as llama-server's
-/// `cache_prompt` does: a slot keeps decoded tokens only of an answer that ended here
-/// (a handed-over one keeps its prompt), so this computes what one device continuing the
-/// same conversation computes (ARCHITECTURE.md, "The prefix cache changes no answer it
-/// should not").
-fn reuse_of(req: &pb::PrefillRequest) -> Reuse {
-    if req.no_cache {
-        Reuse::None
-    } else {
-        Reuse::Conversation
-    }
-}
-
-fn sampling_of(req: &pb::PrefillRequest) -> SamplingParams {
-    req.sampling
-        .as_ref()
-        .map(SamplingParams::from)
-        .unwrap_or_default()
 }
 
 #[tonic::async_trait]
