@@ -123,8 +123,31 @@ fn spawn(name: &str, args: &[String], log: &Path, secret: Option<&str>) -> anyho
         .with_context(|| format!("starting {name}"))
 }
 
+/// Whether a service's log says its port was taken.
+fn port_taken(dir: &std::path::Path) -> bool {
+    ["decode.log", "prefill.log", "router.log"].iter().any(|f| {
+        std::fs::read_to_string(dir.join(f)).is_ok_and(|t| t.contains("Address already in use"))
+    })
+}
+
 impl Stack {
+    /// Starts the three services on free ports. The ports are picked before the services
+    /// bind them (a node binds after loading its model), so another process may take one
+    /// in between: a service that exits for that is retried on new ports, twice.
     pub async fn start(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
+        let mut tries = 0;
+        loop {
+            match Self::start_once(cfg, profile.clone()).await {
+                Err(e) if tries < 2 && port_taken(&cfg.dir) => {
+                    tries += 1;
+                    eprintln!("a port was taken while the stack started ({e}); again on new ports");
+                }
+                done => return done,
+            }
+        }
+    }
+
+    async fn start_once(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&cfg.dir)?;
         let (decode_grpc, handoff, v1) = (free_port()?, free_port()?, free_port()?);
         let (prefill_grpc, prefill_metrics, router) = (free_port()?, free_port()?, free_port()?);

@@ -37,6 +37,8 @@ pub struct ModelInfo {
     /// The model attends through a sliding window (Gemma-3): its state keeps a ring of the
     /// last window and cannot be cut into pieces (`edgesplit_proto::splice`).
     pub sliding_window: bool,
+    /// How the chat template writes tool calls (`tools` are refused unless it is Hermes).
+    pub tool_call_format: crate::template::ToolCallFormat,
 }
 
 impl ModelInfo {
@@ -92,6 +94,8 @@ impl ModelInfo {
             n_ctx_train: model.n_ctx_train(),
             parallel: config.n_parallel.max(1),
             sliding_window: has_sliding_window(model),
+            // Set once the template is compiled.
+            tool_call_format: crate::template::ToolCallFormat::None,
         }
     }
 }

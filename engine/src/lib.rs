@@ -28,7 +28,8 @@ pub use handle::{Engine, Live, LiveAnswer};
 pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
+pub use template::ToolCallFormat;
 pub use types::{
-    EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Reuse,
-    Snapshot, Start, TokenLogprobs, TokenOut, TopLogprob,
+    Chat, ChatMessage, EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input,
+    PrefillOutput, Reuse, Snapshot, Start, TokenLogprobs, TokenOut, ToolCall, TopLogprob,
 };

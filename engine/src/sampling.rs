@@ -38,6 +38,10 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Structured output: the JSON Schema (text) the answer must follow.
     pub json_schema: Option<Arc<str>>,
+    /// Forced tool calls: the answer is Hermes-format calls (`<tool_call>\n{json}\n</tool_call>`)
+    /// whose JSON follows this schema (text); one, or with `parallel_tool_calls` one or more.
+    pub tool_call_schema: Option<Arc<str>>,
+    pub parallel_tool_calls: bool,
 }
 
 /// Most alternatives reported per token (OpenAI's `top_logprobs` limit).
@@ -57,6 +61,8 @@ impl Default for SamplingParams {
             penalty_last_n: 64,
             logprobs: None,
             json_schema: None,
+            tool_call_schema: None,
+            parallel_tool_calls: false,
         }
     }
 }
@@ -86,22 +92,36 @@ pub fn step_seed(seed: u32, step: u32) -> u32 {
 pub struct Grammar(LlamaSampler);
 
 impl Grammar {
-    /// The grammar of the JSON documents `schema` (JSON Schema text) allows, after the
-    /// answer tokens `answer`. The schema becomes a GBNF grammar by llama.cpp's own
-    /// converter, the one llama-server uses for `response_format`.
+    /// The answer's grammar, if its parameters constrain it, after the answer tokens
+    /// `answer`: the JSON documents `json_schema` allows, or the Hermes-format tool calls
+    /// whose JSON follows `tool_call_schema`. A schema becomes GBNF by llama.cpp's own
+    /// converter, the one llama-server uses for `response_format` and tool calls.
     ///
     /// # Errors
-    /// The schema cannot be converted, or a token does not fit the grammar.
-    pub fn new(model: &LlamaModel, schema: &str, answer: &[i32]) -> Result<Self, String> {
-        let gbnf = llama_cpp_2::json_schema_to_grammar(schema)
-            .map_err(|e| format!("the schema cannot be turned into a grammar: {e}"))?;
-        let sampler = LlamaSampler::grammar(model, &gbnf, "root")
+    /// Both are set, the schema cannot be converted, or a token does not fit the grammar.
+    pub fn of(
+        model: &LlamaModel,
+        params: &SamplingParams,
+        answer: &[i32],
+    ) -> Result<Option<Self>, String> {
+        let (gbnf, root) = match (&params.json_schema, &params.tool_call_schema) {
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => {
+                return Err("a JSON schema and forced tool calls cannot both hold an answer".into())
+            }
+            (Some(schema), None) => (json_gbnf(schema)?, "root"),
+            (None, Some(schema)) => (
+                tool_calls_gbnf(&json_gbnf(schema)?, params.parallel_tool_calls),
+                TOOL_CALLS_ROOT,
+            ),
+        };
+        let sampler = LlamaSampler::grammar(model, &gbnf, root)
             .map_err(|e| format!("the schema's grammar does not parse: {e}"))?;
         let mut g = Grammar(sampler);
         for &t in answer {
             g.accept(LlamaToken(t))?;
         }
-        Ok(g)
+        Ok(Some(g))
     }
 
     /// Advances the grammar over `token`.
@@ -113,6 +133,32 @@ impl Grammar {
             .try_accept(token)
             .map_err(|_| format!("token {} does not fit the grammar", token.0))
     }
+}
+
+/// GBNF for the JSON documents `schema` (JSON Schema text) allows; its start rule is `root`.
+fn json_gbnf(schema: &str) -> Result<String, String> {
+    llama_cpp_2::json_schema_to_grammar(schema)
+        .map_err(|e| format!("the schema cannot be turned into a grammar: {e}"))
+}
+
+/// The start rule of [`tool_calls_gbnf`]'s grammar.
+const TOOL_CALLS_ROOT: &str = "edgesplit-tool-calls";
+
+/// `call` (GBNF whose `root` is one call's JSON) in the Hermes format, as Hermes, Qwen 2.5
+/// and SmolLM3 templates teach it: `<tool_call>\n{json}\n</tool_call>`, once, or one or
+/// more times a newline apart. After a complete call the grammar allows only the end of
+/// generation (or, parallel, the next call).
+#[must_use]
+pub fn tool_calls_gbnf(call: &str, parallel: bool) -> String {
+    let more = if parallel {
+        " (\"\\n\" edgesplit-tool-call)*"
+    } else {
+        ""
+    };
+    format!(
+        "{call}\nedgesplit-tool-call ::= \"<tool_call>\\n\" root \"\\n</tool_call>\"\n\
+         {TOOL_CALLS_ROOT} ::= edgesplit-tool-call{more}\n"
+    )
 }
 
 /// Samples the token at batch index `idx` for generation step `step`, within `grammar`

@@ -2,7 +2,10 @@
 //! llama-server renders it, so that a chat request becomes the same prompt on both.
 //!
 //! llama-server (its `--jinja` path, the default) renders the template with a Jinja engine
-//! and these variables: `messages` (each `{role, content}`), `bos_token` and `eos_token`
+//! and these variables: `messages` (each `{role, content}`, plus `tool_calls` on an
+//! assistant message that called tools, each `{id, type: "function", function: {name,
+//! arguments}}` with the arguments as an object, and `tool_call_id` on a `tool` message),
+//! `tools` (the request's, when it has any), `bos_token` and `eos_token`
 //! (the vocabulary's BOS and EOS as text), `add_generation_prompt` (true for a chat
 //! request), `enable_thinking` (true), and the functions `raise_exception` and
 //! `strftime_now`; blocks are trimmed (`trim_blocks`, `lstrip_blocks`, as Hugging Face's
@@ -19,6 +22,8 @@
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
+
+use crate::types::{Chat, ChatMessage};
 
 /// The template for a GGUF without one: llama-server's fallback (`CHATML_TEMPLATE_SRC` in
 /// llama.cpp's common/chat.cpp), so that such a model answers a chat request with the
@@ -44,6 +49,31 @@ pub struct ChatTemplate {
     strip_bos: bool,
     /// The vocabulary adds EOS when tokenizing: a trailing EOS in the text is cut.
     strip_eos: bool,
+    tool_calls: ToolCallFormat,
+}
+
+/// How a chat template writes the model's tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolCallFormat {
+    /// The template renders no tools.
+    None,
+    /// JSON in `<tool_call>` tags (Hermes 2 Pro, Qwen 2.5, SmolLM3 ...): the format the
+    /// router parses and forced calls are sampled in.
+    Hermes,
+    /// The template renders tools, but its calls are in a format we do not parse.
+    Other,
+}
+
+impl ToolCallFormat {
+    /// The name `Info` reports (`tool_call_format`).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolCallFormat::None => "",
+            ToolCallFormat::Hermes => "hermes",
+            ToolCallFormat::Other => "other",
+        }
+    }
 }
 
 /// The text of the model's BOS and EOS tokens, and whether tokenizing adds them.
@@ -76,31 +106,64 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_owned())
             .map_err(|e| describe(&e))?;
-        Ok(ChatTemplate {
+        let mut t = ChatTemplate {
             env,
             bos: special.bos,
             eos: special.eos,
             strip_bos: special.add_bos,
             strip_eos: special.add_eos,
-        })
+            tool_calls: ToolCallFormat::None,
+        };
+        t.tool_calls = t.probe_tools(source);
+        Ok(t)
     }
 
-    /// The prompt for `messages` (role, content): ending with the assistant's turn, or,
-    /// when the last message is the assistant's, ending with that message's content for
-    /// the model to continue (llama-server's "assistant prefill": the conversation before
-    /// it, then the template's generation prompt, then the content).
-    pub fn render(&self, messages: &[(String, String)]) -> Result<String, String> {
-        let is_assistant = |m: Option<&(String, String)>| m.is_some_and(|(r, _)| r == "assistant");
+    /// How this template writes tool calls (see [`ToolCallFormat`]).
+    #[must_use]
+    pub fn tool_call_format(&self) -> ToolCallFormat {
+        self.tool_calls
+    }
+
+    /// Whether the template renders tools at all (as llama.cpp finds out: a tool's name in
+    /// the prompt of a conversation given one), and if so in which format it calls them.
+    fn probe_tools(&self, source: &str) -> ToolCallFormat {
+        const NAME: &str = "edgesplit_probe_tool";
+        let chat = Chat {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: "x".into(),
+                ..ChatMessage::default()
+            }],
+            tools: Some(serde_json::json!([{"type": "function", "function": {
+                "name": NAME, "description": "A tool.",
+                "parameters": {"type": "object", "properties": {}}}}])),
+        };
+        match self.render_turns(&chat, &chat.messages, true) {
+            Ok(text) if text.contains(NAME) && source.contains("<tool_call>") => {
+                ToolCallFormat::Hermes
+            }
+            Ok(text) if text.contains(NAME) => ToolCallFormat::Other,
+            _ => ToolCallFormat::None,
+        }
+    }
+
+    /// The prompt for `chat`: ending with the assistant's turn, or, when the last message
+    /// is the assistant's, ending with that message's content for the model to continue
+    /// (llama-server's "assistant prefill": the conversation before it, then the
+    /// template's generation prompt, then the content).
+    pub fn render(&self, chat: &Chat) -> Result<String, String> {
+        let messages = &chat.messages;
+        let is_assistant = |m: Option<&ChatMessage>| m.is_some_and(|m| m.role == "assistant");
         let Some((last, head)) = messages.split_last().filter(|(l, _)| is_assistant(Some(l)))
         else {
-            return self.render_turns(messages, true);
+            return self.render_turns(chat, messages, true);
         };
         if is_assistant(head.last()) {
             return Err("Cannot have 2 or more assistant messages at the end of the list.".into());
         }
         // The generation prompt is what rendering with it adds to rendering without it.
-        let without = self.render_turns(head, false)?;
-        let with = self.render_turns(head, true)?;
+        let without = self.render_turns(chat, head, false)?;
+        let with = self.render_turns(chat, head, true)?;
         let common = without
             .bytes()
             .zip(with.bytes())
@@ -108,23 +171,22 @@ impl ChatTemplate {
             .count();
         let mut text = without.into_bytes();
         text.extend_from_slice(&with.as_bytes()[common..]);
-        text.extend_from_slice(last.1.as_bytes());
+        text.extend_from_slice(last.content.as_bytes());
         Ok(String::from_utf8_lossy(&text).into_owned())
     }
 
-    /// The template over `messages`, with or without the generation prompt, with a BOS or
-    /// EOS that tokenizing adds anyway cut.
+    /// The template over `messages` (of `chat`, whose tools it is given), with or without
+    /// the generation prompt, with a BOS or EOS that tokenizing adds anyway cut.
     fn render_turns(
         &self,
-        messages: &[(String, String)],
+        chat: &Chat,
+        messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, String> {
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|(role, content)| minijinja::context! { role => role, content => content })
-            .collect();
+        let messages: Vec<Value> = messages.iter().map(message_value).collect();
         let ctx = minijinja::context! {
             messages => messages,
+            tools => chat.tools.clone().map(json_value),
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
             add_generation_prompt => add_generation_prompt,
@@ -140,6 +202,35 @@ impl ChatTemplate {
         }
         Ok(text)
     }
+}
+
+/// A message as templates read it: `{role, content}`, with `tool_calls` (OpenAI's shape,
+/// arguments as an object, which templates write with `tojson`) and a null content when an
+/// assistant message only calls tools, and `tool_call_id` on a tool's answer.
+fn message_value(m: &ChatMessage) -> Value {
+    let mut v = serde_json::json!({"role": m.role, "content": m.content});
+    if !m.tool_calls.is_empty() {
+        if m.content.is_empty() {
+            v["content"] = serde_json::Value::Null;
+        }
+        v["tool_calls"] = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                serde_json::json!({"id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect();
+    }
+    if let Some(id) = &m.tool_call_id {
+        v["tool_call_id"] = serde_json::json!(id);
+    }
+    json_value(v)
+}
+
+/// A JSON value as a template value (maps keep their order).
+fn json_value(v: serde_json::Value) -> Value {
+    serde_json::from_value(v).unwrap_or_default()
 }
 
 /// An error with its cause chain and, where known, the template line.
@@ -255,10 +346,11 @@ mod tests {
         }
     }
 
-    fn msgs(list: &[(&str, &str)]) -> Vec<(String, String)> {
-        list.iter()
-            .map(|(r, c)| ((*r).to_string(), (*c).to_string()))
-            .collect()
+    fn msgs(list: &[(&str, &str)]) -> Chat {
+        match crate::Input::chat(list.iter().copied()) {
+            crate::Input::Chat(c) => c,
+            crate::Input::Raw(_) => unreachable!(),
+        }
     }
 
     #[test]
@@ -344,8 +436,65 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            t.render(&[]).unwrap(),
+            t.render(&Chat::default()).unwrap(),
             "{\"a\": [1, \"é<\"], \"b\": {}}|{\n  \"a\": [\n    1\n  ]\n}"
         );
+    }
+
+    #[test]
+    fn tools_and_calls_render_and_the_format_is_found() {
+        let t = ChatTemplate::new(
+            include_str!("../../templates/chatml-tools.jinja"),
+            special(false),
+        )
+        .unwrap();
+        assert_eq!(t.tool_call_format(), ToolCallFormat::Hermes);
+        let chat = Chat {
+            messages: vec![
+                ChatMessage {
+                    role: "user".into(),
+                    content: "Time?".into(),
+                    ..ChatMessage::default()
+                },
+                ChatMessage {
+                    role: "assistant".into(),
+                    tool_calls: vec![crate::ToolCall {
+                        id: "c1".into(),
+                        name: "get_time".into(),
+                        arguments: serde_json::json!({"tz": "UTC", "a": 1}),
+                    }],
+                    ..ChatMessage::default()
+                },
+                ChatMessage {
+                    role: "tool".into(),
+                    content: "12:00".into(),
+                    tool_call_id: Some("c1".into()),
+                    ..ChatMessage::default()
+                },
+            ],
+            tools: Some(serde_json::json!([{"type": "function",
+                "function": {"name": "get_time", "parameters": {"type": "object"}}}])),
+        };
+        let text = t.render(&chat).unwrap();
+        // The tools as Python's json.dumps writes them (keys in the client's order), the
+        // call's arguments likewise, the tool's answer in a user turn.
+        assert!(text.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_time\", \"parameters\": {\"type\": \"object\"}}}\n</tools>"), "{text}");
+        assert!(text.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\", \"a\": 1}}\n</tool_call><|im_end|>"), "{text}");
+        assert!(text.ends_with("<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), "{text}");
+        // Without tools, plain ChatML.
+        let plain = t.render(&msgs(&[("user", "hi")])).unwrap();
+        assert_eq!(
+            plain,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // A template that renders tools but not as <tool_call> JSON, and one without any.
+        let other = ChatTemplate::new(
+            "{% for t in tools %}{{ t.function.name }}{% endfor %}{{ messages[0].content }}",
+            special(false),
+        )
+        .unwrap();
+        assert_eq!(other.tool_call_format(), ToolCallFormat::Other);
+        let none = ChatTemplate::new(CHATML_FALLBACK, special(false)).unwrap();
+        assert_eq!(none.tool_call_format(), ToolCallFormat::None);
     }
 }

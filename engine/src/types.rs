@@ -65,10 +65,59 @@ pub enum Reuse {
 /// The input of a request.
 #[derive(Debug, Clone)]
 pub enum Input {
-    /// OpenAI chat messages (role, content), rendered with the model's own template.
-    Chat(Vec<(String, String)>),
+    /// An OpenAI chat, rendered with the model's own template.
+    Chat(Chat),
     /// A raw prompt, tokenized as is (with BOS if the model wants one).
     Raw(String),
+}
+
+impl Input {
+    /// A chat of plain (role, content) messages, without tools.
+    pub fn chat<R: Into<String>, C: Into<String>>(
+        messages: impl IntoIterator<Item = (R, C)>,
+    ) -> Self {
+        Input::Chat(Chat {
+            messages: messages
+                .into_iter()
+                .map(|(role, content)| ChatMessage {
+                    role: role.into(),
+                    content: content.into(),
+                    ..ChatMessage::default()
+                })
+                .collect(),
+            tools: None,
+        })
+    }
+}
+
+/// An OpenAI chat: its messages and the tools the model may call.
+#[derive(Debug, Clone, Default)]
+pub struct Chat {
+    pub messages: Vec<ChatMessage>,
+    /// The request's `tools`, a JSON array of OpenAI tool objects (as the chat template
+    /// takes them); None: the template renders no tools.
+    pub tools: Option<serde_json::Value>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    /// Empty for an assistant message that only calls tools.
+    pub content: String,
+    /// An assistant message's tool calls.
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the id of the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A function call the model made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments, a JSON object.
+    pub arguments: serde_json::Value,
 }
 
 /// A token and its text bytes (may be part of a UTF-8 character).

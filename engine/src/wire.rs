@@ -11,7 +11,8 @@ use tokio_stream::Stream;
 use tonic::Status;
 
 use crate::{
-    Engine, EngineError, GenEvent, Input, ModelInfo, SamplingParams, TokenLogprobs, TokenOut,
+    Chat, ChatMessage, Engine, EngineError, GenEvent, Input, ModelInfo, SamplingParams,
+    TokenLogprobs, TokenOut, ToolCall,
 };
 
 impl ModelInfo {
@@ -44,6 +45,7 @@ impl ModelInfo {
             type_k: self.type_k,
             type_v: self.type_v,
             parallel: self.parallel,
+            tool_call_format: self.tool_call_format.as_str().into(),
             ..Default::default()
         }
     }
@@ -98,6 +100,9 @@ impl From<&pb::Sampling> for SamplingParams {
             penalty_last_n: s.penalty_last_n,
             logprobs: s.logprobs,
             json_schema: (!s.json_schema.is_empty()).then(|| s.json_schema.as_str().into()),
+            tool_call_schema: (!s.tool_call_schema.is_empty())
+                .then(|| s.tool_call_schema.as_str().into()),
+            parallel_tool_calls: s.parallel_tool_calls,
         }
     }
 }
@@ -135,15 +140,47 @@ impl From<TokenOut> for pb::Token {
 /// The request has none.
 pub fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
     match &req.input {
-        Some(pb::prefill_request::Input::Chat(c)) => Ok(Input::Chat(
-            c.messages
-                .iter()
-                .map(|m| (m.role.clone(), m.content.clone()))
-                .collect(),
-        )),
+        Some(pb::prefill_request::Input::Chat(c)) => chat_of(c).map(Input::Chat),
         Some(pb::prefill_request::Input::Prompt(p)) => Ok(Input::Raw(p.clone())),
         None => Err(Status::invalid_argument("request has no input")),
     }
+}
+
+/// A chat as the engine takes it: tools and each call's arguments parsed from their JSON
+/// text (the router checked them; a malformed one is refused here too).
+fn chat_of(c: &pb::ChatInput) -> Result<Chat, Status> {
+    let json = |text: &str, what: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| Status::invalid_argument(format!("{what} is not JSON: {e}")))
+    };
+    let tools = if c.tools.is_empty() {
+        None
+    } else {
+        Some(json(&c.tools, "tools")?).filter(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+    };
+    let messages = c
+        .messages
+        .iter()
+        .map(|m| {
+            Ok(ChatMessage {
+                role: m.role.clone(),
+                content: m.content.clone(),
+                tool_calls: m
+                    .tool_calls
+                    .iter()
+                    .map(|t| {
+                        Ok(ToolCall {
+                            id: t.id.clone(),
+                            name: t.name.clone(),
+                            arguments: json(&t.arguments, "a tool call's arguments")?,
+                        })
+                    })
+                    .collect::<Result<_, Status>>()?,
+                tool_call_id: (!m.tool_call_id.is_empty()).then(|| m.tool_call_id.clone()),
+            })
+        })
+        .collect::<Result<_, Status>>()?;
+    Ok(Chat { messages, tools })
 }
 
 /// A request's prompt tokens and the answer's token budget (`max_tokens` 0: up to the

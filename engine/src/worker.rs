@@ -24,7 +24,7 @@ use crate::exit_guard::{park_forever, Busy};
 use crate::info::{self, ModelInfo};
 use crate::sampling::{self, Grammar, SamplingParams};
 use crate::scheduler::{Scheduler, Slots};
-use crate::template::{ChatTemplate, SpecialTokens};
+use crate::template::{ChatTemplate, SpecialTokens, ToolCallFormat};
 use crate::types::{
     EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input, PrefillOutput, Reuse,
     Snapshot, Start, TokenLogprobs, TokenOut, TopLogprob,
@@ -117,7 +117,7 @@ pub(crate) fn owner_thread(
         }
     }
     let n_ctx = slots[0].ctx.n_ctx();
-    let info = ModelInfo::read(&model, &config, fingerprint, n_ctx, flash_on);
+    let mut info = ModelInfo::read(&model, &config, fingerprint, n_ctx, flash_on);
     tracing::info!(
         model = %info.model_id,
         fingerprint = %info.fingerprint_hex(),
@@ -134,6 +134,9 @@ pub(crate) fn owner_thread(
     if let (Some(_), Err(e)) = (&config.chat_template_file, &chat) {
         let _ = ready.send(Err(load_err(e.clone())));
         return;
+    }
+    if let Ok(t) = &chat {
+        info.tool_call_format = t.tool_call_format();
     }
     let n_batch = config.n_batch as usize;
     let worker = Worker {
@@ -261,18 +264,17 @@ fn chat_template(model: &LlamaModel, file: Option<&Path>) -> Result<ChatTemplate
     compiled
 }
 
+/// What a chat with tools is told when the template renders none.
+pub const NO_TOOLS: &str = "this model's chat template does not take tools \
+     (--chat-template-file can give it one that does, such as templates/chatml-tools.jinja)";
+
 /// The answer's grammar, if its parameters have one, after the tokens `answer`.
 fn grammar(
     model: &LlamaModel,
     params: &SamplingParams,
     answer: &[i32],
 ) -> Result<Option<Grammar>, EngineError> {
-    params
-        .json_schema
-        .as_deref()
-        .map(|g| Grammar::new(model, g, answer))
-        .transpose()
-        .map_err(EngineError::Grammar)
+    Grammar::of(model, params, answer).map_err(EngineError::Grammar)
 }
 
 fn ms(since: Instant) -> f64 {
@@ -288,9 +290,13 @@ impl Worker<'_> {
                 }
                 return self.tokenize_text(&p);
             }
-            Input::Chat(messages) => match &self.chat {
+            Input::Chat(chat) => match &self.chat {
                 Err(e) => return Err(EngineError::Template(e.clone())),
-                Ok(t) => t.render(&messages).map_err(EngineError::Template)?,
+                // A template without tools would drop them without a word.
+                Ok(t) if chat.tools.is_some() && t.tool_call_format() == ToolCallFormat::None => {
+                    return Err(EngineError::Template(NO_TOOLS.into()))
+                }
+                Ok(t) => t.render(&chat).map_err(EngineError::Template)?,
             },
         };
         self.tokenize_text(&text)

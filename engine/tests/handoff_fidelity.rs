@@ -16,9 +16,9 @@ async fn export_import_equals_colocated(cfg: EngineConfig, ggml_type: u32) -> us
     let a = Engine::start(cfg.clone()).await.unwrap();
     let b = Engine::start(cfg).await.unwrap();
     let tokens = a
-        .tokenize(Input::Chat(vec![(
-            "user".into(),
-            "Write three sentences about the sea.".into(),
+        .tokenize(Input::chat(vec![(
+            "user",
+            "Write three sentences about the sea.",
         )]))
         .await
         .unwrap();

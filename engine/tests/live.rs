@@ -51,9 +51,9 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
         let a = Engine::start(cfg.clone()).await.unwrap();
         let b = Engine::start(cfg).await.unwrap();
         let prompt = a
-            .tokenize(Input::Chat(vec![(
-                "user".into(),
-                "Write three sentences about the sea.".into(),
+            .tokenize(Input::chat(vec![(
+                "user",
+                "Write three sentences about the sea.",
             )]))
             .await
             .unwrap();

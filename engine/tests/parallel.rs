@@ -66,7 +66,7 @@ async fn parallel_answers_equal_the_answers_written_alone() {
     let questions = ["Name three rivers.", "What is rust?", "Count to ten."];
     let mut prompts = Vec::new();
     for q in questions {
-        let chat = Input::Chat(vec![("user".into(), q.into())]);
+        let chat = Input::chat(vec![("user", q)]);
         prompts.push(alone.tokenize(chat).await.unwrap());
     }
     // Greedy and seeded, prompts of different lengths, and one started from an imported

@@ -27,9 +27,7 @@ fn state(out: &edgesplit_engine::PrefillOutput) -> Vec<u8> {
 }
 
 async fn tokens(e: &Engine, text: &str) -> Vec<i32> {
-    e.tokenize(Input::Chat(vec![("user".into(), text.into())]))
-        .await
-        .unwrap()
+    e.tokenize(Input::chat(vec![("user", text)])).await.unwrap()
 }
 
 /// An answer's ids (the first included) and its summary.

@@ -28,9 +28,9 @@ async fn a_resumed_answer_goes_on_as_the_uninterrupted_one() {
     cfg.n_ctx = 512;
     let engine = Engine::start(cfg).await.unwrap();
     let prompt = engine
-        .tokenize(Input::Chat(vec![(
-            "user".into(),
-            "Write a short story about a lighthouse keeper.".into(),
+        .tokenize(Input::chat(vec![(
+            "user",
+            "Write a short story about a lighthouse keeper.",
         )]))
         .await
         .unwrap();

@@ -6,6 +6,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::tools::{self, Call, Tools};
 
 /// Which endpoint a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +103,10 @@ pub struct Sampling {
     pub logprobs: Option<u32>,
     /// Structured output: the JSON Schema (text) the answer must follow.
     pub json_schema: Option<String>,
+    /// Forced tool calls: the JSON Schema (text) each call follows ([`Tools::forced_schema`]).
+    pub tool_call_schema: Option<String>,
+    /// Forced tool calls may be more than one.
+    pub parallel_tool_calls: bool,
 }
 
 impl From<&Sampling> for edgesplit_proto::pb::Sampling {
@@ -118,6 +123,8 @@ impl From<&Sampling> for edgesplit_proto::pb::Sampling {
             penalty_last_n: 64,
             logprobs: s.logprobs,
             json_schema: s.json_schema.clone().unwrap_or_default(),
+            tool_call_schema: s.tool_call_schema.clone().unwrap_or_default(),
+            parallel_tool_calls: s.parallel_tool_calls,
         }
     }
 }
@@ -125,8 +132,31 @@ impl From<&Sampling> for edgesplit_proto::pb::Sampling {
 /// The input of a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
-    Chat(Vec<(String, String)>),
+    Chat(Vec<Message>),
     Prompt(String),
+}
+
+/// A chat message.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Message {
+    pub role: String,
+    /// Empty when an assistant message only calls tools (its `content` null).
+    pub content: String,
+    /// An assistant message's `tool_calls`.
+    pub tool_calls: Vec<Call>,
+    /// A `tool` message's `tool_call_id`.
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    /// A message of text only.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+            ..Message::default()
+        }
+    }
 }
 
 /// A request that passed validation; the only type the backends see.
@@ -150,9 +180,11 @@ pub struct ValidRequest {
     /// `cache_prompt` (llama-server's name; default true): the nodes may reuse the KV they
     /// keep from earlier requests for this prompt (ARCHITECTURE.md, "Conversations").
     pub cache_prompt: bool,
+    /// The tools the model may call (None: none, or `tool_choice: "none"`).
+    pub tools: Option<Tools>,
 }
 
-const ROLES: [&str; 4] = ["system", "user", "assistant", "developer"];
+const ROLES: [&str; 5] = ["system", "user", "assistant", "developer", "tool"];
 
 fn num(obj: &Map<String, Value>, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
     match obj.get(key) {
@@ -234,7 +266,7 @@ fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
     }
 }
 
-fn messages(obj: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiError> {
     let list = match obj.get("messages") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid(
@@ -256,58 +288,141 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<(String, String)>, ApiError>
             "messages must contain at least one message",
         ));
     }
-    let mut out = Vec::with_capacity(list.len());
-    for (i, m) in list.iter().enumerate() {
-        let Some(m) = m.as_object() else {
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect()
+}
+
+/// `messages[i]`: `role` and `content`, plus an assistant's `tool_calls` (then `content`
+/// may be null) and a tool's `tool_call_id`.
+fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
+    let Some(m) = m.as_object() else {
+        return Err(ApiError::invalid(
+            Some(format!("messages[{i}]")),
+            "each message must be an object",
+        ));
+    };
+    let role = match m.get("role") {
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+        Some(Value::String(r)) => {
             return Err(ApiError::invalid(
-                Some(format!("messages[{i}]")),
-                "each message must be an object",
-            ));
-        };
-        // Fields a message may carry that we would not use (`name`, `tool_calls`, ...) are
-        // refused rather than dropped; a null one is not set.
-        if let Some((k, _)) = m
-            .iter()
-            .find(|(k, v)| !matches!(k.as_str(), "role" | "content") && !v.is_null())
-        {
-            return Err(ApiError::invalid(
-                Some(format!("messages[{i}].{k}")),
-                format!("unsupported message field {k:?}"),
-            ));
+                Some(format!("messages[{i}].role")),
+                format!(
+                    "invalid role {r:?}; expected one of system, user, assistant, developer, tool"
+                ),
+            ))
         }
-        let role = match m.get("role") {
-            Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
-            Some(Value::String(r)) => {
-                return Err(ApiError::invalid(
-                    Some(format!("messages[{i}].role")),
-                    format!(
-                        "invalid role {r:?}; expected one of system, user, assistant, developer"
-                    ),
-                ))
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    Some(format!("messages[{i}].role")),
-                    "role is required and must be a string",
-                ))
-            }
-        };
-        let param = format!("messages[{i}].content");
-        let content = match m.get("content") {
-            None | Some(Value::Null) => {
-                return Err(ApiError::invalid(Some(param), "content is required"))
-            }
-            Some(c) => content_text(c, &param)?,
-        };
-        // Templates generally know no "developer" role: it is OpenAI's newer name for system.
-        let role = if role == "developer" {
-            "system".into()
-        } else {
-            role
-        };
-        out.push((role, content));
+        _ => {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].role")),
+                "role is required and must be a string",
+            ))
+        }
+    };
+    // Fields a message may carry that we would not use (`name`, `audio`, ...) are refused
+    // rather than dropped; a null one is not set.
+    let own: &[&str] = match role.as_str() {
+        "assistant" => &["role", "content", "tool_calls"],
+        "tool" => &["role", "content", "tool_call_id"],
+        _ => &["role", "content"],
+    };
+    if let Some((k, _)) = m
+        .iter()
+        .find(|(k, v)| !own.contains(&k.as_str()) && !v.is_null())
+    {
+        return Err(ApiError::invalid(
+            Some(format!("messages[{i}].{k}")),
+            format!("unsupported field {k:?} in a {role} message"),
+        ));
     }
-    Ok(out)
+    let tool_calls = match m.get("tool_calls") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(j, c)| message_call(&format!("messages[{i}].tool_calls[{j}]"), c))
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].tool_calls")),
+                "tool_calls must be an array",
+            ))
+        }
+    };
+    let tool_call_id = match m.get("tool_call_id") {
+        _ if role != "tool" => None,
+        Some(Value::String(id)) => Some(id.clone()),
+        _ => {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].tool_call_id")),
+                "a tool message needs the tool_call_id (a string) of the call it answers",
+            ))
+        }
+    };
+    let param = format!("messages[{i}].content");
+    let content = match m.get("content") {
+        // An assistant message that calls tools may say nothing.
+        None | Some(Value::Null) if !tool_calls.is_empty() => String::new(),
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(Some(param), "content is required"))
+        }
+        Some(c) => content_text(c, &param)?,
+    };
+    // Templates generally know no "developer" role: it is OpenAI's newer name for system.
+    let role = if role == "developer" {
+        "system".into()
+    } else {
+        role
+    };
+    Ok(Message {
+        role,
+        content,
+        tool_calls,
+        tool_call_id,
+    })
+}
+
+/// An assistant message's call: `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`, the arguments JSON text of an object (as OpenAI returned them).
+fn message_call(param: &str, c: &Value) -> Result<Call, ApiError> {
+    let bad = |p: &str, msg: &str| Err(ApiError::invalid(Some(format!("{param}{p}")), msg));
+    let Some(o) = c.as_object() else {
+        return bad("", "each tool call must be an object");
+    };
+    if let Some(k) = o
+        .keys()
+        .find(|k| !matches!(k.as_str(), "id" | "type" | "function"))
+    {
+        return bad(&format!(".{k}"), "unsupported field in a tool call");
+    }
+    let (Some(id), Some("function")) = (
+        o.get("id").and_then(Value::as_str),
+        o.get("type").and_then(Value::as_str),
+    ) else {
+        return bad("", "a tool call needs an id and type \"function\"");
+    };
+    let f = o.get("function").and_then(Value::as_object);
+    let (Some(name), Some(arguments)) = (
+        f.and_then(|f| f.get("name")).and_then(Value::as_str),
+        f.and_then(|f| f.get("arguments")).and_then(Value::as_str),
+    ) else {
+        return bad(
+            ".function",
+            "a tool call's function needs a name and arguments (a string)",
+        );
+    };
+    if !serde_json::from_str::<Value>(arguments).is_ok_and(|v| v.is_object()) {
+        return bad(
+            ".function.arguments",
+            "arguments must be the JSON text of an object",
+        );
+    }
+    Ok(Call {
+        id: id.to_string(),
+        name: name.to_string(),
+        arguments: arguments.to_string(),
+    })
 }
 
 fn stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
@@ -355,28 +470,20 @@ const FIELDS: &[&str] = &[
     "response_format",
     "cache_prompt",
 ];
-const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// OpenAI fields we do not implement (yet) but accept at the value that asks for nothing:
 /// the field, whether a value asks for nothing, and what the 400 says otherwise.
 type Inert = (&'static str, fn(&Value) -> bool, &'static str);
 const INERT: &[Inert] = &[
-    (
-        "tools",
-        |v| v.as_array().is_some_and(Vec::is_empty),
-        "tool calls are not supported yet",
-    ),
-    (
-        "tool_choice",
-        |v| v == "none",
-        "tool calls are not supported yet",
-    ),
-    (
-        "parallel_tool_calls",
-        |v| v.is_boolean(),
-        "parallel_tool_calls must be a boolean",
-    ),
     (
         "logit_bias",
         |v| v.as_object().is_some_and(Map::is_empty),
@@ -627,7 +734,24 @@ pub fn parse(
         frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         logprobs: None,
         json_schema: response_format(&obj)?,
+        tool_call_schema: None,
+        parallel_tool_calls: false,
     };
+    let tools = match endpoint {
+        Endpoint::Chat => tools::parse(&obj)?,
+        Endpoint::Completion => None,
+    };
+    if let Some(t) = &tools {
+        if sampling.json_schema.is_some() {
+            // Both would hold the answer to a grammar; llama-server refuses the pair too.
+            return Err(ApiError::invalid(
+                Some("response_format".into()),
+                "response_format cannot be combined with tools (unless tool_choice is \"none\")",
+            ));
+        }
+        sampling.tool_call_schema = t.forced_schema();
+        sampling.parallel_tool_calls = t.parallel;
+    }
     sampling.logprobs = logprobs(endpoint, &obj)?;
     if sampling.top_p <= 0.0 {
         return Err(ApiError::invalid(
@@ -705,6 +829,7 @@ pub fn parse(
         include_usage,
         transport,
         handoff,
+        tools,
     })
 }
 
@@ -721,7 +846,7 @@ mod tests {
         let r =
             chat(r#"{"messages":[{"role":"user","content":"hi"}],"foo":null,"logit_bias":null}"#)
                 .unwrap();
-        assert_eq!(r.input, Input::Chat(vec![("user".into(), "hi".into())]));
+        assert_eq!(r.input, Input::Chat(vec![Message::text("user", "hi")]));
         assert_eq!(r.max_tokens, 0);
         assert_eq!(r.sampling.seed, 7);
         assert!(!r.stream);
@@ -831,7 +956,31 @@ mod tests {
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
-                "tools",
+                "tools[0].function",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"response_format":{"type":"json_object"}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x","tool_call_id":"a"}]}"#,
+                "messages[0].tool_call_id",
+            ),
+            (
+                r#"{"messages":[{"role":"tool","content":"x"}]}"#,
+                "messages[0].tool_call_id",
+            ),
+            (
+                r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{oops"}}]}]}"#,
+                "messages[0].tool_calls[0].function.arguments",
+            ),
+            (
+                r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function"}]}]}"#,
+                "messages[0].tool_calls[0].function",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":null}]}"#,
+                "messages[0].content",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#,
@@ -866,6 +1015,7 @@ mod tests {
             (r#"{"prompt":"x","logprobs":true}"#, "logprobs"),
             (r#"{"prompt":"x","logprobs":21}"#, "logprobs"),
             (r#"{"prompt":"x","top_logprobs":2}"#, "top_logprobs"),
+            (r#"{"prompt":"x","tools":[]}"#, "tools"),
         ] {
             let e = parse(Endpoint::Completion, body.as_bytes(), || 1).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}");
@@ -877,6 +1027,30 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn a_tool_round_trip_is_read() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"Time?"},
+               {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_time","arguments":"{\"tz\": \"UTC\"}"}}]},
+               {"role":"tool","tool_call_id":"call_1","content":"12:00"}],
+               "tools":[{"type":"function","function":{"name":"get_time"}}],"tool_choice":"required","parallel_tool_calls":false}"#,
+        )
+        .unwrap();
+        let Input::Chat(m) = &r.input else { panic!() };
+        assert_eq!(m[1].content, "");
+        assert_eq!(m[1].tool_calls[0].name, "get_time");
+        assert_eq!(m[1].tool_calls[0].arguments, r#"{"tz": "UTC"}"#);
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+        assert!(r.tools.is_some());
+        assert!(r.sampling.tool_call_schema.is_some());
+        assert!(!r.sampling.parallel_tool_calls);
+        let auto = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        )
+        .unwrap();
+        assert!(auto.tools.is_some() && auto.sampling.tool_call_schema.is_none());
     }
 
     #[test]
@@ -930,6 +1104,6 @@ mod tests {
     fn text_parts_are_joined_and_developer_is_system() {
         let r = chat(r#"{"messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#)
             .unwrap();
-        assert_eq!(r.input, Input::Chat(vec![("system".into(), "a\nb".into())]));
+        assert_eq!(r.input, Input::Chat(vec![Message::text("system", "a\nb")]));
     }
 }

@@ -23,6 +23,7 @@ type Authed = InterceptedService<Channel, GrpcCredentials>;
 use crate::api::{HandoffMode, Input, Transport, ValidRequest};
 use crate::error::ApiError;
 use crate::placement::{Conversations, Rates};
+use crate::tools::Tools;
 
 /// How the nodes are reached.
 #[derive(Debug, Clone)]
@@ -58,6 +59,8 @@ pub struct BackendConfig {
 pub enum FinishReason {
     Stop,
     Length,
+    /// The answer is tool calls (set by the response once it reads them).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -66,6 +69,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -216,16 +220,27 @@ pub struct Backend {
     learned: Arc<std::sync::Mutex<Learned>>,
 }
 
-fn input_of(input: &Input) -> pb::prefill_request::Input {
+fn input_of(input: &Input, tools: Option<&Tools>) -> pb::prefill_request::Input {
     match input {
         Input::Chat(msgs) => pb::prefill_request::Input::Chat(pb::ChatInput {
             messages: msgs
                 .iter()
-                .map(|(r, c)| pb::ChatMessage {
-                    role: r.clone(),
-                    content: c.clone(),
+                .map(|m| pb::ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                    tool_calls: m
+                        .tool_calls
+                        .iter()
+                        .map(|c| pb::ToolCall {
+                            id: c.id.clone(),
+                            name: c.name.clone(),
+                            arguments: c.arguments.clone(),
+                        })
+                        .collect(),
+                    tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
                 })
                 .collect(),
+            tools: tools.map(|t| t.json.clone()).unwrap_or_default(),
         }),
         Input::Prompt(p) => pb::prefill_request::Input::Prompt(p.clone()),
     }
@@ -369,7 +384,7 @@ impl Backend {
     ) -> pb::PrefillRequest {
         pb::PrefillRequest {
             request_id: request_id.to_string(),
-            input: Some(input_of(&req.input)),
+            input: Some(input_of(&req.input, req.tools.as_ref())),
             sampling: Some((&req.sampling).into()),
             max_tokens: req.max_tokens,
             handoff,
@@ -1341,7 +1356,10 @@ mod tests {
         };
         for (input, param) in [
             (Input::Prompt("p".into()), "prompt"),
-            (Input::Chat(vec![("user".into(), "m".into())]), "messages"),
+            (
+                Input::Chat(vec![crate::api::Message::text("user", "m")]),
+                "messages",
+            ),
         ] {
             let e = split(input_param(&input))
                 .on_handoff(Ok(Err(refusal())))

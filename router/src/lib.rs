@@ -17,6 +17,7 @@ pub mod respond;
 pub mod server;
 pub mod state;
 pub mod text;
+pub mod tools;
 
 use std::future::Future;
 use std::sync::Arc;

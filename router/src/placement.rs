@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 
-use crate::api::Input;
+use crate::api::{Input, Message};
 
 /// Conversations remembered at most (the decode node's cache holds `--parallel` of them;
 /// an entry it no longer holds costs one refused call, then is forgotten).
@@ -23,7 +23,7 @@ const MAX_CHARS: usize = 4 << 20;
 enum Key {
     /// The messages and the answer (which the next request sends as an `assistant`
     /// message).
-    Chat(Vec<(String, String)>, String),
+    Chat(Vec<Message>, String),
     /// The prompt followed by the answer.
     Prompt(String),
 }
@@ -31,7 +31,7 @@ enum Key {
 impl Key {
     fn chars(&self) -> usize {
         match self {
-            Key::Chat(m, a) => a.len() + m.iter().map(|(r, c)| r.len() + c.len()).sum::<usize>(),
+            Key::Chat(m, a) => a.len() + m.iter().map(message_chars).sum::<usize>(),
             Key::Prompt(p) => p.len(),
         }
     }
@@ -43,14 +43,26 @@ impl Key {
                 let n = held.len();
                 msgs.len() > n + 1
                     && msgs[..n] == held[..]
-                    && msgs[n].0 == "assistant"
-                    && !msgs[n].1.trim().is_empty()
-                    && answer.trim_start().starts_with(msgs[n].1.trim())
+                    && msgs[n].role == "assistant"
+                    && msgs[n].tool_calls.is_empty()
+                    && !msgs[n].content.trim().is_empty()
+                    && answer.trim_start().starts_with(msgs[n].content.trim())
             }
             (Key::Prompt(held), Input::Prompt(p)) => p.len() > held.len() && p.starts_with(held),
             _ => false,
         }
     }
+}
+
+/// A message's size as remembered.
+fn message_chars(m: &Message) -> usize {
+    m.role.len()
+        + m.content.len()
+        + m.tool_call_id.as_ref().map_or(0, String::len)
+        + m.tool_calls
+            .iter()
+            .map(|c| c.id.len() + c.name.len() + c.arguments.len())
+            .sum::<usize>()
 }
 
 /// The conversations whose last answer the decode node wrote, most recent last.
@@ -180,11 +192,7 @@ mod tests {
     use super::*;
 
     fn chat(msgs: &[(&str, &str)]) -> Input {
-        Input::Chat(
-            msgs.iter()
-                .map(|(r, c)| ((*r).to_string(), (*c).to_string()))
-                .collect(),
-        )
+        Input::Chat(msgs.iter().map(|(r, c)| Message::text(*r, *c)).collect())
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::metrics::RequestObserver;
 pub use crate::recent::Timing;
 use crate::recent::{RecentAnswer, Status};
 use crate::text::TextAssembler;
+use crate::tools::{self, Call, Tools};
 
 /// Fixed facts of one response.
 #[derive(Debug, Clone)]
@@ -32,6 +33,8 @@ pub struct Meta {
     pub seed: u32,
     /// The request asked for log-probabilities.
     pub logprobs: bool,
+    /// The tools the answer may call: its text is read for calls at its end.
+    pub tools: Option<Tools>,
 }
 
 /// What one event means for the client.
@@ -62,6 +65,8 @@ pub struct Answer {
     /// of them streamed chunks have carried so far.
     logprobs: Vec<(Vec<u8>, pb::TokenLogprobs)>,
     logprobs_sent: usize,
+    /// The tool calls read from the answer's end (then `finish` is `ToolCalls`).
+    calls: Vec<Call>,
 }
 
 impl Answer {
@@ -72,9 +77,13 @@ impl Answer {
         prompt_tokens: Option<u32>,
         prefill_ms: Option<f64>,
     ) -> Self {
+        let mut text = TextAssembler::new(stops);
+        if meta.tools.is_some() {
+            text = text.holding_from(tools::MARKER);
+        }
         Self {
             meta,
-            text: TextAssembler::new(stops),
+            text,
             observer: None,
             last_token_at: None,
             completion_tokens: 0,
@@ -87,6 +96,7 @@ impl Answer {
             },
             logprobs: Vec::new(),
             logprobs_sent: 0,
+            calls: Vec::new(),
         }
     }
 
@@ -101,7 +111,10 @@ impl Answer {
     /// answer's outcome once it ends.
     pub fn on_event(&mut self, ev: Event) -> Step {
         let is_token = matches!(ev, Event::Token { .. });
-        let step = self.fold(ev);
+        let step = match self.fold(ev) {
+            Step::Done(rest) => Step::Done(self.read_calls(rest)),
+            step => step,
+        };
         let Some(obs) = &self.observer else {
             return step;
         };
@@ -120,6 +133,27 @@ impl Answer {
             obs.metrics.record(a);
         }
         step
+    }
+
+    /// The end of an answer that may call tools: the calls in `rest` (all the text held
+    /// since the first call's start) are taken out of it, and the answer's finish becomes
+    /// `tool_calls`; what came before them is returned. An answer cut by `max_tokens`, or
+    /// whose text after the start is not only calls, stays text.
+    fn read_calls(&mut self, rest: String) -> String {
+        let Some(tools) = &self.meta.tools else {
+            return rest;
+        };
+        if self.finish == Some(FinishReason::Length) {
+            return rest;
+        }
+        match tools.calls_in(&rest) {
+            Some((before, calls)) => {
+                self.calls = calls;
+                self.finish = Some(FinishReason::ToolCalls);
+                before.to_string()
+            }
+            None => rest,
+        }
     }
 
     /// This answer as recorded: ended well, or failed with `error`.
@@ -292,10 +326,25 @@ impl Answer {
     /// The non-streaming response body for the full `text`.
     #[must_use]
     pub fn full_response(&self, text: &str) -> Value {
+        let mut message = json!({"role": "assistant", "content": text});
+        if !self.calls.is_empty() {
+            // As OpenAI: the calls, and content only where the model said something first.
+            let said = text.trim();
+            message["content"] = if said.is_empty() {
+                Value::Null
+            } else {
+                json!(said)
+            };
+            message["tool_calls"] = self
+                .calls
+                .iter()
+                .map(|c| tools::call_json(c, None))
+                .collect();
+        }
         let choice = match self.meta.endpoint {
             Endpoint::Chat => json!({
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": self.logprobs_json(&self.logprobs),
                 "finish_reason": self.finish_str(),
             }),
@@ -416,6 +465,21 @@ impl Answer {
     /// The finish chunk(s): finish reason (with the timing report and the log-probabilities
     /// of tokens no chunk carried), then usage if asked.
     pub fn final_chunks(&mut self) -> Vec<Value> {
+        let mut out = Vec::new();
+        if !self.calls.is_empty() {
+            // Each call whole in one delta (OpenAI streams the arguments in pieces; a
+            // client joins the pieces, so one piece is the same call).
+            let calls: Vec<Value> = self
+                .calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| tools::call_json(c, Some(i)))
+                .collect();
+            let logprobs = self.unsent_logprobs();
+            out.push(self.chunk(json!([{
+                "index": 0, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": null,
+            }])));
+        }
         let logprobs = self.unsent_logprobs();
         let choice = match self.meta.endpoint {
             Endpoint::Chat => json!({
@@ -427,7 +491,7 @@ impl Answer {
         };
         let mut finish = self.chunk(json!([choice]));
         finish["edgesplit"] = self.timing_json();
-        let mut out = vec![finish];
+        out.push(finish);
         if self.meta.include_usage {
             let mut usage = self.chunk(json!([]));
             usage["usage"] = self.usage();
@@ -456,6 +520,7 @@ mod tests {
                 return_token_ids: false,
                 seed: 0,
                 logprobs: false,
+                tools: None,
             },
             stops,
             Some(5),
@@ -650,5 +715,80 @@ mod tests {
         });
         assert!(b.full_response("x")["choices"][0]["logprobs"].is_null());
         assert!(b.text_chunk("x")["choices"][0]["logprobs"].is_null());
+    }
+
+    fn token(text: &str) -> Event {
+        Event::Token {
+            id: 0,
+            bytes: text.as_bytes().to_vec(),
+            logprobs: None,
+        }
+    }
+
+    fn with_tools() -> Answer {
+        let mut a = answer(Endpoint::Chat, false, vec![]);
+        let body = json!({"tools": [{"type": "function", "function": {"name": "get_time"}}]});
+        a.meta.tools = crate::tools::parse(body.as_object().unwrap()).unwrap();
+        a.text = TextAssembler::new(vec![]).holding_from(crate::tools::MARKER);
+        a
+    }
+
+    #[test]
+    fn a_call_at_the_end_becomes_tool_calls_streamed_and_whole() {
+        let mut a = with_tools();
+        assert_eq!(
+            a.on_event(token("One moment.\n<tool")),
+            Step::Text("One moment.\n".into())
+        );
+        assert_eq!(
+            a.on_event(token("_call>\n{\"name\": \"get_time\"")),
+            Step::Nothing
+        );
+        assert_eq!(
+            a.on_event(token(", \"arguments\": {}}\n</tool_call>")),
+            Step::Nothing
+        );
+        assert_eq!(
+            a.on_event(finished(FinishReason::Stop)),
+            Step::Done(String::new())
+        );
+        assert_eq!(a.finish, Some(FinishReason::ToolCalls));
+        let whole = a.full_response("One moment.\n");
+        let message = &whole["choices"][0]["message"];
+        assert_eq!(message["content"], "One moment.");
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "get_time");
+        assert_eq!(message["tool_calls"][0]["function"]["arguments"], "{}");
+        assert_eq!(message["tool_calls"][0]["type"], "function");
+        assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+        let chunks = a.final_chunks();
+        assert_eq!(chunks.len(), 2);
+        let delta = &chunks[0]["choices"][0]["delta"]["tool_calls"][0];
+        assert_eq!(delta["index"], 0);
+        assert_eq!(delta["id"], message["tool_calls"][0]["id"]);
+        assert_eq!(chunks[1]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn a_broken_or_cut_call_stays_text() {
+        let mut a = with_tools();
+        assert_eq!(
+            a.on_event(token("<tool_call>\n{\"name\": \"nope\"}\n</tool_call>")),
+            Step::Nothing
+        );
+        let Step::Done(text) = a.on_event(finished(FinishReason::Stop)) else {
+            panic!()
+        };
+        assert_eq!(text, "<tool_call>\n{\"name\": \"nope\"}\n</tool_call>");
+        assert_eq!(
+            a.full_response(&text)["choices"][0]["finish_reason"],
+            "stop"
+        );
+        let mut a = with_tools();
+        a.on_event(token("<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>"));
+        let Step::Done(text) = a.on_event(finished(FinishReason::Length)) else {
+            panic!()
+        };
+        assert!(text.starts_with("<tool_call>"), "{text}");
+        assert_eq!(a.final_chunks()[0]["choices"][0]["finish_reason"], "length");
     }
 }

@@ -182,6 +182,9 @@ async fn serve_inner(
             return Err(ApiError::model_not_found(m));
         }
     }
+    if req.tools.is_some() {
+        tools_supported(&info.tool_call_format)?;
+    }
     let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
     tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
     let started = s.backend.start(&req, transport, &request_id).await?;
@@ -201,6 +204,7 @@ async fn serve_inner(
         return_token_ids: req.return_token_ids,
         seed: req.sampling.seed,
         logprobs: req.sampling.logprobs.is_some(),
+        tools: req.tools.clone(),
     };
     let mut answer = Answer::new(
         meta,
@@ -216,6 +220,24 @@ async fn serve_inner(
     } else {
         whole_response(answer, started.events).await
     }
+}
+
+/// A request with tools is refused before any work unless the prefill node's chat
+/// template writes calls the router reads (`Info.tool_call_format`, `tools.rs`).
+fn tools_supported(format: &str) -> Result<(), ApiError> {
+    let why = match format {
+        "hermes" => return Ok(()),
+        "" => {
+            "this model's chat template does not take tools: start both nodes with \
+               --chat-template-file and a template that does (for a ChatML model, \
+               templates/chatml-tools.jinja)"
+        }
+        _ => {
+            "this model's chat template writes tool calls in a format EdgeSplit does not \
+              read (it reads JSON in <tool_call> tags, as Hermes and Qwen 2.5 templates write)"
+        }
+    };
+    Err(ApiError::invalid(Some("tools".into()), why).with_code("tools_unsupported"))
 }
 
 async fn whole_response(

@@ -1,8 +1,10 @@
-//! Token bytes -> text deltas: incremental UTF-8 decoding and stop strings.
+//! Token bytes -> text deltas: incremental UTF-8 decoding, stop strings, and tool calls
+//! held back.
 //!
 //! A token may end inside a multi-byte character, and a stop string may span tokens, so
 //! text is released only once it can no longer change: complete characters that cannot be
-//! the start of a stop string.
+//! the start of a stop string. With a hold marker (a tool call's start), everything from
+//! the marker on is held to the end of the answer, where it is read for calls.
 
 /// Assembles the answer's text from token pieces.
 #[derive(Debug, Default)]
@@ -13,6 +15,10 @@ pub struct TextAssembler {
     /// Decoded text that may still turn out to begin a stop string.
     held: String,
     stopped: bool,
+    /// Text from this marker on is held until [`TextAssembler::finish`].
+    hold_from: Option<&'static str>,
+    /// The marker has come: `held` starts with it.
+    holding: bool,
 }
 
 /// What pushing a piece produced.
@@ -31,6 +37,13 @@ impl TextAssembler {
             stops,
             ..Self::default()
         }
+    }
+
+    /// Holds everything from `marker` on (see the module's docs).
+    #[must_use]
+    pub fn holding_from(mut self, marker: &'static str) -> Self {
+        self.hold_from = Some(marker);
+        self
     }
 
     /// Adds one token's bytes.
@@ -76,9 +89,21 @@ impl TextAssembler {
                 stopped: true,
             };
         }
-        // Keep the longest suffix of `held` that is a proper prefix of some stop string.
+        if self.holding {
+            return Delta::default();
+        }
+        if let Some(at) = self.hold_from.and_then(|m| self.held.find(m)) {
+            self.holding = true;
+            let rest = self.held.split_off(at);
+            return Delta {
+                text: std::mem::replace(&mut self.held, rest),
+                stopped: false,
+            };
+        }
+        // Keep the longest suffix of `held` that is a proper prefix of some stop string
+        // (or of the hold marker).
         let mut keep = 0;
-        for s in &self.stops {
+        for s in self.stops.iter().map(String::as_str).chain(self.hold_from) {
             for (i, _) in s.char_indices().skip(1) {
                 if self.held.ends_with(&s[..i]) {
                     keep = keep.max(i);
@@ -152,6 +177,21 @@ mod tests {
         let d = a.push(b"xxabyy");
         assert_eq!(d.text, "xx");
         assert!(d.stopped);
+    }
+
+    #[test]
+    fn text_from_the_hold_marker_on_is_held_to_the_end() {
+        let mut a = TextAssembler::new(vec!["STOP".into()]).holding_from("<tool_call>");
+        assert_eq!(a.push(b"Sure.\n<tool").text, "Sure.\n");
+        assert_eq!(a.push(b"_call>\n{\"name\"").text, "");
+        assert_eq!(a.push(b": 1}\n</tool_call>").text, "");
+        assert_eq!(a.finish(), "<tool_call>\n{\"name\": 1}\n</tool_call>");
+        // A false start is released; a stop string still ends the answer while holding.
+        let mut a = TextAssembler::new(vec!["STOP".into()]).holding_from("<tool_call>");
+        assert_eq!(a.push(b"a <tool").text, "a ");
+        assert_eq!(a.push(b"box>").text, "<toolbox>");
+        assert_eq!(a.push(b"<tool_call>xSTOPy").text, "<tool_call>x");
+        assert_eq!(a.finish(), "");
     }
 
     #[test]

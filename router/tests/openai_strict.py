@@ -3,8 +3,9 @@ router: every response and streamed chunk must parse into the client's own types
 completions, streamed and not, log-probabilities, structured output (the client's own
 `parse` helper with a Pydantic model), and a refused field as the client's error type.
 
-Run by router/tests/it/openai_client.rs: `python3 openai_strict.py BASE_URL`, with the
-client installed by scripts/test.sh (PYTHONPATH=.build/openai-py).
+Run by router/tests/it/openai_client.rs: `python3 openai_strict.py BASE_URL TOOLS_URL`
+(TOOLS_URL: a router whose nodes have a tool template: a tool call round trip, streamed
+and not), with the client installed by scripts/test.sh (PYTHONPATH=.build/openai-py).
 """
 
 import json
@@ -103,4 +104,42 @@ try:
 except openai.BadRequestError as e:
     assert e.body["param"] == "tools", e.body
 
-print("ok:", json.dumps({"chat": choice.message.content, "planets": got.model_dump()}))
+# A tool call round trip, through a stack whose template takes tools.
+tools_client = OpenAI(base_url=sys.argv[2] + "/v1", api_key="unused", _strict_response_validation=True)
+tools = [{"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 32}},
+                   "required": ["timezone"], "additionalProperties": False}}}]
+ask = [{"role": "user", "content": "What time is it in Tokyo?"}]
+forced = {"type": "function", "function": {"name": "get_time"}}
+r = tools_client.chat.completions.create(
+    model=model, messages=ask, tools=tools, tool_choice=forced, parallel_tool_calls=False,
+    max_tokens=64, temperature=0,
+)
+call_choice = r.choices[0]
+assert call_choice.finish_reason == "tool_calls", r
+(call,) = call_choice.message.tool_calls
+assert call.type == "function" and call.function.name == "get_time" and call.id, call
+assert "timezone" in json.loads(call.function.arguments), call
+streamed_calls = {}
+finish = None
+for chunk in tools_client.chat.completions.create(
+    model=model, messages=ask, tools=tools, tool_choice=forced, parallel_tool_calls=False,
+    max_tokens=64, temperature=0, stream=True,
+):
+    for c in chunk.choices:
+        finish = c.finish_reason or finish
+        for d in c.delta.tool_calls or []:
+            name, args = streamed_calls.get(d.index, ("", ""))
+            streamed_calls[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+assert finish == "tool_calls", finish
+assert streamed_calls == {0: (call.function.name, call.function.arguments)}, streamed_calls
+answer = tools_client.chat.completions.create(
+    model=model, tools=tools, max_tokens=24, temperature=0,
+    messages=ask + [call_choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "14:05"}],
+)
+assert answer.choices[0].message.content or answer.choices[0].message.tool_calls, answer
+
+print("ok:", json.dumps({"chat": choice.message.content, "planets": got.model_dump(),
+                         "call": call.function.arguments}))

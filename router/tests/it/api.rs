@@ -56,7 +56,10 @@ async fn chat_completion_shape_and_usage() {
 
     // What we would not honour is refused by name, never answered as if it were.
     for (extra, param) in [
-        (json!({"tools": [{"type": "function"}]}), "tools"),
+        (
+            json!({"tools": [{"type": "function"}]}),
+            "tools[0].function",
+        ),
         (
             json!({"some_future_field": {"x": [1, 2]}}),
             "some_future_field",
@@ -88,10 +91,8 @@ async fn prompt_token_count_is_exact() {
     ];
     for conv in convs {
         let want = engine
-            .tokenize(edgesplit_engine::Input::Chat(
-                conv.iter()
-                    .map(|(r, c)| (r.to_string(), c.to_string()))
-                    .collect(),
+            .tokenize(edgesplit_engine::Input::chat(
+                conv.iter().map(|(r, c)| (r.to_string(), c.to_string())),
             ))
             .await
             .unwrap()

@@ -81,10 +81,8 @@ async fn assert_prompts_as_stock(
         )
         .await;
         let ours = engine
-            .tokenize(edgesplit_engine::Input::Chat(
-                conv.iter()
-                    .map(|(r, c)| ((*r).to_string(), c.clone()))
-                    .collect(),
+            .tokenize(edgesplit_engine::Input::chat(
+                conv.iter().map(|(r, c)| (*r, c.clone())),
             ))
             .await;
         if status != 200 {
@@ -303,9 +301,9 @@ async fn a_template_file_gives_llama_servers_prompt_and_a_bad_one_is_refused_at_
     let refused = assert_prompts_as_stock(&stock, &engine, &conversations()).await;
     assert!((1..=4).contains(&refused), "{refused} refused");
     let refused = engine
-        .tokenize(edgesplit_engine::Input::Chat(vec![
-            ("user".into(), "a".into()),
-            ("user".into(), "b".into()),
+        .tokenize(edgesplit_engine::Input::chat(vec![
+            ("user", "a"),
+            ("user", "b"),
         ]))
         .await
         .unwrap_err();
@@ -330,5 +328,133 @@ async fn a_template_file_gives_llama_servers_prompt_and_a_bad_one_is_refused_at_
             panic!("started with an unusable template file")
         };
         assert!(e.to_string().contains(says), "{e}");
+    }
+}
+
+/// The engine's chat for OpenAI-shaped `messages` and `tools`, the tools as the router
+/// passes them on (`edgesplit_router::tools::parse`).
+fn chat_of(messages: &Value, tools: &Value) -> edgesplit_engine::Chat {
+    let tools = edgesplit_router::tools::parse(json!({ "tools": tools }).as_object().unwrap())
+        .unwrap()
+        .map(|t| serde_json::from_str::<Value>(&t.json).unwrap());
+    let messages = messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| edgesplit_engine::ChatMessage {
+            role: m["role"].as_str().unwrap().into(),
+            content: m["content"].as_str().unwrap_or("").into(),
+            tool_calls: m["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|c| edgesplit_engine::ToolCall {
+                    id: c["id"].as_str().unwrap().into(),
+                    name: c["function"]["name"].as_str().unwrap().into(),
+                    arguments: serde_json::from_str(c["function"]["arguments"].as_str().unwrap())
+                        .unwrap(),
+                })
+                .collect(),
+            tool_call_id: m["tool_call_id"].as_str().map(Into::into),
+        })
+        .collect();
+    edgesplit_engine::Chat { messages, tools }
+}
+
+/// Issue 18: conversations with tools, calls and tools' answers through
+/// `templates/chatml-tools.jinja` give the tokens a stock llama-server (`--jinja`) gives
+/// from the same file and request: the tools listed as its Jinja engine writes them (keys
+/// in the client's order), each call's arguments as an object, the tools' answers.
+#[tokio::test]
+async fn tool_conversations_are_the_prompt_llama_server_builds() {
+    let model = common::model(common::SMOLLM2);
+    let file = std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../templates/chatml-tools.jinja"
+    ));
+    let stock = StockServer::start(
+        "tools-template",
+        &model,
+        &["--jinja", "--chat-template-file", file.to_str().unwrap()],
+    )
+    .await;
+    let engine = engine(&model, Some(&file)).await;
+    assert_eq!(
+        engine.info().tool_call_format,
+        edgesplit_engine::ToolCallFormat::Hermes
+    );
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time",
+          "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+    ]);
+    let call = |id: &str, name: &str, args: &str| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}});
+    let cases = [
+        (
+            json!([{"role": "user", "content": "Weather in Oslo?"}]),
+            tools.clone(),
+        ),
+        (
+            json!([{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "Time in Lima?"}]),
+            tools.clone(),
+        ),
+        (
+            json!([{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": null, "tool_calls": [
+                       call("c1", "get_weather", r#"{"city": "Oslo", "unit": "celsius"}"#)]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "{\"celsius\": 4}"}]),
+            tools.clone(),
+        ),
+        (
+            json!([{"role": "user", "content": "Weather in Oslo and time in Lima?"},
+                   {"role": "assistant", "content": "Checking both.", "tool_calls": [
+                       call("c1", "get_weather", r#"{"city":"Oslo"}"#),
+                       call("c2", "get_time", r#"{"tz": "America/Lima", "n": [1, 2.5, true, null]}"#)]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "4 degrees"},
+                   {"role": "tool", "tool_call_id": "c2", "content": "09:12"},
+                   {"role": "assistant", "content": "4 degrees in Oslo; 09:12 in Lima."},
+                   {"role": "user", "content": "Thanks!"}]),
+            tools.clone(),
+        ),
+        // The history of calls without tools offered this turn.
+        (
+            json!([{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": null, "tool_calls": [
+                       call("c1", "get_weather", r#"{"city": "Oslo"}"#)]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]),
+            json!([]),
+        ),
+    ];
+    for (messages, tools) in cases {
+        let mut request = json!({ "messages": messages });
+        if tools.as_array().is_some_and(|a| !a.is_empty()) {
+            request["tools"] = tools.clone();
+        }
+        let (status, _, applied) =
+            common::post(&format!("{}/apply-template", stock.base), &request).await;
+        assert_eq!(status, 200, "{request}: {applied}");
+        let prompt = applied["prompt"].as_str().unwrap();
+        let (_, _, tokenized) = common::post(
+            &format!("{}/tokenize", stock.base),
+            &json!({"content": prompt, "add_special": true, "parse_special": true}),
+        )
+        .await;
+        let theirs: Vec<i32> = tokenized["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap() as i32)
+            .collect();
+        let ours = engine
+            .tokenize(edgesplit_engine::Input::Chat(chat_of(&messages, &tools)))
+            .await
+            .unwrap();
+        assert_eq!(
+            ours, theirs,
+            "{request}: llama-server's prompt was {prompt:?}"
+        );
     }
 }

@@ -34,7 +34,9 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                 messages: vec![pb::ChatMessage {
                     role: "user".into(),
                     content: "List four colours of the rainbow.".into(),
+                    ..Default::default()
                 }],
+                ..Default::default()
             })),
             sampling: Some(greedy()),
             max_tokens: N,

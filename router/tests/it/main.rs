@@ -32,4 +32,5 @@ mod private;
 mod processes;
 mod request_id;
 mod structured;
+mod tools;
 mod v1_upload;

@@ -1,7 +1,8 @@
 //! The official `openai` Python client (pinned by scripts/test.sh, which installs it into
 //! `.build/openai-py`) with strict response validation against the router: every response
 //! and chunk parses into the client's own types, log-probabilities and structured output
-//! included (`router/tests/openai_strict.py` says what it checks).
+//! included, and a tool call round trip through the tool template's stack
+//! (`router/tests/openai_strict.py` says what it checks).
 
 use crate::common;
 
@@ -19,10 +20,12 @@ async fn the_official_client_in_strict_mode_takes_every_response() {
     );
     let script = root.join("router/tests/openai_strict.py");
     let router = s.router.clone();
+    let tools_router = crate::tools::stack().router.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("python3")
             .arg(script)
             .arg(router)
+            .arg(tools_router)
             .env("PYTHONPATH", site)
             .output()
     })

@@ -88,6 +88,8 @@ pub struct StackOptions {
     pub handoff: edgesplit_router::api::HandoffMode,
     /// The prefill node's `--stream-prefill`.
     pub stream_prefill: bool,
+    /// Both nodes' `--chat-template-file`.
+    pub chat_template_file: Option<PathBuf>,
 }
 
 impl StackOptions {
@@ -119,6 +121,7 @@ impl StackOptions {
             api_key: None,
             handoff: edgesplit_router::api::HandoffMode::After,
             stream_prefill: false,
+            chat_template_file: None,
         }
     }
 }
@@ -227,6 +230,7 @@ async fn serve(opts: StackOptions) -> Stack {
         n_ctx: opts.n_ctx,
         cache_type_k: opts.cache_type,
         cache_type_v: opts.cache_type,
+        chat_template_file: opts.chat_template_file.clone(),
         ..edgesplit_engine::EngineArgs::new(opts.model.clone())
     };
     let dcfg = edgesplit_decode::Config {
@@ -526,6 +530,9 @@ pub struct Outcome {
     pub completion_tokens: u64,
     /// The choice's `logprobs` (streamed: every chunk's, joined into the same shape).
     pub logprobs: Value,
+    /// The message's tool calls, (name, arguments), in order (streamed: the deltas
+    /// joined by index, as a client joins them). Their ids are new in every answer.
+    pub tool_calls: Vec<(String, String)>,
 }
 
 /// Joins a streamed chunk's `logprobs` into `acc`: each list of the object extended.
@@ -644,11 +651,29 @@ pub async fn run_reporting(
             assert_eq!(v["edgesplit"]["handoff_mode"], m, "{v}");
         }
         let choice = &v["choices"][0];
-        let text = choice["message"]["content"]
-            .as_str()
-            .or(choice["text"].as_str())
-            .unwrap()
-            .to_string();
+        let message = &choice["message"];
+        // (Null when an answer is only tool calls.)
+        let text = match (&message["content"], &choice["text"]) {
+            (Value::String(t), _) | (_, Value::String(t)) => t.clone(),
+            _ if message["tool_calls"].is_array() => String::new(),
+            _ => panic!("no text in {v}"),
+        };
+        let tool_calls = message["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                assert!(
+                    c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
+                    "{c}"
+                );
+                assert_eq!(c["type"], "function", "{c}");
+                (
+                    c["function"]["name"].as_str().unwrap().to_string(),
+                    c["function"]["arguments"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
         let outcome = Outcome {
             text,
             token_ids: ids(&v),
@@ -656,6 +681,7 @@ pub async fn run_reporting(
             prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
             completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
             logprobs: choice["logprobs"].clone(),
+            tool_calls,
         };
         return (outcome, v["edgesplit"].clone());
     }
@@ -668,6 +694,7 @@ pub async fn run_reporting(
     let mut token_ids = Vec::new();
     let mut edgesplit = Value::Null;
     let mut logprobs = Value::Null;
+    let mut tool_calls: Vec<(String, String)> = Vec::new();
     for c in &cs {
         assert!(c.get("error").is_none(), "in-band error: {c}");
         if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
@@ -681,6 +708,23 @@ pub async fn run_reporting(
             text.push_str(t);
         }
         join_logprobs(&mut logprobs, &ch["logprobs"]);
+        for call in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = call["index"].as_u64().expect("a streamed call's index") as usize;
+            if i == tool_calls.len() {
+                assert!(
+                    call["id"]
+                        .as_str()
+                        .is_some_and(|id| id.starts_with("call_")),
+                    "{call}"
+                );
+                tool_calls.push(Default::default());
+            }
+            let f = &call["function"];
+            tool_calls[i].0.push_str(f["name"].as_str().unwrap_or(""));
+            tool_calls[i]
+                .1
+                .push_str(f["arguments"].as_str().unwrap_or(""));
+        }
         if let Some(f) = ch["finish_reason"].as_str() {
             assert!(finish.is_none(), "two finish chunks");
             finish = Some(f.to_string());
@@ -694,6 +738,7 @@ pub async fn run_reporting(
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
         logprobs,
+        tool_calls,
     };
     (outcome, edgesplit)
 }
