@@ -39,6 +39,8 @@ pub struct ModelInfo {
     pub sliding_window: bool,
     /// How the chat template writes tool calls (`tools` are refused unless it is Hermes).
     pub tool_call_format: crate::template::ToolCallFormat,
+    /// SHA-256 (hex) of the chat template's source; empty when none compiles.
+    pub chat_template_fingerprint: String,
 }
 
 impl ModelInfo {
@@ -96,6 +98,7 @@ impl ModelInfo {
             sliding_window: has_sliding_window(model),
             // Set once the template is compiled.
             tool_call_format: crate::template::ToolCallFormat::None,
+            chat_template_fingerprint: String::new(),
         }
     }
 }

@@ -50,6 +50,8 @@ pub struct ChatTemplate {
     /// The vocabulary adds EOS when tokenizing: a trailing EOS in the text is cut.
     strip_eos: bool,
     tool_calls: ToolCallFormat,
+    /// SHA-256 (hex) of the template's source.
+    fingerprint: String,
 }
 
 /// How a chat template writes the model's tool calls.
@@ -113,9 +115,20 @@ impl ChatTemplate {
             strip_bos: special.add_bos,
             strip_eos: special.add_eos,
             tool_calls: ToolCallFormat::None,
+            fingerprint: {
+                use sha2::Digest;
+                hex::encode(sha2::Sha256::digest(source.as_bytes()))
+            },
         };
         t.tool_calls = t.probe_tools(source);
         Ok(t)
+    }
+
+    /// SHA-256 (hex) of the template's source: two nodes render a chat alike when theirs
+    /// are equal.
+    #[must_use]
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// How this template writes tool calls (see [`ToolCallFormat`]).

@@ -46,6 +46,7 @@ impl ModelInfo {
             type_v: self.type_v,
             parallel: self.parallel,
             tool_call_format: self.tool_call_format.as_str().into(),
+            chat_template_fingerprint: self.chat_template_fingerprint.clone(),
             ..Default::default()
         }
     }

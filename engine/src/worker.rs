@@ -137,6 +137,7 @@ pub(crate) fn owner_thread(
     }
     if let Ok(t) = &chat {
         info.tool_call_format = t.tool_call_format();
+        info.chat_template_fingerprint = t.fingerprint().to_string();
     }
     let n_batch = config.n_batch as usize;
     let worker = Worker {

@@ -217,6 +217,8 @@ pub struct Backend {
     /// The decode node's `Info` as last answered: a split request starts its prefill
     /// towards these addresses while its own `Info` call is on the way ([`Backend::start`]).
     last_decode_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
+    /// The prefill node's `Info` as last answered (every request asks for it first).
+    last_prefill_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
     learned: Arc<std::sync::Mutex<Learned>>,
 }
 
@@ -283,6 +285,7 @@ impl Backend {
             ),
             config,
             last_decode_info: Arc::default(),
+            last_prefill_info: Arc::default(),
             learned: Arc::default(),
         })
     }
@@ -305,12 +308,34 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn prefill_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.prefill.clone();
-        self.info_within(
-            c.info(pb::InfoRequest {}),
-            "prefill_unavailable",
-            "the prefill node",
-        )
-        .await
+        let info = self
+            .info_within(
+                c.info(pb::InfoRequest {}),
+                "prefill_unavailable",
+                "the prefill node",
+            )
+            .await;
+        if let Ok(i) = &info {
+            *lock_info(&self.last_prefill_info) = Some(i.clone());
+        }
+        info
+    }
+
+    /// Whether the decode node renders `input` as the prefill node does: a raw prompt
+    /// always; a chat when both nodes' last `Info` name the same chat template (another
+    /// template is another prompt, and the decode node renders the chats it continues).
+    fn renders_alike(&self, input: &Input) -> bool {
+        if matches!(input, Input::Prompt(_)) {
+            return true;
+        }
+        let template = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
+            lock_info(l)
+                .as_ref()
+                .map(|i| i.chat_template_fingerprint.clone())
+                .filter(|f| !f.is_empty())
+        };
+        let prefill = template(&self.last_prefill_info);
+        prefill.is_some() && prefill == template(&self.last_decode_info)
     }
 
     /// The decode node's info, within the info timeout.
@@ -626,7 +651,7 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
-        let held = if req.cache_prompt {
+        let held = if req.cache_prompt && self.renders_alike(&req.input) {
             lock(&self.learned).conversations.find(&req.input)
         } else {
             None

@@ -243,6 +243,51 @@ async fn a_conversation_the_prefill_node_ended_goes_on_there() {
     assert_eq!(split2, local2);
 }
 
+/// A decode node whose chat template is not the prefill node's (another
+/// `--chat-template-file`) would render the next turn as another prompt: here the two
+/// templates render the first turn and its answer alike and a later user message
+/// differently, so the decode node's cache would serve the prefix and its prompt would
+/// not be the prefill node's. The router does not let it continue the chat: the turn is
+/// split, and the answer is the one-device answer.
+#[tokio::test]
+async fn a_decode_node_with_another_template_does_not_continue_a_chat() {
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'user' and not loop.first %}{{ MARK }}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let dir = common::stock::tempdir("two-templates");
+    let file = |name: &str, mark: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, CHATML.replace("{{ MARK }}", mark)).unwrap();
+        p
+    };
+    let s = common::start(common::StackOptions {
+        chat_template_file: Some(file("plain.jinja", "")),
+        decode_chat_template_file: Some(file("marked.jinja", "Question: ")),
+        ..common::StackOptions::new(common::SMOLLM2)
+    });
+    let fingerprint = |i: edgesplit_proto::pb::NodeInfo| i.chat_template_fingerprint;
+    let decode = fingerprint(common::decode_info(&s.decode_grpc).await);
+    let mut prefill =
+        edgesplit_proto::pb::prefill_client::PrefillClient::connect(s.prefill_grpc.clone())
+            .await
+            .unwrap();
+    let prefill = fingerprint(
+        prefill
+            .info(edgesplit_proto::pb::InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert!(!decode.is_empty() && !prefill.is_empty() && decode != prefill);
+    let sampling = greedy();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, e) = turn(&s, &messages, &sampling, "v2").await;
+    common::assert_split(&e, first.completion_tokens);
+    let going_on = next(&messages, &first.text, QUESTIONS[1]);
+    let (second, e) = turn(&s, &going_on, &sampling, "v2").await;
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    common::assert_split(&e, second.completion_tokens);
+    assert_eq!(second, uncached(&s, &going_on, &sampling).await);
+}
+
 /// `cache_prompt: false` reuses nothing, on the decode node neither: the turn is split.
 #[tokio::test]
 async fn cache_prompt_false_reuses_nothing() {

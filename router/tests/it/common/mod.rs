@@ -90,6 +90,8 @@ pub struct StackOptions {
     pub stream_prefill: bool,
     /// Both nodes' `--chat-template-file`.
     pub chat_template_file: Option<PathBuf>,
+    /// The decode node's `--chat-template-file` instead (a device set up otherwise).
+    pub decode_chat_template_file: Option<PathBuf>,
 }
 
 impl StackOptions {
@@ -122,6 +124,7 @@ impl StackOptions {
             handoff: edgesplit_router::api::HandoffMode::After,
             stream_prefill: false,
             chat_template_file: None,
+            decode_chat_template_file: None,
         }
     }
 }
@@ -234,7 +237,13 @@ async fn serve(opts: StackOptions) -> Stack {
         ..edgesplit_engine::EngineArgs::new(opts.model.clone())
     };
     let dcfg = edgesplit_decode::Config {
-        engine: engine_args.clone(),
+        engine: edgesplit_engine::EngineArgs {
+            chat_template_file: opts
+                .decode_chat_template_file
+                .clone()
+                .or(opts.chat_template_file.clone()),
+            ..engine_args.clone()
+        },
         node: edgesplit_proto::service::NodeArgs {
             secret_file: decode_secret_file,
             handoff_frame_timeout_s: 30,
