@@ -24,7 +24,6 @@ use edgesplit_proto::handoff::StateSink;
 use edgesplit_proto::{buffers, frame, v1};
 use futures::StreamExt;
 use serde_json::json;
-use sha2::{Digest, Sha256};
 
 use crate::store::Store;
 
@@ -132,14 +131,14 @@ async fn receive(
     // Authentication first: an unauthenticated peer learns nothing, not even our model.
     if let Some(secret) = &cfg.secret {
         use edgesplit_proto::auth;
-        let sha = header(headers, v1::HEADER_SHA256).unwrap_or("");
+        let len = header(headers, "content-length").unwrap_or("");
         let checked = header(headers, auth::HEADER)
             .ok_or_else(|| "no credential: this node requires the shared secret".to_string())
             .and_then(|t| {
                 auth::Token::check(
                     secret,
                     auth::V1_UPLOAD,
-                    &[id.as_bytes(), sha.as_bytes()],
+                    &[id.as_bytes(), len.as_bytes()],
                     t,
                     &cfg.seen,
                 )
@@ -183,15 +182,17 @@ async fn receive(
             }
         }
     }
-    let sha = header(headers, v1::HEADER_SHA256)
-        .filter(|s| s.len() == 64 && s.bytes().all(|c| c.is_ascii_hexdigit()))
-        .ok_or_else(|| {
-            bad(
-                "missing_checksum",
-                format!("{} must be 64 hex digits", v1::HEADER_SHA256),
-            )
-        })?
-        .to_ascii_lowercase();
+    if header(headers, v1::HEADER_DIGEST) != Some(v1::DIGEST_TRAILER) {
+        return Err(bad(
+            "missing_checksum",
+            format!(
+                "{}: {} is required: the body ends with the file's {}-byte digest",
+                v1::HEADER_DIGEST,
+                v1::DIGEST_TRAILER,
+                v1::TRAILER_LEN
+            ),
+        ));
+    }
     let declared: u64 = header(headers, "content-length")
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| {
@@ -201,6 +202,15 @@ async fn receive(
                 "Content-Length is required".into(),
             )
         })?;
+    if declared <= v1::TRAILER_LEN as u64 {
+        return Err(bad(
+            "truncated",
+            format!(
+                "a body of {declared} bytes cannot hold a file and its {}-byte digest",
+                v1::TRAILER_LEN
+            ),
+        ));
+    }
     if declared > cfg.max_bytes {
         return Err(Refusal(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -228,9 +238,12 @@ async fn receive(
         .room(id, declared)
         .map_err(|n| Refusal(StatusCode::SERVICE_UNAVAILABLE, n.code.as_str(), n.reason))?;
     let room = Room(&cfg.store, declared);
-    // `declared` is within the cap and the store's room.
-    let mut file = buffers::take(usize::try_from(declared).unwrap_or(usize::MAX));
-    let mut hasher = Sha256::new();
+    // `declared` is within the cap and the store's room. The file is what comes before
+    // the digest: it is hashed as it arrives, the digest kept aside.
+    let file_len = declared - v1::TRAILER_LEN as u64;
+    let mut file = buffers::take(usize::try_from(file_len).unwrap_or(usize::MAX));
+    let mut trailer = Vec::with_capacity(v1::TRAILER_LEN);
+    let mut hasher = v1::digest(cfg.secret.as_deref(), id);
     let mut written: u64 = 0;
     let started = Instant::now();
     let mut hashing = std::time::Duration::ZERO;
@@ -263,10 +276,15 @@ async fn receive(
                 format!("body is longer than the declared {declared} bytes"),
             ));
         }
+        // Of this chunk, the part before the digest is the file's.
+        let in_file = usize::try_from(file_len.saturating_sub(written))
+            .unwrap_or(usize::MAX)
+            .min(chunk.len());
         let t0 = Instant::now();
-        hasher.update(&chunk);
+        hasher.update(&chunk[..in_file]);
         hashing += t0.elapsed();
-        file.extend_from_slice(&chunk);
+        file.extend_from_slice(&chunk[..in_file]);
+        trailer.extend_from_slice(&chunk[in_file..]);
         written += chunk.len() as u64;
     }
     if written != declared {
@@ -276,7 +294,7 @@ async fn receive(
         ));
     }
     let t0 = Instant::now();
-    let matches = hex::encode(hasher.finalize()) == sha;
+    let matches = hasher.verify(&trailer);
     let receipt = Receipt {
         receive: started.elapsed(),
         verify: hashing + t0.elapsed(),
@@ -284,7 +302,7 @@ async fn receive(
     if !matches {
         return Err(bad(
             "checksum_mismatch",
-            "SHA-256 of the body does not match the declared checksum".into(),
+            "the digest at the end of the body does not match the file".into(),
         ));
     }
     // Header of a verified body: magic, version, and a token count that fits the context

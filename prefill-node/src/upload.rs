@@ -1,13 +1,14 @@
 //! V1 handoff, sender side: a sequence-state file sent to the decode node by HTTP PUT,
 //! built in memory from the exported state: the file header, then the state's own buffer
-//! in large chunks (no copy, no file on disk). Its SHA-256 goes in a header, so it is
-//! computed before the request, in one pass over memory.
+//! in large chunks (no copy, no file on disk), then the file's digest (`v1::digest`),
+//! computed chunk by chunk as the body goes out: no pass of its own before the request.
 
 use bytes::Bytes;
 use edgesplit_engine::ModelInfo;
 use edgesplit_proto::auth::{self, Secret};
 use edgesplit_proto::v1;
-use sha2::{Digest, Sha256};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Why an upload failed.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +49,7 @@ impl UploadError {
     }
 }
 
-/// A delivered upload: its bytes, and the time its checksum took.
+/// A delivered upload: its bytes, and the time its digest took (while sending).
 #[derive(Debug, Clone, Copy)]
 pub struct Uploaded {
     pub bytes: u64,
@@ -78,27 +79,43 @@ pub async fn upload(
     info: &ModelInfo,
     secret: Option<&Secret>,
 ) -> Result<Uploaded, UploadError> {
-    let t0 = std::time::Instant::now();
-    let sha = hex::encode(
-        Sha256::new()
-            .chain_update(&file.head)
-            .chain_update(&file.sections)
-            .finalize(),
-    );
-    let hash = t0.elapsed();
-    let len = (file.head.len() + file.sections.len()) as u64;
+    let len = (file.head.len() + file.sections.len() + v1::TRAILER_LEN) as u64;
     let sections = file.sections.clone();
     let chunks = std::iter::once(file.head.clone()).chain(
         (0..sections.len())
             .step_by(CHUNK)
             .map(move |at| sections.slice(at..(at + CHUNK).min(sections.len()))),
     );
+    // Each chunk is fed to the digest as it is handed to the client; the digest follows.
+    let hash_ns = Arc::new(AtomicU64::new(0));
+    let timed = hash_ns.clone();
+    let body = futures::stream::unfold(
+        (chunks, Some(v1::digest(secret, handoff_id))),
+        move |(mut chunks, digest)| {
+            let timed = timed.clone();
+            async move {
+                let mut digest = digest?;
+                match chunks.next() {
+                    Some(chunk) => {
+                        let t0 = std::time::Instant::now();
+                        digest.update(&chunk);
+                        timed.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        Some((Ok::<_, std::io::Error>(chunk), (chunks, Some(digest))))
+                    }
+                    None => {
+                        let trailer = Bytes::copy_from_slice(&digest.finalize());
+                        Some((Ok(trailer), (chunks, None)))
+                    }
+                }
+            }
+        },
+    );
     let url = format!("{}/{handoff_id}", url_base.trim_end_matches('/'));
     let resp = client
         .put(&url)
         .header(reqwest::header::CONTENT_LENGTH, len)
         .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-        .header(v1::HEADER_SHA256, &sha)
+        .header(v1::HEADER_DIGEST, v1::DIGEST_TRAILER)
         .header(v1::HEADER_MODEL, info.fingerprint_hex())
         .header(v1::HEADER_BUILD, &info.build_id)
         .header(
@@ -106,10 +123,8 @@ pub async fn upload(
             format!("{},{}", info.type_k, info.type_v),
         )
         .header(v1::HEADER_REQUEST, request_id)
-        .headers(credentials(secret, handoff_id, &sha))
-        .body(reqwest::Body::wrap_stream(futures::stream::iter(
-            chunks.map(Ok::<_, std::io::Error>),
-        )))
+        .headers(credentials(secret, handoff_id, len))
+        .body(reqwest::Body::wrap_stream(body))
         .send()
         .await
         .map_err(|source| UploadError::Send {
@@ -118,6 +133,7 @@ pub async fn upload(
         })?;
     let status = resp.status().as_u16();
     if resp.status().is_success() {
+        let hash = std::time::Duration::from_nanos(hash_ns.load(Ordering::Relaxed));
         return Ok(Uploaded { bytes: len, hash });
     }
     let body: serde_json::Value = resp.json().await.unwrap_or_default();
@@ -134,12 +150,13 @@ pub async fn upload(
     })
 }
 
-/// The V1 credential header: a token bound to the handoff id and the file's SHA-256, so it
-/// authorises this one file and cannot be replayed for another.
-fn credentials(secret: Option<&Secret>, handoff_id: &str, sha: &str) -> reqwest::header::HeaderMap {
+/// The V1 credential header: a token bound to the handoff id and the body's length (the
+/// body itself is bound to the id by its keyed digest, and a token is taken once).
+fn credentials(secret: Option<&Secret>, handoff_id: &str, len: u64) -> reqwest::header::HeaderMap {
     let mut h = reqwest::header::HeaderMap::new();
     if let Some(s) = secret {
-        let token = auth::Token::make(s, auth::V1_UPLOAD, &[handoff_id.as_bytes(), sha.as_bytes()]);
+        let len = len.to_string();
+        let token = auth::Token::make(s, auth::V1_UPLOAD, &[handoff_id.as_bytes(), len.as_bytes()]);
         if let Ok(v) = token.parse() {
             h.insert(auth::HEADER, v);
         }

@@ -238,8 +238,10 @@ impl ReplayGuard {
 pub const HEADER: &str = "x-edgesplit-auth";
 /// Token label of gRPC calls.
 pub const GRPC: &str = "edgesplit grpc";
-/// Token label of V1 uploads (bound to the handoff id and the body's SHA-256).
+/// Token label of V1 uploads (bound to the handoff id and the body's length).
 pub const V1_UPLOAD: &str = "edgesplit v1 upload";
+/// Label of the key of a V1 upload's keyed digest (bound to the handoff id).
+pub const V1_DIGEST: &str = "edgesplit v1 digest";
 
 /// Client side of the gRPC control plane: adds a fresh token to every call when a secret
 /// is configured.

@@ -2,16 +2,33 @@
 //! by HTTP. File layout: `u32 magic 'ggsq' (0x67677371), u32 version, u32 n_tokens,
 //! n_tokens x i32 token ids`, then the memory sections (see [`crate::layout`]).
 //!
-//! Upload: `PUT {v1_url}/{handoff_id}` with `Content-Length`, and the headers below. The
-//! receiver answers 200 with `{"handoff_id","bytes"}` or a 4xx OpenAI-style error object
-//! whose `code` says why (see the decode node).
+//! Upload: `PUT {v1_url}/{handoff_id}` with `Content-Length`, and the headers below; the
+//! body is the file followed by a 32-byte digest of it ([`TRAILER_LEN`], [`digest`]):
+//! SHA-256, or with a shared secret HMAC-SHA256 under a key bound to the handoff id. The
+//! digest comes last so that both sides compute it as the bytes go (the sender while it
+//! sends, the receiver while it receives), as V2's STATE trailer is. The receiver answers
+//! 200 with `{"handoff_id","bytes"}` or a 4xx OpenAI-style error object whose `code` says
+//! why (see the decode node).
 
 /// `LLAMA_STATE_SEQ_MAGIC` ('ggsq').
 pub const GGSQ_MAGIC: u32 = 0x6767_7371;
 /// `LLAMA_STATE_SEQ_VERSION` of the llama.cpp we build (llama-cpp-sys-2 0.1.161).
 pub const FILE_VERSION: u32 = 4;
-/// Header: SHA-256 of the whole body, lowercase hex.
-pub const HEADER_SHA256: &str = "x-edgesplit-sha256";
+/// Header: how the body is checked; [`DIGEST_TRAILER`] (the only value): the body ends
+/// with the file's digest.
+pub const HEADER_DIGEST: &str = "x-edgesplit-digest";
+/// [`HEADER_DIGEST`]'s value.
+pub const DIGEST_TRAILER: &str = "trailer";
+/// Bytes of the digest after the file.
+pub const TRAILER_LEN: usize = 32;
+
+/// The digest of handoff `handoff_id`'s file: SHA-256, or HMAC-SHA256 keyed by the shared
+/// secret and the handoff id (a body made for one id does not pass for another).
+#[must_use]
+pub fn digest(secret: Option<&crate::auth::Secret>, handoff_id: &str) -> crate::frame::StateDigest {
+    let key = secret.map(|s| s.mac(crate::auth::V1_DIGEST, &[handoff_id.as_bytes()]));
+    crate::frame::StateDigest::new(key.as_ref())
+}
 /// Header: model fingerprint (SHA-256 of the GGUF), lowercase hex.
 pub const HEADER_MODEL: &str = "x-edgesplit-model-fingerprint";
 /// Header: llama.cpp build identity.

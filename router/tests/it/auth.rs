@@ -189,11 +189,14 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
         .http_client(reqwest::Client::builder())
         .build()
         .unwrap();
-    let sha = "0".repeat(64);
+    let len = "1024";
     let put = |token: Option<String>| {
         let mut r = http
             .put(format!("{}/auth-test", s.v1_url))
-            .header(edgesplit_proto::v1::HEADER_SHA256, &sha)
+            .header(
+                edgesplit_proto::v1::HEADER_DIGEST,
+                edgesplit_proto::v1::DIGEST_TRAILER,
+            )
             .body(vec![0u8; 1024]);
         if let Some(t) = token {
             r = r.header(auth::HEADER, t);
@@ -205,13 +208,19 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
         Some(auth::Token::make(
             &secret("a different secret"),
             auth::V1_UPLOAD,
-            &[b"auth-test", sha.as_bytes()],
+            &[b"auth-test", len.as_bytes()],
         )),
         // Right secret, bound to another handoff id.
         Some(auth::Token::make(
             &secret(SECRET),
             auth::V1_UPLOAD,
-            &[b"other-id", sha.as_bytes()],
+            &[b"other-id", len.as_bytes()],
+        )),
+        // Right secret and id, bound to another length.
+        Some(auth::Token::make(
+            &secret(SECRET),
+            auth::V1_UPLOAD,
+            &[b"auth-test", b"1023"],
         )),
     ] {
         let r = put(token).await.unwrap();
@@ -221,28 +230,43 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     }
     // Nothing is held under the id: the right credential's upload there is taken, where a
     // held state would make it a duplicate. (Its body passes every check.)
-    let mut body = edgesplit_proto::v1::file_head(&[1]);
-    body.extend_from_slice(&[0u8; 8]);
-    let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&body));
+    // (Its digest is keyed by the secret and the id: a plain SHA-256 would not pass.)
+    let mut file = edgesplit_proto::v1::file_head(&[1]);
+    file.extend_from_slice(&[0u8; 8]);
+    let mut digest = edgesplit_proto::v1::digest(Some(&secret(SECRET)), "auth-test");
+    digest.update(&file);
+    let mut plain = file.clone();
+    plain.extend_from_slice(&<sha2::Sha256 as sha2::Digest>::digest(&file));
+    let mut body = file;
+    body.extend_from_slice(&digest.finalize());
+    let len = body.len().to_string();
     let info = decode_info(s).await;
-    let r = http
-        .put(format!("{}/auth-test", s.v1_url))
-        .header(edgesplit_proto::v1::HEADER_SHA256, &sha)
-        .header(edgesplit_proto::v1::HEADER_MODEL, info.model_fingerprint)
-        .header(edgesplit_proto::v1::HEADER_BUILD, info.build_id)
-        .header(edgesplit_proto::v1::HEADER_KV_TYPES, "1,1")
-        .header(
-            auth::HEADER,
-            auth::Token::make(
-                &secret(SECRET),
-                auth::V1_UPLOAD,
-                &[b"auth-test", sha.as_bytes()],
-            ),
-        )
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let upload = |body: Vec<u8>| {
+        http.put(format!("{}/auth-test", s.v1_url))
+            .header(
+                edgesplit_proto::v1::HEADER_DIGEST,
+                edgesplit_proto::v1::DIGEST_TRAILER,
+            )
+            .header(
+                edgesplit_proto::v1::HEADER_MODEL,
+                info.model_fingerprint.clone(),
+            )
+            .header(edgesplit_proto::v1::HEADER_BUILD, info.build_id.clone())
+            .header(edgesplit_proto::v1::HEADER_KV_TYPES, "1,1")
+            .header(
+                auth::HEADER,
+                auth::Token::make(
+                    &secret(SECRET),
+                    auth::V1_UPLOAD,
+                    &[b"auth-test", len.as_bytes()],
+                ),
+            )
+            .body(body)
+            .send()
+    };
+    let r = upload(plain).await.unwrap();
+    assert_eq!(r.status().as_u16(), 400, "{:?}", r.text().await);
+    let r = upload(body).await.unwrap();
     assert_eq!(r.status().as_u16(), 200, "{:?}", r.text().await);
 }
 

@@ -68,10 +68,17 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
         panic!("handoff report expected")
     };
 
-    // 2. The file as our prefill node sent it (and our decode node took it), converted
-    // for the stock server.
-    let ours_v4 = captured.lock().unwrap().clone();
-    assert_eq!(ours_v4.len() as u64, done.bytes);
+    // 2. The file as our prefill node sent it (and our decode node took it): the body
+    // without its digest, converted for the stock server.
+    let body = captured.lock().unwrap().clone();
+    assert_eq!(body.len() as u64, done.bytes);
+    let (ours_v4, digest) = body.split_at(body.len() - v1::TRAILER_LEN);
+    assert_eq!(
+        digest,
+        &<sha2::Sha256 as sha2::Digest>::digest(ours_v4)[..],
+        "the body ends with the file's SHA-256"
+    );
+    let ours_v4 = ours_v4.to_vec();
     let header = v1::validate(&ours_v4, 2048).unwrap();
     let prompt: Vec<i32> = ours_v4[12..header.state_offset]
         .chunks(4)

@@ -26,8 +26,11 @@ fn ggsq(n: u32) -> Vec<u8> {
     f
 }
 
-fn sha(b: &[u8]) -> String {
-    hex::encode(Sha256::digest(b))
+/// `file` as an upload's body: the file, then its SHA-256 (no secret on these stacks).
+fn with_digest(file: &[u8]) -> Vec<u8> {
+    let mut b = file.to_vec();
+    b.extend_from_slice(&Sha256::digest(file));
+    b
 }
 
 /// Nothing is held under `id`: an upload of a well-formed file there is taken (200), where
@@ -46,7 +49,7 @@ async fn put(
 ) -> (u16, serde_json::Value) {
     let (fp, build) = fingerprint(s).await;
     let mut h = reqwest::header::HeaderMap::new();
-    h.insert(v1::HEADER_SHA256, sha(&body).parse().unwrap());
+    h.insert(v1::HEADER_DIGEST, v1::DIGEST_TRAILER.parse().unwrap());
     h.insert(v1::HEADER_MODEL, fp.parse().unwrap());
     h.insert(v1::HEADER_BUILD, build.parse().unwrap());
     h.insert(v1::HEADER_KV_TYPES, "1,1".parse().unwrap());
@@ -54,7 +57,7 @@ async fn put(
     let r = common::client()
         .put(format!("{}/{id}", s.v1_url))
         .headers(h)
-        .body(body)
+        .body(with_digest(&body))
         .send()
         .await
         .unwrap();
@@ -100,11 +103,21 @@ async fn refusals_leave_nothing_held() {
     .await;
     assert_refused(&got, 409, "kv_type_mismatch");
     assert!(nothing_held(s, "v1-kv").await);
-    // Mis-hashed body.
-    let got = put(s, "v1-hash", ggsq(3), |h| {
-        h.insert(v1::HEADER_SHA256, sha(b"other").parse().unwrap());
-    })
-    .await;
+    // A body whose digest is not its file's (one byte of the file flipped after hashing).
+    let mut body = with_digest(&ggsq(3));
+    body[20] ^= 1;
+    let (fp, build) = fingerprint(s).await;
+    let r = common::client()
+        .put(format!("{}/v1-hash", s.v1_url))
+        .header(v1::HEADER_DIGEST, v1::DIGEST_TRAILER)
+        .header(v1::HEADER_MODEL, fp)
+        .header(v1::HEADER_BUILD, build)
+        .header(v1::HEADER_KV_TYPES, "1,1")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let got = (r.status().as_u16(), r.json().await.unwrap_or_default());
     assert_refused(&got, 400, "checksum_mismatch");
     assert!(nothing_held(s, "v1-hash").await);
     // Not a sequence-state file (valid checksum over garbage).
@@ -122,18 +135,18 @@ async fn refusals_leave_nothing_held() {
     assert_refused(&got, 400, "invalid_state_file");
     assert!(got.1["error"]["message"].as_str().unwrap().contains("2048"));
     assert!(nothing_held(s, "v1-long").await);
-    // Missing checksum header.
-    let (fp, build) = fingerprint(s).await;
-    let r = common::client()
-        .put(format!("{}/v1-nosum", s.v1_url))
-        .header(v1::HEADER_MODEL, fp)
-        .header(v1::HEADER_BUILD, build)
-        .header(v1::HEADER_KV_TYPES, "1,1")
-        .body(ggsq(1))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
+    // Without the digest header (a sender of the earlier protocol, whose checksum came in
+    // a header): refused, saying what is required.
+    let got = put(s, "v1-nosum", ggsq(1), |h| {
+        h.remove(v1::HEADER_DIGEST);
+        h.insert("x-edgesplit-sha256", "00".repeat(32).parse().unwrap());
+    })
+    .await;
+    assert_refused(&got, 400, "missing_checksum");
+    assert!(got.1["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("digest"));
     assert!(nothing_held(s, "v1-nosum").await);
 }
 
@@ -152,12 +165,12 @@ async fn path_traversal_ids_are_refused() {
 }
 
 /// Raw HTTP, for requests reqwest will not send (lying Content-Length, early close).
-/// The request line and headers of a V1 upload of `body` that declares `len` bytes.
-fn put_head(id: &str, len: usize, body: &[u8], fp: &str, build: &str) -> String {
+/// The request line and headers of a V1 upload that declares `len` bytes.
+fn put_head(id: &str, len: usize, fp: &str, build: &str) -> String {
     format!(
         "PUT /v1/handoff/{id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\n{}: {}\r\n{}: {fp}\r\n{}: {build}\r\n{}: 1,1\r\n\r\n",
-        v1::HEADER_SHA256,
-        sha(body),
+        v1::HEADER_DIGEST,
+        v1::DIGEST_TRAILER,
         v1::HEADER_MODEL,
         v1::HEADER_BUILD,
         v1::HEADER_KV_TYPES
@@ -188,8 +201,8 @@ async fn raw(s: &common::Stack, head: String, body: &[u8]) -> String {
 async fn truncated_and_oversized_uploads_are_refused() {
     let s = common::smollm2();
     let (fp, build) = fingerprint(s).await;
-    let body = ggsq(4);
-    let head = |id: &str, len: usize| put_head(id, len, &body, &fp, &build);
+    let body = with_digest(&ggsq(4));
+    let head = |id: &str, len: usize| put_head(id, len, &fp, &build);
     // Declares more than it sends, then closes.
     let resp = raw(s, head("v1-trunc", body.len() + 100), &body).await;
     assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
@@ -249,8 +262,8 @@ async fn a_slow_upload_is_cut_off_at_its_deadline() {
     o.upload_timeout_s = 2;
     let s = common::start(o);
     let (fp, build) = fingerprint(&s).await;
-    let body = ggsq(4);
-    let head = put_head("v1-slow", body.len(), &body, &fp, &build);
+    let body = with_digest(&ggsq(4));
+    let head = put_head("v1-slow", body.len(), &fp, &build);
     let mut sock = tokio::net::TcpStream::connect(v1_addr(&s)).await.unwrap();
     let t0 = std::time::Instant::now();
     sock.write_all(head.as_bytes()).await.unwrap();
