@@ -197,6 +197,17 @@ impl Transcript {
     }
 }
 
+/// Keeps a node's `Info` answer as its last known one; passes the call's result on.
+fn remember(
+    last: &std::sync::Mutex<Option<pb::NodeInfo>>,
+    info: Result<pb::NodeInfo, ApiError>,
+) -> Result<pb::NodeInfo, ApiError> {
+    if let Ok(i) = &info {
+        *lock_info(last) = Some(i.clone());
+    }
+    info
+}
+
 fn lock_info(
     l: &std::sync::Mutex<Option<pb::NodeInfo>>,
 ) -> std::sync::MutexGuard<'_, Option<pb::NodeInfo>> {
@@ -315,10 +326,7 @@ impl Backend {
                 "the prefill node",
             )
             .await;
-        if let Ok(i) = &info {
-            *lock_info(&self.last_prefill_info) = Some(i.clone());
-        }
-        info
+        remember(&self.last_prefill_info, info)
     }
 
     /// Whether the decode node renders `input` as the prefill node does: a raw prompt
@@ -351,10 +359,7 @@ impl Backend {
                 "the decode node",
             )
             .await;
-        if let Ok(i) = &info {
-            *lock_info(&self.last_decode_info) = Some(i.clone());
-        }
-        info
+        remember(&self.last_decode_info, info)
     }
 
     async fn info_within(
@@ -1141,13 +1146,7 @@ impl SplitAnswer {
         let idle = self.idle;
         loop {
             tokio::select! {
-                m = tokio::time::timeout(idle, stream.message()) => {
-                    let ev = match m {
-                        Ok(Ok(Some(ev))) => token_event(ev, false),
-                        Ok(Ok(None)) => return Split::Failed(ApiError::upstream("stream_ended", "the decode node ended the stream without finishing")),
-                        Ok(Err(st)) => return Split::Failed(ApiError::from_decode_stream(&st, self.param)),
-                        Err(_) => return Split::Failed(ApiError::upstream("timeout", format!("no token from the decode node within {idle:?}"))),
-                    };
+                ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
                     if let Event::Error(e) = ev {
                         return Split::Failed(e);
                     }
@@ -1245,6 +1244,44 @@ impl Fallback {
 /// Forwards the decode node's `Local` stream (a conversation it continues) to the client;
 /// remembers the conversation when the decode node ends the answer, and finishes it on the
 /// prefill node (`fallback`) when the decode node fails after its first token.
+/// The node a token stream comes from.
+#[derive(Debug, Clone, Copy)]
+enum Node {
+    Prefill,
+    Decode,
+}
+
+/// The next event of a node's token stream (`with_prompt`: a `Finished` reports the
+/// prompt's figures), or the error that ends it: the stream ended before `Finished`, the
+/// node's gRPC error, or no event within `idle`.
+async fn next_event(
+    stream: &mut tonic::Streaming<pb::TokenEvent>,
+    idle: Duration,
+    node: Node,
+    with_prompt: bool,
+    param: &str,
+) -> Event {
+    let name = match node {
+        Node::Prefill => "the prefill node",
+        Node::Decode => "the decode node",
+    };
+    match tokio::time::timeout(idle, stream.message()).await {
+        Ok(Ok(Some(m))) => token_event(m, with_prompt),
+        Ok(Ok(None)) => Event::Error(ApiError::upstream(
+            "stream_ended",
+            format!("{name} ended the answer without finishing"),
+        )),
+        Ok(Err(st)) => Event::Error(match node {
+            Node::Prefill => ApiError::from_status(&st, param),
+            Node::Decode => ApiError::from_decode_stream(&st, param),
+        }),
+        Err(_) => Event::Error(ApiError::upstream(
+            "timeout",
+            format!("no token from {name} within {idle:?}"),
+        )),
+    }
+}
+
 async fn forward_decode_node(
     mut stream: tonic::Streaming<pb::TokenEvent>,
     tx: mpsc::Sender<Event>,
@@ -1255,18 +1292,7 @@ async fn forward_decode_node(
 ) {
     let mut sent = Vec::new();
     let failure = loop {
-        let ev = match tokio::time::timeout(idle, stream.message()).await {
-            Ok(Ok(Some(m))) => token_event(m, true),
-            Ok(Ok(None)) => Event::Error(ApiError::upstream(
-                "stream_ended",
-                "the decode node ended the answer without finishing",
-            )),
-            Ok(Err(st)) => Event::Error(ApiError::from_decode_stream(&st, param)),
-            Err(_) => Event::Error(ApiError::upstream(
-                "timeout",
-                format!("no token from the decode node within {idle:?}"),
-            )),
-        };
+        let ev = next_event(&mut stream, idle, Node::Decode, true, param).await;
         match ev {
             Event::Error(e) => break e,
             Event::Token { id, ref bytes, .. } => {
@@ -1308,21 +1334,10 @@ async fn forward_prefill_node(
     param: &str,
 ) {
     loop {
-        let ev = match tokio::time::timeout(wait, stream.message()).await {
-            Ok(Ok(Some(m))) => match token_event(m, !resumed) {
-                // A resumed answer's prefill is not this request's prefill.
-                Event::Prefilled { .. } if resumed => continue,
-                ev => ev,
-            },
-            Ok(Ok(None)) => Event::Error(ApiError::upstream(
-                "stream_ended",
-                "the prefill node ended the answer without finishing",
-            )),
-            Ok(Err(st)) => Event::Error(ApiError::from_status(&st, param)),
-            Err(_) => Event::Error(ApiError::upstream(
-                "timeout",
-                format!("the prefill node sent no token for {wait:?}"),
-            )),
+        let ev = match next_event(&mut stream, wait, Node::Prefill, !resumed, param).await {
+            // A resumed answer's prefill is not this request's prefill.
+            Event::Prefilled { .. } if resumed => continue,
+            ev => ev,
         };
         let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
         if tx.send(ev).await.is_err() || end {

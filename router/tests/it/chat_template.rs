@@ -99,17 +99,7 @@ async fn assert_prompts_as_stock(
         let prompt = applied["prompt"]
             .as_str()
             .unwrap_or_else(|| panic!("{applied}"));
-        let (_, _, tokenized) = common::post(
-            &format!("{}/tokenize", stock.base),
-            &json!({"content": prompt, "add_special": true, "parse_special": true}),
-        )
-        .await;
-        let theirs: Vec<i32> = tokenized["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_i64().unwrap() as i32)
-            .collect();
+        let theirs = stock_tokens(stock, prompt).await;
         let ours = ours.unwrap_or_else(|e| panic!("{messages:?}: {e}"));
         assert_eq!(
             ours, theirs,
@@ -117,6 +107,22 @@ async fn assert_prompts_as_stock(
         );
     }
     refused
+}
+
+/// `prompt` tokenized by the stock server as a completion tokenizes it (special tokens
+/// added and parsed).
+async fn stock_tokens(stock: &StockServer, prompt: &str) -> Vec<i32> {
+    let (_, _, tokenized) = common::post(
+        &format!("{}/tokenize", stock.base),
+        &json!({"content": prompt, "add_special": true, "parse_special": true}),
+    )
+    .await;
+    tokenized["tokens"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{tokenized}"))
+        .iter()
+        .map(|t| t.as_i64().unwrap() as i32)
+        .collect()
 }
 
 async fn engine(
@@ -437,17 +443,7 @@ async fn tool_conversations_are_the_prompt_llama_server_builds() {
             common::post(&format!("{}/apply-template", stock.base), &request).await;
         assert_eq!(status, 200, "{request}: {applied}");
         let prompt = applied["prompt"].as_str().unwrap();
-        let (_, _, tokenized) = common::post(
-            &format!("{}/tokenize", stock.base),
-            &json!({"content": prompt, "add_special": true, "parse_special": true}),
-        )
-        .await;
-        let theirs: Vec<i32> = tokenized["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_i64().unwrap() as i32)
-            .collect();
+        let theirs = stock_tokens(&stock, prompt).await;
         let ours = engine
             .tokenize(edgesplit_engine::Input::Chat(chat_of(&messages, &tools)))
             .await

@@ -10,18 +10,7 @@ use serde_json::{json, Value};
 
 /// `local` once (the reference), then every split transport, streamed or not: the same.
 async fn same_on_every_transport(path: &str, body: &Value) -> Outcome {
-    let s = common::smollm2();
-    let reference = common::run(s, path, body, "local", false).await;
-    for (transport, streamed) in [
-        ("local", true),
-        ("v2", true),
-        ("v1", false),
-        ("v2-live", false),
-    ] {
-        let o = common::run(s, path, body, transport, streamed).await;
-        assert_eq!(o, reference, "{transport}, streamed {streamed}");
-    }
-    reference
+    common::same_on_every_transport(common::smollm2(), path, body).await
 }
 
 fn f(v: &Value) -> f64 {

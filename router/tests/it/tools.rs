@@ -57,19 +57,7 @@ fn body(messages: Value, extra: Value) -> Value {
 
 /// `local` (the reference), then each split transport, streamed or not: the same.
 async fn same_on_every_transport(body: &Value) -> Outcome {
-    let s = stack();
-    let path = "/v1/chat/completions";
-    let reference = common::run(s, path, body, "local", false).await;
-    for (transport, streamed) in [
-        ("local", true),
-        ("v2", true),
-        ("v1", false),
-        ("v2-live", false),
-    ] {
-        let o = common::run(s, path, body, transport, streamed).await;
-        assert_eq!(o, reference, "{transport}, streamed {streamed}: {body}");
-    }
-    reference
+    common::same_on_every_transport(stack(), "/v1/chat/completions", body).await
 }
 
 /// Each call names one of the tools and its arguments follow the tool's parameters.

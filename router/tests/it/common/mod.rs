@@ -594,6 +594,22 @@ pub async fn run(
     outcome
 }
 
+/// `body` on `stack` through `path`: `local` (the reference, returned), then `local`
+/// streamed and every split transport (`v2` streamed, `v1`, `v2-live`): the same answer.
+pub async fn same_on_every_transport(stack: &Stack, path: &str, body: &Value) -> Outcome {
+    let reference = run(stack, path, body, "local", false).await;
+    for (transport, streamed) in [
+        ("local", true),
+        ("v2", true),
+        ("v1", false),
+        ("v2-live", false),
+    ] {
+        let o = run(stack, path, body, transport, streamed).await;
+        assert_eq!(o, reference, "{transport}, streamed {streamed}: {body}");
+    }
+    reference
+}
+
 /// The decode node wrote the answer: no fallback, a handoff of some bytes, and every token
 /// after the first (`after` handoff) or after the switch (`live`) decoded there, when the
 /// answer went past its first token. A live answer must have switched before its end.
