@@ -89,27 +89,20 @@ pub async fn upload(
     // Each chunk is fed to the digest as it is handed to the client; the digest follows.
     let hash_ns = Arc::new(AtomicU64::new(0));
     let timed = hash_ns.clone();
-    let body = futures::stream::unfold(
-        (chunks, Some(v1::digest(secret, handoff_id))),
-        move |(mut chunks, digest)| {
-            let timed = timed.clone();
-            async move {
-                let mut digest = digest?;
-                match chunks.next() {
-                    Some(chunk) => {
-                        let t0 = std::time::Instant::now();
-                        digest.update(&chunk);
-                        timed.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                        Some((Ok::<_, std::io::Error>(chunk), (chunks, Some(digest))))
-                    }
-                    None => {
-                        let trailer = Bytes::copy_from_slice(&digest.finalize());
-                        Some((Ok(trailer), (chunks, None)))
-                    }
-                }
+    let mut chunks = chunks;
+    let mut digest = Some(v1::digest(secret, handoff_id));
+    let body = std::iter::from_fn(move || {
+        let d = digest.as_mut()?;
+        match chunks.next() {
+            Some(chunk) => {
+                let t0 = std::time::Instant::now();
+                d.update(&chunk);
+                timed.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                Some(chunk)
             }
-        },
-    );
+            None => digest.take().map(|d| Bytes::copy_from_slice(&d.finalize())),
+        }
+    });
     let url = format!("{}/{handoff_id}", url_base.trim_end_matches('/'));
     let resp = client
         .put(&url)
@@ -124,7 +117,9 @@ pub async fn upload(
         )
         .header(v1::HEADER_REQUEST, request_id)
         .headers(credentials(secret, handoff_id, len))
-        .body(reqwest::Body::wrap_stream(body))
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(
+            body.map(Ok::<_, std::io::Error>),
+        )))
         .send()
         .await
         .map_err(|source| UploadError::Send {
