@@ -105,14 +105,19 @@ impl ModelInfo {
 
 /// Whether the GGUF declares sliding-window attention (`{arch}.attention.sliding_window`).
 pub(crate) fn has_sliding_window(model: &LlamaModel) -> bool {
+    sliding_window(model).is_some()
+}
+
+/// The GGUF's attention window in positions (`{arch}.attention.sliding_window`), if any.
+pub(crate) fn sliding_window(model: &LlamaModel) -> Option<usize> {
     let arch = model
         .meta_val_str("general.architecture")
         .unwrap_or_default();
     model
         .meta_val_str(&format!("{arch}.attention.sliding_window"))
         .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .is_some_and(|w| w > 0)
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&w| w > 0)
 }
 
 /// SHA-256 of the whole GGUF file (~0.1 s per 100 MB with SHA-NI).

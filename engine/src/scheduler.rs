@@ -61,7 +61,7 @@ pub(crate) trait Slots {
     fn snapshot(
         &mut self,
         slot: usize,
-        answer: &Self::Answer,
+        answer: &mut Self::Answer,
         from: usize,
     ) -> Result<Snapshot, EngineError>;
     /// `slot` is no longer in use: its sequence stays as a cached prefix when `keep` (the
@@ -330,7 +330,7 @@ impl<S: Slots> Scheduler<S> {
         }
         if let Some(live) = &mut r.live {
             while let Ok(ask) = live.try_recv() {
-                let snapshot = self.slots.snapshot(r.slot, &r.answer, ask.from);
+                let snapshot = self.slots.snapshot(r.slot, &mut r.answer, ask.from);
                 let stop = ask.stop && snapshot.is_ok();
                 let _ = ask.reply.send(snapshot);
                 if stop {
@@ -452,7 +452,7 @@ mod tests {
         fn snapshot(
             &mut self,
             slot: usize,
-            a: &FakeAnswer,
+            a: &mut FakeAnswer,
             from: usize,
         ) -> Result<Snapshot, EngineError> {
             self.log.lock().unwrap().push(format!("snapshot {slot}"));

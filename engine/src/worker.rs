@@ -105,6 +105,7 @@ pub(crate) fn owner_thread(
                 decoded: Vec::new(),
                 used: 0,
                 busy: false,
+                laid_out: None,
             }),
             Err(e) => {
                 let _ = ready.send(Err(load_err(format!(
@@ -151,6 +152,8 @@ pub(crate) fn owner_thread(
         ticks: 0,
         export_buf: Vec::new(),
         sliding_window: info.sliding_window,
+        ring_cells: crate::info::sliding_window(&model)
+            .map_or(0, |w| (w + n_batch).min(n_ctx as usize)),
         chat,
     };
     if ready.send(Ok(info)).is_err() {
@@ -178,6 +181,10 @@ struct Slot<'m> {
     used: u64,
     /// A job holds it.
     busy: bool,
+    /// A live answer's state right after its prefill on a sliding-window model (the
+    /// relayout's export): its first piece, which no later export can give (see
+    /// [`Worker::snapshot`]).
+    laid_out: Option<Vec<u8>>,
 }
 
 impl Slot<'_> {
@@ -203,6 +210,23 @@ pub(crate) struct Answer {
     budget: u32,
     /// Where the answer stands in its grammar, if it has one.
     grammar: Option<Grammar>,
+    /// A live answer on a sliding-window model: what its pieces may hold.
+    window: Option<LiveWindow>,
+}
+
+/// A live answer's sliding-window cache since its relayout: the window's cells lie from
+/// index 0 in position order and each step adds its cell after them, until the ring
+/// wraps. Until then the cache is, cell for cell, the prompt's state (with the window as
+/// it stood after the prefill) followed by the cells of the tokens written since: what the
+/// decode node rebuilds from the pieces (`edgesplit_proto::splice`).
+#[derive(Debug)]
+struct LiveWindow {
+    /// The prompt's state right after the prefill, until its piece is taken.
+    bulk: Option<Vec<u8>>,
+    /// Positions held then (the prompt).
+    prompt: usize,
+    /// Positions the answer may add before the ring could wrap.
+    room: usize,
 }
 
 struct Worker<'m> {
@@ -221,6 +245,9 @@ struct Worker<'m> {
     export_buf: Vec<u8>,
     /// The model attends through a sliding window (its cache is a ring).
     sliding_window: bool,
+    /// Cells of that ring's cache, at least: llama.cpp sizes it `n_swa + n_ubatch` (padded
+    /// up to 256, or the context's size if smaller); 0 without a window.
+    ring_cells: usize,
     /// The chat template, compiled (`--chat-template-file`'s, the GGUF's, or llama-server's
     /// ChatML fallback); an error: it does not compile, said to each chat request.
     chat: Result<ChatTemplate, String>,
@@ -422,8 +449,11 @@ impl Worker<'_> {
         // Where the last piece sent ended; pieces stop at the first that fails (the
         // prefill does not: they are an optimisation, and the handoff sends what is left).
         let mut sent = Some(0usize);
+        // A sliding window's cells during a prefill are a ring in no order an import
+        // keeps: its live handoff sends the state once the prefill is laid out.
+        let streamed = pieces.filter(|_| !self.sliding_window);
         // A reused prefix is there already: it is the first piece.
-        if let (Some(tx), true) = (pieces, keep > 0) {
+        if let (Some(tx), true) = (streamed, keep > 0) {
             sent = self.send_piece(slot, tokens, 0, keep, tx);
         }
         for (c, chunk) in rest.chunks(self.n_batch).enumerate() {
@@ -440,7 +470,7 @@ impl Worker<'_> {
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
             self.slots[slot].tokens.extend_from_slice(chunk);
-            if let (Some(tx), Some(from)) = (pieces, sent) {
+            if let (Some(tx), Some(from)) = (streamed, sent) {
                 if c < last_chunk {
                     sent = self.send_piece(slot, tokens, from, at + chunk.len(), tx);
                 }
@@ -453,7 +483,7 @@ impl Worker<'_> {
         // Before the relayout, which leaves no logits.
         let first = self.sampled(id, slot, idx, params);
         if self.sliding_window {
-            self.lay_out_as_imported(slot)?;
+            self.lay_out_as_imported(slot, pieces.is_some())?;
         }
         if !conversation {
             self.slots[slot].exact = tokens.len();
@@ -522,13 +552,27 @@ impl Worker<'_> {
     /// it exports (what it sends is then exactly what it holds), a resumed answer. Every
     /// node then decodes from the same arrangement. The first token is sampled before,
     /// from the prefill's own logits, on every path alike.
-    fn lay_out_as_imported(&mut self, slot: usize) -> Result<(), EngineError> {
-        Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
-        let state = std::mem::take(&mut self.export_buf);
+    ///
+    /// With `keep` (a live answer) the export is kept as the slot's `laid_out`: the state
+    /// the live handoff's first piece must be.
+    fn lay_out_as_imported(&mut self, slot: usize, keep: bool) -> Result<(), EngineError> {
+        let mut state = if keep {
+            let ctx = &self.slots[slot].ctx;
+            edgesplit_proto::buffers::take(
+                ctx.state_seq_get_size_ext(0, LlamaStateSeqFlags::empty()),
+            )
+        } else {
+            std::mem::take(&mut self.export_buf)
+        };
+        Self::export_into(&self.slots[slot].ctx, &mut state)?;
         let ctx = &mut self.slots[slot].ctx;
         let _ = ctx.clear_kv_cache_seq(Some(0), None, None);
         let res = Self::import_raw(ctx, &state).map(|_| ());
-        self.export_buf = state;
+        if keep {
+            self.slots[slot].laid_out = res.is_ok().then_some(state);
+        } else {
+            self.export_buf = state;
+        }
         res
     }
 
@@ -563,6 +607,7 @@ impl Worker<'_> {
 
     fn clear(&mut self, slot: usize) {
         let s = &mut self.slots[slot];
+        s.laid_out = None;
         // Seq id 0 always fits in an i32; this cannot fail.
         let _ = s.ctx.clear_kv_cache_seq(Some(0), None, None);
         s.tokens.clear();
@@ -863,6 +908,14 @@ impl Slots for Worker<'_> {
                 (history, self.token_out(LlamaToken(last)), max_tokens)
             }
         };
+        // A live answer's prompt state, laid out (sliding-window models).
+        let window = self.slots[slot].laid_out.take().map(|bulk| LiveWindow {
+            room: self
+                .ring_cells
+                .saturating_sub(edgesplit_proto::splice::narrowest(&bulk).unwrap_or(usize::MAX)),
+            prompt: history.len(),
+            bulk: Some(bulk),
+        });
         if first.eog {
             summary.finish = Finish::Stop;
             return Ok(None);
@@ -881,6 +934,7 @@ impl Slots for Worker<'_> {
             step,
             budget,
             grammar,
+            window,
         }))
     }
 
@@ -937,8 +991,48 @@ impl Slots for Worker<'_> {
         Ok(())
     }
 
-    fn snapshot(&mut self, slot: usize, a: &Answer, from: usize) -> Result<Snapshot, EngineError> {
+    /// A live answer's state from position `from` on. On a sliding-window model the first
+    /// piece is the state right after the prefill (answered 1), whenever it is asked for:
+    /// a later export no longer holds the window's oldest cells, which the cache still
+    /// does in their places. Later pieces are refused once the ring could have wrapped,
+    /// and pieces of an answer that did not start live: the handoff is then cancelled.
+    fn snapshot(
+        &mut self,
+        slot: usize,
+        a: &mut Answer,
+        from: usize,
+    ) -> Result<Snapshot, EngineError> {
         let t0 = Instant::now();
+        if self.sliding_window {
+            let cut = |why: &str| EngineError::Export(format!("sliding-window state: {why}"));
+            let w = a
+                .window
+                .as_mut()
+                .ok_or_else(|| cut("only a live answer from its prompt is sent in pieces"))?;
+            if from == 0 {
+                let state = w
+                    .bulk
+                    .take()
+                    .ok_or_else(|| cut("its first piece went already"))?;
+                let prompt = w.prompt;
+                return Ok(Snapshot {
+                    state,
+                    from,
+                    tokens: a.history[..prompt].to_vec(),
+                    last: a.history.get(prompt).copied().unwrap_or(a.last),
+                    answered: 1,
+                    export_ms: ms(t0),
+                });
+            }
+            let written = a.history.len() - w.prompt;
+            if written > w.room {
+                return Err(cut(&format!(
+                    "{written} positions written since the prefill, past the {} its ring \
+                     holds in order",
+                    w.room
+                )));
+            }
+        }
         let state = self.export_from(slot, from)?;
         Ok(Snapshot {
             state,

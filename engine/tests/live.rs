@@ -8,29 +8,12 @@
 
 mod common;
 
-use common::model_path;
+use common::{model_path, read_until};
 use edgesplit_engine::{
     Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot,
     Start,
 };
 use edgesplit_proto::splice;
-use tokio::sync::mpsc::UnboundedReceiver;
-
-/// Reads tokens into `ids` until there are `n`, or the final event (returned).
-async fn read_until(
-    rx: &mut UnboundedReceiver<GenEvent>,
-    ids: &mut Vec<i32>,
-    n: usize,
-) -> Option<GenEvent> {
-    while ids.len() < n {
-        match rx.recv().await.expect("events end with a final one") {
-            GenEvent::Token(t) => ids.push(t.id),
-            GenEvent::Prefilled { .. } => {}
-            other => return Some(other),
-        }
-    }
-    None
-}
 
 /// The history a snapshot must hold: the prompt and the answer but its newest token.
 fn check(s: &Snapshot, prompt: &[i32], answer: &[i32]) {

@@ -60,3 +60,142 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
         }
     }
 }
+
+/// Issue 13: a live answer on a sliding-window model, handed over from pieces. The first
+/// piece is the state laid out right after the prefill, whenever it is asked for; each
+/// later one the cells written since; joined, they are the prefill node's cache cell for
+/// cell (the window's cells that fell out of attention still in their places), so the
+/// answer goes on on the other engine exactly as the uninterrupted one, seeded at
+/// temperature 1 (which parts within tens of tokens on another arrangement), flash
+/// attention on and off. Batches of 64 make the ring small (llama.cpp: 512 + 64 cells at
+/// least), so the last piece comes close to where pieces stop, and past it a piece is
+/// refused: the live handoff is then cancelled and the answer stays where it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
+    use common::read_until;
+    use edgesplit_engine::{
+        Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, LiveAnswer, Reuse,
+        SamplingParams, Start,
+    };
+    use edgesplit_proto::splice;
+    for flash in [FlashAttn::On, FlashAttn::Off] {
+        let mut cfg = EngineConfig::new(gemma_path());
+        cfg.n_ctx = 2048;
+        cfg.n_threads = 2;
+        cfg.n_batch = 64;
+        cfg.flash_attn = flash;
+        let a = Engine::start(cfg.clone()).await.unwrap();
+        let b = Engine::start(cfg).await.unwrap();
+        let text = "The harbour was quiet in the early morning, and the fishermen were already \
+            mending their nets on the stones. "
+            .repeat(30);
+        let prompt = a.tokenize(Input::Raw(text)).await.unwrap();
+        assert!(prompt.len() > 600, "past the window: {}", prompt.len());
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::default()
+        };
+        let (whole, _) = collect(
+            a.generate(Start::Prompt(prompt.clone()), params.clone(), 96)
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(whole.len(), 96, "the answer ended early");
+
+        let live_answer = || async {
+            a.generate_live(
+                Start::Cached {
+                    tokens: prompt.clone(),
+                    reuse: Reuse::None,
+                    max_uncached: None,
+                },
+                params.clone(),
+                96,
+            )
+            .await
+            .unwrap()
+        };
+        let LiveAnswer {
+            events: mut rx,
+            live,
+            mut pieces,
+        } = live_answer().await;
+        let mut ids = Vec::new();
+        assert!(read_until(&mut rx, &mut ids, 4).await.is_none());
+        // Asked for after 4 tokens: still the state right after the prefill.
+        let first = live.snapshot(false, 0).await.unwrap().unwrap();
+        assert_eq!((first.answered, &first.tokens), (1, &prompt));
+        assert_eq!(first.last, whole[0]);
+        assert!(
+            pieces.recv().await.is_none(),
+            "no piece during a window's prefill"
+        );
+        assert!(read_until(&mut rx, &mut ids, 30).await.is_none());
+        let mid = live.snapshot(false, prompt.len()).await.unwrap().unwrap();
+        assert!(read_until(&mut rx, &mut ids, 60).await.is_none());
+        let last = live
+            .snapshot(true, mid.tokens.len())
+            .await
+            .unwrap()
+            .unwrap();
+        let end = read_until(&mut rx, &mut ids, usize::MAX).await;
+        let Some(GenEvent::Done(summary)) = end else {
+            panic!("{end:?}")
+        };
+        assert_eq!(summary.finish, Finish::Handover);
+        assert_eq!(ids, whole[..ids.len()]);
+        assert_eq!(ids.len(), last.answered as usize);
+        assert_eq!(
+            splice::span(&mid.state).unwrap(),
+            prompt.len()..mid.tokens.len()
+        );
+        let joined = splice::join(&[&first.state, &mid.state, &last.state], Vec::new()).unwrap();
+        // The window as it stood after the prefill, and every cell written since.
+        assert_eq!(
+            splice::narrowest(&joined).unwrap(),
+            splice::narrowest(&first.state).unwrap() + last.tokens.len() - prompt.len()
+        );
+        let mut rest = Vec::new();
+        let mut rx = b
+            .generate(
+                Start::Imported {
+                    state: joined.into(),
+                    tokens: last.tokens.clone(),
+                    first: last.last,
+                    answered: last.answered,
+                },
+                params.clone(),
+                96 - last.answered,
+            )
+            .await
+            .unwrap();
+        let end = read_until(&mut rx, &mut rest, usize::MAX).await;
+        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        assert_eq!(
+            [ids, rest].concat(),
+            whole,
+            "flash {flash:?}: the handed-over answer differs"
+        );
+
+        // Past the ring's room (64 positions here) no piece is cut; the answer goes on.
+        let LiveAnswer {
+            events: mut rx,
+            live,
+            ..
+        } = live_answer().await;
+        let mut ids = Vec::new();
+        let first = live.snapshot(false, 0).await.unwrap().unwrap();
+        assert!(read_until(&mut rx, &mut ids, 70).await.is_none());
+        let refused = live.snapshot(true, first.tokens.len()).await.unwrap();
+        assert!(refused.is_err(), "a piece past the ring's room was cut");
+        assert!(
+            live.snapshot(false, 0).await.unwrap().is_err(),
+            "the first piece twice"
+        );
+        let end = read_until(&mut rx, &mut ids, usize::MAX).await;
+        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        assert_eq!(ids, whole, "the answer that kept its piece");
+    }
+}

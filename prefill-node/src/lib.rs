@@ -336,17 +336,7 @@ impl PrefillService {
         };
         let early = {
             let h = handoff.clone();
-            let whole = self.engine.info().sliding_window.then(|| live.clone());
-            live::AbortOnDrop(tokio::spawn(async move {
-                match whole {
-                    // Asked before the first step: the state right after the prefill.
-                    Some(live) => {
-                        drop(pieces);
-                        h.whole_at_first_token(&live).await
-                    }
-                    None => h.during_prefill(pieces).await,
-                }
-            }))
+            live::AbortOnDrop(tokio::spawn(async move { h.during_prefill(pieces).await }))
         };
         let protocol = || Status::internal("the engine did not prefill the live answer");
         let (prefill_ms, cached_tokens) = match events.recv().await {

@@ -10,8 +10,10 @@
 //! the handoff gives up (`HandoffCancelled`) and the answer ends here, waiting for nothing
 //! (the state's export and hashing still share this machine's cores with it). When the
 //! answer ends before the handoff completes, the connection closes and the decode node
-//! drops what it received. A sliding-window model's state cannot be cut: it goes whole at
-//! the first token boundary (`whole_at_first_token`), the `after` handoff's stall.
+//! drops what it received. A sliding-window model's state goes the same way, its first
+//! piece the state laid out right after the prefill (the engine's `LiveWindow`), none
+//! during the prefill; once its ring could wrap, no further piece is cut and the handoff is
+//! cancelled.
 
 use std::time::{Duration, Instant};
 
@@ -64,10 +66,6 @@ impl LiveHandoff {
             // the answer ends first, dropping this future aborts that task, which closes
             // its connection: the decode node drops the pieces.
             let early = match (&mut early.0).await {
-                Ok(Ok(Early::Whole(sw))) => return Ok(sw),
-                Ok(Err(e)) if self.sender.info.sliding_window => {
-                    return Err(Cancelled(e, 0));
-                }
                 Ok(Ok(Early::Sent(sent))) => Some(*sent),
                 Ok(Ok(Early::Nothing)) | Err(_) => None,
                 Ok(Err(e)) => {
@@ -197,35 +195,6 @@ impl LiveHandoff {
         Ok(())
     }
 
-    /// A sliding-window model: its state cannot be cut into pieces, and, exported after
-    /// answer tokens were decoded, it does not continue exactly on another node (its
-    /// ring of cells is laid out anew there; issue 14). So the answer stops at the first
-    /// boundary, asked for before it comes, and the state of the prompt goes whole: the
-    /// `after` handoff, through the live protocol.
-    pub(crate) async fn whole_at_first_token(&self, live: &Live) -> Result<Early, String> {
-        let t0 = Instant::now();
-        let result = async {
-            let snap = Self::snapshot(live, true, 0).await?;
-            let mut out = Sent::new(self.connect().await?);
-            out.sw.export_ms = snap.export_ms;
-            self.send(&mut out, self.piece(snap.tokens, snap.state), true)
-                .await?;
-            out.sw.answered = snap.answered;
-            out.sw.whole = true;
-            Ok(out)
-        }
-        .await;
-        match result {
-            Ok(out) => Ok(Early::Whole(self.acked_later(out, t0))),
-            Err(e) => {
-                self.sender
-                    .metrics
-                    .handoff("v2-live", false, 0, t0.elapsed().as_secs_f64());
-                Err(e)
-            }
-        }
-    }
-
     /// The last piece is written: the router may send the answer's `Generate` to the
     /// decode node now, where it waits for the piece to be checked and stored (or fails
     /// at once if the piece is refused: the receiver drops the handoff, and the router
@@ -315,8 +284,6 @@ impl LiveHandoff {
             None => {
                 let snap = Self::snapshot(live, false, 0).await?;
                 if !splice::is_linear(&snap.state) {
-                    // Sliding-window models take `whole_at_first_token`; a state that is
-                    // not linear otherwise is not one this build can cut.
                     return Err("the state cannot be cut into pieces".into());
                 }
                 let mut out = Sent::new(self.connect().await?);
@@ -372,8 +339,6 @@ pub(crate) enum Early {
     Nothing,
     /// Pieces of the prompt's state.
     Sent(Box<Sent>),
-    /// A sliding-window state, whole: the decode node takes over after the first token.
-    Whole(pb::Switched),
 }
 
 /// A task aborted when this is dropped (its connection closed with it).

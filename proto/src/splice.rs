@@ -1,13 +1,17 @@
 //! Cutting and joining llama.cpp sequence states by position, for the live handoff
 //! (PROTOCOL.md, "Live handoff"): the prefill node sends the state of the prompt, then only
 //! the cells of the tokens it wrote since ([`tail`]); the decode node joins them
-//! ([`append`]) into the state the prefill node would have exported at that moment.
+//! ([`append`]) into the state the prefill node holds at that moment.
 //!
-//! Only *linear* states are cut: every stream of every memory section holds the positions
-//! `0..n` in order, one sequence per cell. That is what a context with one sequence and no
-//! sliding window exports (SmolLM2 here). A sliding-window section keeps the last window
-//! only, in ring order, and cannot be joined from pieces: such states are refused with
-//! [`SpliceError::NotLinear`] and their handoff goes whole, after prefill.
+//! Only *contiguous* states are cut: every stream of every memory section holds consecutive
+//! positions in order, one sequence per cell, and all end at the same position. A context
+//! with one sequence and no sliding window exports `0..n` in every section (SmolLM2 here).
+//! A sliding-window section (Gemma-3) exports only its window, `n - w..n`: right after the
+//! engine lays the cache out (`Worker::lay_out_as_imported`) its cells lie in that order
+//! from index 0, and the answer's steps add theirs after them, so the prompt's state
+//! joined with the cells of the tokens written since is, cell for cell, what the prefill
+//! node's cache holds, until the window's ring wraps (the engine stops cutting before).
+//! A window in ring order (not laid out) is refused with [`SpliceError::NotLinear`].
 //!
 //! The cut and the join copy bytes and never interpret them: `append(state(0..n),
 //! tail(state(0..m), n))` is `state(0..m)` byte for byte (tested here on synthetic states
@@ -45,6 +49,8 @@ enum Rows {
 /// One stream of one memory section.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stream {
+    /// The position of its first cell (0 when empty).
+    first: usize,
     cells: usize,
     /// The cells' metadata (`i32 pos, u32 n_seq_id = 1, i32 seq_id`), 12 bytes each.
     meta_at: usize,
@@ -56,16 +62,22 @@ struct Stream {
     v: Vec<Rows>,
 }
 
-/// A parsed linear state: where everything lies in its buffer.
+/// A parsed contiguous state: where everything lies in its buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Parsed {
     seq_id: u32,
     /// Sections, each a list of streams (a stream with no cells has no fields).
     sections: Vec<Vec<Stream>>,
-    /// The position of the first cell of every non-empty stream (all the same).
+    /// The first position of the stream that starts earliest (a full cache's).
     first: usize,
-    /// Cells in every non-empty stream (all the same).
-    cells: usize,
+    /// The position after the last cell of every non-empty stream (all the same).
+    end: usize,
+}
+
+impl Parsed {
+    fn streams(&self) -> impl Iterator<Item = &Stream> {
+        self.sections.iter().flatten().filter(|s| s.cells > 0)
+    }
 }
 
 const META: usize = 12;
@@ -116,7 +128,7 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
     }
     let seq_id = r.u32()?;
     let mut sections = Vec::new();
-    let mut span: Option<(usize, usize)> = None;
+    let mut end: Option<usize> = None;
     while r.pos < buf.len() {
         let n_stream = r.u32()?;
         if n_stream == 0 || n_stream > MAX_STREAMS {
@@ -127,6 +139,7 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
             let cells = r.u32()? as usize;
             if cells == 0 {
                 streams.push(Stream {
+                    first: 0,
                     cells: 0,
                     meta_at: r.pos,
                     v_trans: 0,
@@ -138,6 +151,7 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
                 continue;
             }
             let meta_at = r.pos;
+            let mut first = 0usize;
             for c in 0..cells {
                 let at = r.take(8)?;
                 let pos = i32_at(buf, at);
@@ -148,28 +162,25 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
                     )));
                 }
                 r.take(4)?;
-                let first = span.map_or(pos, |(f, _)| f as i32);
-                if usize::try_from(pos).ok() != Some(first as usize + c) {
+                let pos = usize::try_from(pos)
+                    .map_err(|_| SpliceError::NotLinear(format!("negative position {pos}")))?;
+                if c == 0 {
+                    first = pos;
+                } else if pos != first + c {
                     return Err(SpliceError::NotLinear(format!(
                         "cell {c} holds position {pos}, not {}",
-                        first as usize + c
+                        first + c
                     )));
                 }
-                if c == 0 && span.is_none() {
-                    span = Some((
-                        usize::try_from(pos).map_err(|_| {
-                            SpliceError::NotLinear(format!("negative position {pos}"))
-                        })?,
-                        cells,
-                    ));
-                }
             }
-            if span.is_some_and(|(_, n)| n != cells) {
+            let stream_end = first + cells;
+            if end.is_some_and(|e| e != stream_end) {
                 return Err(SpliceError::NotLinear(format!(
-                    "a stream holds {cells} cells, another {}",
-                    span.map_or(0, |s| s.1)
+                    "a stream ends at position {stream_end}, another at {}",
+                    end.unwrap_or(0)
                 )));
             }
+            end = Some(stream_end);
             let v_trans = r.u32()?;
             let n_layer = r.u32()?;
             let rot_at = r.take(8)?;
@@ -210,6 +221,7 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
             let mut rot = [0u8; 8];
             rot.copy_from_slice(&buf[rot_at..rot_at + 8]);
             streams.push(Stream {
+                first,
                 cells,
                 meta_at,
                 v_trans,
@@ -224,22 +236,39 @@ fn parse(buf: &[u8]) -> Result<Parsed, SpliceError> {
     if sections.is_empty() {
         return Err(SpliceError::Malformed("no memory section"));
     }
-    let (first, cells) = span.unwrap_or((0, 0));
+    let end = end.unwrap_or(0);
+    let first = sections
+        .iter()
+        .flatten()
+        .filter(|s| s.cells > 0)
+        .map(|s| s.first)
+        .min()
+        .unwrap_or(end);
     Ok(Parsed {
         seq_id,
         sections,
         first,
-        cells,
+        end,
     })
 }
 
-/// The positions a linear state covers: `first..first + cells`.
+/// The positions a contiguous state covers: from the first position of the stream that
+/// starts earliest (a full cache's) to the end all its streams share.
 ///
 /// # Errors
-/// A state that is malformed or not linear.
+/// A state that is malformed or not contiguous.
 pub fn span(state: &[u8]) -> Result<std::ops::Range<usize>, SpliceError> {
     let p = parse(state)?;
-    Ok(p.first..p.first + p.cells)
+    Ok(p.first..p.end)
+}
+
+/// The fewest cells a non-empty stream of `state` holds: a sliding window's, where there
+/// is one.
+///
+/// # Errors
+/// A state that is malformed or not contiguous.
+pub fn narrowest(state: &[u8]) -> Result<usize, SpliceError> {
+    Ok(parse(state)?.streams().map(|s| s.cells).min().unwrap_or(0))
 }
 
 /// Whether `state` can be cut and joined (see the module docs).
@@ -248,9 +277,14 @@ pub fn is_linear(state: &[u8]) -> bool {
     parse(state).is_ok()
 }
 
-/// A range of cells `[from, to)` (indices within the stream) of each of `parts`' streams,
-/// written as one state into `out` (cleared first): each part's cells follow the previous
-/// part's.
+/// The cells of `s` at positions `from..to`, as indices within the stream.
+fn cells_of(s: &Stream, from: usize, to: usize) -> (usize, usize) {
+    let at = |p: usize| p.saturating_sub(s.first).min(s.cells);
+    (at(from), at(to))
+}
+
+/// The positions `[from, to)` of each of `parts`' streams, written as one state into `out`
+/// (cleared first): in each stream, each part's cells follow the previous part's.
 fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) -> Vec<u8> {
     let total: usize = buf_of.iter().map(|b| b.len()).sum();
     out.clear();
@@ -258,34 +292,36 @@ fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) 
     let p0 = parts[0].0;
     out.extend_from_slice(&STATE_MAGIC.to_le_bytes());
     out.extend_from_slice(&p0.seq_id.to_le_bytes());
-    let cells: usize = parts.iter().map(|(_, a, b)| b - a).sum();
     for (si, streams) in p0.sections.iter().enumerate() {
         out.extend_from_slice(&(streams.len() as u32).to_le_bytes());
-        for (ti, s0) in streams.iter().enumerate() {
-            if s0.cells == 0 && parts.iter().all(|(p, _, _)| p.sections[si][ti].cells == 0) {
-                out.extend_from_slice(&0u32.to_le_bytes());
-                continue;
-            }
-            out.extend_from_slice(&(cells as u32).to_le_bytes());
-            for ((p, a, b), buf) in parts.iter().zip(buf_of) {
-                let s = &p.sections[si][ti];
-                if s.cells > 0 {
-                    out.extend_from_slice(&buf[s.meta_at + a * META..s.meta_at + b * META]);
-                }
-            }
-            let s = parts
+        for ti in 0..streams.len() {
+            // Each part's stream with the cell range it gives.
+            let present: Vec<(&[u8], &Stream, usize, usize)> = parts
                 .iter()
-                .map(|(p, _, _)| &p.sections[si][ti])
-                .find(|s| s.cells > 0)
-                .unwrap_or(s0);
+                .zip(buf_of)
+                .map(|((p, from, to), buf)| {
+                    let s = &p.sections[si][ti];
+                    let (a, b) = cells_of(s, *from, *to);
+                    (*buf, s, a, b)
+                })
+                .filter(|(_, s, a, b)| s.cells > 0 && b > a)
+                .collect();
+            let cells: usize = present.iter().map(|(_, _, a, b)| b - a).sum();
+            out.extend_from_slice(&(cells as u32).to_le_bytes());
+            let Some(&(_, s, _, _)) = present.first() else {
+                continue;
+            };
+            for (buf, st, a, b) in &present {
+                out.extend_from_slice(&buf[st.meta_at + a * META..st.meta_at + b * META]);
+            }
             out.extend_from_slice(&s.v_trans.to_le_bytes());
             out.extend_from_slice(&s.n_layer.to_le_bytes());
             out.extend_from_slice(&s.rot);
             for l in 0..s.n_layer as usize {
-                write_rows(&mut out, buf_of, parts, si, ti, |st| st.k[l]);
+                write_rows(&mut out, &present, |st| st.k[l]);
             }
             for l in 0..s.n_layer as usize {
-                write_rows(&mut out, buf_of, parts, si, ti, |st| st.v[l]);
+                write_rows(&mut out, &present, |st| st.v[l]);
             }
         }
     }
@@ -294,18 +330,9 @@ fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) 
 
 fn write_rows(
     out: &mut Vec<u8>,
-    buf_of: &[&[u8]],
-    parts: &[(&Parsed, usize, usize)],
-    si: usize,
-    ti: usize,
+    present: &[(&[u8], &Stream, usize, usize)],
     rows_of: impl Fn(&Stream) -> Rows,
 ) {
-    let present: Vec<(&[u8], &Stream, usize, usize)> = parts
-        .iter()
-        .zip(buf_of)
-        .map(|((p, a, b), buf)| (*buf, &p.sections[si][ti], *a, *b))
-        .filter(|(_, s, a, b)| s.cells > 0 && b > a)
-        .collect();
     let Some((_, s, _, _)) = present.first() else {
         return;
     };
@@ -313,7 +340,7 @@ fn write_rows(
         Rows::Plain { ty, row, .. } => {
             out.extend_from_slice(&ty.to_le_bytes());
             out.extend_from_slice(&row.to_le_bytes());
-            for (buf, st, a, b) in &present {
+            for (buf, st, a, b) in present {
                 let Rows::Plain { row, at, .. } = rows_of(st) else {
                     continue;
                 };
@@ -328,7 +355,7 @@ fn write_rows(
             out.extend_from_slice(&elem.to_le_bytes());
             out.extend_from_slice(&n_embd.to_le_bytes());
             for e in 0..n_embd as usize {
-                for (buf, st, a, b) in &present {
+                for (buf, st, a, b) in present {
                     let Rows::Transposed { elem, at, .. } = rows_of(st) else {
                         continue;
                     };
@@ -341,10 +368,12 @@ fn write_rows(
     }
 }
 
-/// The cells of `state` at positions `from..`: the state's tail, itself a linear state.
+/// The cells of `state` at positions `from..`: the state's tail, itself a contiguous
+/// state whose every stream starts at `from`.
 ///
 /// # Errors
-/// A state that is malformed, not linear, or that does not reach past `from`.
+/// A state that is malformed or not contiguous, that does not start at position 0, that
+/// does not reach past `from`, or a stream (a sliding window) that no longer holds `from`.
 pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
     let p = parse(state)?;
     if p.first != 0 {
@@ -353,13 +382,20 @@ pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
             p.first
         )));
     }
-    if from >= p.cells {
+    if from >= p.end {
         return Err(SpliceError::Mismatch(format!(
             "the state covers {} positions; nothing follows position {from}",
-            p.cells
+            p.end
         )));
     }
-    Ok(write(&[state], &[(&p, from, p.cells)], Vec::new()))
+    if let Some(s) = p.streams().find(|s| s.first > from) {
+        return Err(SpliceError::Mismatch(format!(
+            "a sliding window starts at position {}, past {from}: the positions between \
+             are no longer held",
+            s.first
+        )));
+    }
+    Ok(write(&[state], &[(&p, from, p.end)], Vec::new()))
 }
 
 /// Joins `head` (positions `0..n`) and `tail` (positions `n..m`) into the state of
@@ -382,7 +418,7 @@ pub fn append(head: &[u8], tail: &[u8]) -> Result<Vec<u8>, SpliceError> {
 pub fn follows(prev: &[u8], next: &[u8]) -> Result<std::ops::Range<usize>, SpliceError> {
     let (h, t) = (parse(prev)?, parse(next)?);
     fits(&h, &t)?;
-    Ok(t.first..t.first + t.cells)
+    Ok(t.first..t.end)
 }
 
 /// Joins consecutive pieces (the first from position 0, each continuing the one before)
@@ -409,18 +445,17 @@ pub fn join(pieces: &[&[u8]], out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
     for pair in parsed.windows(2) {
         fits(&pair[0], &pair[1])?;
     }
-    let parts: Vec<(&Parsed, usize, usize)> = parsed.iter().map(|p| (p, 0, p.cells)).collect();
+    let parts: Vec<(&Parsed, usize, usize)> = parsed.iter().map(|p| (p, p.first, p.end)).collect();
     Ok(write(pieces, &parts, out))
 }
 
-/// `t` continues `h`: it starts where `h` ends, holds cells, and has `h`'s shape.
+/// `t` continues `h`: every stream of it starts where `h` ends, it holds cells, and it has
+/// `h`'s shape.
 fn fits(h: &Parsed, t: &Parsed) -> Result<(), SpliceError> {
-    if t.first != h.first + h.cells || t.cells == 0 {
+    if t.end <= t.first || t.streams().any(|s| s.first != h.end) {
         return Err(SpliceError::Mismatch(format!(
             "the head ends at position {}, the tail covers {}..{}",
-            h.first + h.cells,
-            t.first,
-            t.first + t.cells
+            h.end, t.first, t.end
         )));
     }
     if h.seq_id != t.seq_id || h.sections.len() != t.sections.len() {
@@ -478,10 +513,17 @@ pub(crate) mod testing {
     /// bytes) whose bytes encode (section, layer, position, byte) so that any misplaced
     /// byte shows.
     pub(crate) fn synthetic(first: u32, cells: u32, v_trans: bool, sections: u32) -> Vec<u8> {
+        let spans: Vec<(u32, u32)> = (0..sections).map(|_| (first, cells)).collect();
+        windowed(&spans, v_trans)
+    }
+
+    /// As [`synthetic`], with each section's own `(first, cells)`: a sliding window's
+    /// section holds fewer, later positions than a full one.
+    pub(crate) fn windowed(spans: &[(u32, u32)], v_trans: bool) -> Vec<u8> {
         let mut v = Vec::new();
         push32(&mut v, STATE_MAGIC);
         push32(&mut v, 0);
-        for s in 0..sections {
+        for (s, &(first, cells)) in (0u32..).zip(spans) {
             push32(&mut v, 1);
             push32(&mut v, cells);
             for pos in first..first + cells {
@@ -532,7 +574,7 @@ pub(crate) mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use testing::synthetic;
+    use testing::{synthetic, windowed};
 
     #[test]
     fn a_tail_appended_to_its_head_is_the_whole_state() {
@@ -605,6 +647,55 @@ mod tests {
             Err(SpliceError::Mismatch(_))
         ));
         assert!(matches!(tail(&head, 3), Err(SpliceError::Mismatch(_))));
+    }
+
+    #[test]
+    fn a_window_joins_the_cells_written_after_it() {
+        for v_trans in [false, true] {
+            // The prompt's state right after the prefill: positions 0..8, and a window
+            // section holding its last 4. Two steps later the export holds the window
+            // 6..10; its tail from 8 continues both sections.
+            let head = windowed(&[(0, 8), (4, 4)], v_trans);
+            assert_eq!(span(&head).unwrap(), 0..8);
+            let later = windowed(&[(0, 10), (6, 4)], v_trans);
+            let t = tail(&later, 8).unwrap();
+            assert_eq!(t, windowed(&[(8, 2), (8, 2)], v_trans));
+            assert_eq!(follows(&head, &t).unwrap(), 8..10);
+            // Joined: what the cache holds, the window's older cells (masked now, still
+            // in their places) included.
+            let joined = append(&head, &t).unwrap();
+            assert_eq!(
+                joined,
+                windowed(&[(0, 10), (4, 6)], v_trans),
+                "v_trans={v_trans}"
+            );
+            assert_eq!(
+                join(
+                    &[
+                        &head,
+                        &t,
+                        &tail(&windowed(&[(0, 11), (7, 4)], v_trans), 10).unwrap()
+                    ],
+                    Vec::new()
+                )
+                .unwrap(),
+                windowed(&[(0, 11), (4, 7)], v_trans)
+            );
+        }
+        // The window has moved past the cut: the positions between are gone.
+        let moved = windowed(&[(0, 10), (7, 3)], false);
+        assert!(matches!(tail(&moved, 6), Err(SpliceError::Mismatch(_))));
+        // A tail whose window section starts elsewhere, and sections that end apart.
+        let head = windowed(&[(0, 8), (4, 4)], false);
+        let odd = windowed(&[(8, 2), (7, 3)], false);
+        assert!(matches!(
+            follows(&head, &odd),
+            Err(SpliceError::Mismatch(_))
+        ));
+        assert!(matches!(
+            parse(&windowed(&[(0, 8), (4, 3)], false)),
+            Err(SpliceError::NotLinear(_))
+        ));
     }
 
     #[test]

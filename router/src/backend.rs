@@ -1018,7 +1018,6 @@ impl SplitAnswer {
             answered,
             rounds = sw.rounds,
             bytes = sw.bytes,
-            whole = sw.whole,
             "live handoff: the decode node takes over"
         );
         lock(&self.learned)

@@ -19,6 +19,22 @@ pub async fn collect(
     panic!("generation ended without a final event");
 }
 
+/// Reads tokens into `ids` until there are `n`, or the final event (returned).
+pub async fn read_until(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<GenEvent>,
+    ids: &mut Vec<i32>,
+    n: usize,
+) -> Option<GenEvent> {
+    while ids.len() < n {
+        match rx.recv().await.expect("events end with a final one") {
+            GenEvent::Token(t) => ids.push(t.id),
+            GenEvent::Prefilled { .. } => {}
+            other => return Some(other),
+        }
+    }
+    None
+}
+
 /// Continues a prefilled answer in `engine` from its exported `state` (the prompt's
 /// `tokens` and the `first` token the prefill sampled): the tokens after the first, and the
 /// event that ended them.

@@ -138,8 +138,8 @@ async fn decode_that_crosses_the_sliding_window() {
     .await;
 }
 
-#[tokio::test]
-async fn prompt_longer_than_the_sliding_window() {
+/// A prompt of ~760 tokens, past the 512-token window.
+fn timetable() -> String {
     let text = (0..60)
         .map(|i| {
             format!(
@@ -151,7 +151,53 @@ async fn prompt_longer_than_the_sliding_window() {
         })
         .collect::<Vec<_>>()
         .join(" ");
-    assert_identical(format!("Timetable. {text}\nThe last train left from"), 700).await;
+    format!("Timetable. {text}\nThe last train left from")
+}
+
+#[tokio::test]
+async fn prompt_longer_than_the_sliding_window() {
+    assert_identical(timetable(), 700).await;
+}
+
+/// Issue 13 on a sliding-window model: through a link of 6 MB/s between the nodes the
+/// state (~10 MB) takes seconds to cross, so the prefill node writes on meanwhile and
+/// the decode node takes over mid-answer from the pieces (the prompt's state laid out
+/// after the prefill, then the cells written since), greedy and seeded: token for token
+/// the `local` answer.
+#[tokio::test]
+async fn a_live_handoff_switches_mid_answer_identically() {
+    static S: OnceLock<Stack> = OnceLock::new();
+    let s = S.get_or_init(|| {
+        let mut o = StackOptions::new(common::GEMMA3);
+        o.n_ctx = 2048;
+        o.handoff_proxy = Some(|target| {
+            common::shaping::proxy(target, || common::shaping::Shape::rate(6_000_000))
+        });
+        common::start(o)
+    });
+    for (sampling, streamed) in [
+        (json!({"temperature": 0}), true),
+        (
+            json!({"temperature": 0.7, "top_k": 40, "seed": 7, "frequency_penalty": 0.2}),
+            false,
+        ),
+    ] {
+        let mut body = sampling.clone();
+        body["prompt"] = json!(timetable());
+        body["max_tokens"] = json!(256);
+        let reference = run(s, "/v1/completions", &body, "local", false).await;
+        assert_eq!(reference.completion_tokens, 256, "the answer ended early");
+        let (split, es) =
+            common::run_reporting(s, "/v1/completions", &body, "v2-live", streamed).await;
+        assert_eq!(split, reference, "sampling {sampling}");
+        common::assert_split(&es, split.completion_tokens);
+        let before = es["prefill_tokens"].as_u64().unwrap();
+        // The decode node got the tokens written meanwhile as a delta.
+        assert!(
+            before >= 8,
+            "the switch came before the state crossed: {es}"
+        );
+    }
 }
 
 #[tokio::test]
