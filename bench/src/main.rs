@@ -132,6 +132,10 @@ struct RunArgs {
     /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0), and the stock server's.
     #[arg(long, default_value = "f16")]
     cache_type: String,
+    /// Both nodes' prefill batch (`--batch`): with `--stream-prefill` a piece of the state
+    /// crosses after each batch. Not with `--stock`, which runs at llama-server's default.
+    #[arg(long, default_value_t = 512)]
+    batch: u32,
 }
 
 impl RunArgs {
@@ -266,6 +270,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let threads = args
         .threads
         .unwrap_or_else(edgesplit_engine::default_threads);
+    anyhow::ensure!(
+        !(args.stock && args.batch != 512),
+        "--batch sets EdgeSplit's nodes only; --stock compares at llama-server's default of 512"
+    );
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let rec = Record::open(&args.db, &command, threads, args.n_ctx)?;
     let out = args.out.clone().unwrap_or_else(|| {
@@ -332,6 +340,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     direct: false,
                     flash_attn: args.flash_attn.clone(),
                     cache_type: args.cache_type.clone(),
+                    batch: args.batch,
                     secret: None,
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;

@@ -43,6 +43,8 @@ pub struct StackConfig {
     pub flash_attn: String,
     /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0).
     pub cache_type: String,
+    /// Both nodes' prefill batch (`--batch`).
+    pub batch: u32,
     /// The shared secret of the three services (`EDGESPLIT_SECRET`): private links.
     pub secret: Option<String>,
 }
@@ -61,6 +63,7 @@ impl StackConfig {
             direct: false,
             flash_attn: "auto".into(),
             cache_type: "f16".into(),
+            batch: 512,
             secret: None,
         }
     }
@@ -183,6 +186,7 @@ impl Stack {
             a.extend(["--flash-attn".into(), cfg.flash_attn.clone()]);
             a.extend(["--cache-type-k".into(), cfg.cache_type.clone()]);
             a.extend(["--cache-type-v".into(), cfg.cache_type.clone()]);
+            a.extend(["--batch".into(), cfg.batch.to_string()]);
             a
         };
         let mut stack = Stack {
