@@ -332,6 +332,7 @@ pub async fn run(
     });
     let upload_cfg = Arc::new(upload::UploadConfig {
         secret: secret.clone(),
+        sealed: link.is_private(),
         seen: Arc::default(),
         store: store.clone(),
         // A V1 body is received into memory: no larger than a V2 frame may be.

@@ -32,6 +32,8 @@ pub struct UploadConfig {
     /// When set, an upload must carry a credential made with it (checked before the body
     /// is read).
     pub secret: Option<Arc<edgesplit_proto::auth::Secret>>,
+    /// Uploads come over TLS (a private link): their digest is the AEAD's.
+    pub sealed: bool,
     pub seen: Arc<edgesplit_proto::auth::ReplayGuard>,
     pub store: Arc<Store>,
     /// Largest body accepted (it is received into memory).
@@ -243,7 +245,7 @@ async fn receive(
     let file_len = declared - v1::TRAILER_LEN as u64;
     let mut file = buffers::take(usize::try_from(file_len).unwrap_or(usize::MAX));
     let mut trailer = Vec::with_capacity(v1::TRAILER_LEN);
-    let mut hasher = v1::digest(cfg.secret.as_deref(), id);
+    let mut hasher = v1::digest(cfg.secret.as_deref(), id, cfg.sealed);
     let mut written: u64 = 0;
     let started = Instant::now();
     let mut hashing = std::time::Duration::ZERO;

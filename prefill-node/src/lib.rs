@@ -530,7 +530,7 @@ impl Sender {
                         &request_id,
                         file,
                         &self.info,
-                        self.link.secret(),
+                        &self.link,
                     )
                     .await?;
                     Ok(Delivered {

@@ -66,7 +66,8 @@ pub struct V1File {
     pub sections: Bytes,
 }
 
-/// Uploads `file` as handoff `handoff_id` to `url_base`; returns the bytes sent.
+/// Uploads `file` as handoff `handoff_id` to `url_base` over `link` (its secret makes the
+/// credential; over TLS the digest is the AEAD's); returns the bytes sent.
 ///
 /// # Errors
 /// The HTTP request, or a refusal by the decode node.
@@ -77,8 +78,9 @@ pub async fn upload(
     request_id: &str,
     file: &V1File,
     info: &ModelInfo,
-    secret: Option<&Secret>,
+    link: &edgesplit_proto::link::Link,
 ) -> Result<Uploaded, UploadError> {
+    let secret = link.secret();
     let len = (file.head.len() + file.sections.len() + v1::TRAILER_LEN) as u64;
     let sections = file.sections.clone();
     let chunks = std::iter::once(file.head.clone()).chain(
@@ -90,7 +92,7 @@ pub async fn upload(
     let hash_ns = Arc::new(AtomicU64::new(0));
     let timed = hash_ns.clone();
     let mut chunks = chunks;
-    let mut digest = Some(v1::digest(secret, handoff_id));
+    let mut digest = Some(v1::digest(secret, handoff_id, link.is_private()));
     let body = std::iter::from_fn(move || {
         let d = digest.as_mut()?;
         match chunks.next() {

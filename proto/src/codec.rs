@@ -9,9 +9,12 @@ use crate::frame::{self, EncodeError, Frame, FrameError};
 /// frame's checksum is computed as its bytes arrive ([`frame::Decoder`]).
 pub struct V2Codec {
     max_frame: usize,
-    /// The session key once an authenticated handshake derived one: STATE checksums are
-    /// then HMAC-SHA256 under it.
-    key: Option<[u8; 32]>,
+    /// How STATE frames are checked: SHA-256 until an authenticated handshake derives a
+    /// session key (HMAC-SHA256 under it), or nothing of ours on a sealed (TLS) link.
+    check: frame::Check,
+    /// The connection runs over TLS: an authenticated handshake seals it instead of
+    /// keying it.
+    sealed: bool,
     decoder: frame::Decoder,
 }
 
@@ -21,8 +24,20 @@ impl V2Codec {
     pub fn new(max_frame: usize) -> Self {
         Self {
             max_frame,
-            key: None,
+            check: frame::Check::Sha256,
+            sealed: false,
             decoder: frame::Decoder::default(),
+        }
+    }
+
+    /// [`V2Codec::new`] for a connection that runs over TLS when `sealed`: once the
+    /// handshake authenticated the peer, states carry no digest of ours
+    /// ([`frame::Check::Sealed`]).
+    #[must_use]
+    pub fn over(max_frame: usize, sealed: bool) -> Self {
+        Self {
+            sealed,
+            ..Self::new(max_frame)
         }
     }
 
@@ -32,10 +47,10 @@ impl V2Codec {
         self.max_frame
     }
 
-    /// The session key, once set.
+    /// How state frames are checked now.
     #[must_use]
-    pub fn key(&self) -> Option<&[u8; 32]> {
-        self.key.as_ref()
+    pub fn check(&self) -> &frame::Check {
+        &self.check
     }
 
     /// How long the last state frame decoded took to arrive and to check (once).
@@ -43,9 +58,14 @@ impl V2Codec {
         self.decoder.take_receipt()
     }
 
-    /// Switches STATE checksums to HMAC-SHA256 under `key` (both directions).
+    /// The handshake authenticated the peer: STATE checksums become HMAC-SHA256 under
+    /// `key` (both directions), or, on a TLS connection, nothing of ours.
     pub fn set_key(&mut self, key: [u8; 32]) {
-        self.key = Some(key);
+        self.check = if self.sealed {
+            frame::Check::Sealed
+        } else {
+            frame::Check::Hmac(key)
+        };
     }
 }
 
@@ -76,9 +96,7 @@ impl Decoder for V2Codec {
         if src.is_empty() {
             return Ok(None);
         }
-        Ok(self
-            .decoder
-            .decode(src, self.max_frame, self.key.as_ref())?)
+        Ok(self.decoder.decode(src, self.max_frame, &self.check)?)
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, CodecError> {
@@ -98,7 +116,7 @@ impl Encoder<Frame> for V2Codec {
             &item,
             dst,
             self.max_frame,
-            self.key.as_ref(),
+            &self.check,
         )?)
     }
 }

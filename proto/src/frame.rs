@@ -331,11 +331,11 @@ fn malformed(what: &str) -> FrameError {
 /// # Errors
 /// Any [`FrameError`]; the connection should NACK and close, since framing is lost.
 pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, FrameError> {
-    decode_keyed(buf, max_frame, None)
+    decode_keyed(buf, max_frame, &Check::Sha256)
 }
 
-/// [`decode`] on an authenticated link: a STATE frame's checksum is HMAC-SHA256 under
-/// `key` (the session key of the handshake) instead of SHA-256.
+/// [`decode`] on a link whose states are checked as `check` says: HMAC-SHA256 under the
+/// session key of the handshake, or nothing of ours inside TLS, instead of SHA-256.
 ///
 /// One call sees one buffer: a caller that feeds a stream keeps a [`Decoder`] instead,
 /// which hashes a state's bytes as they arrive.
@@ -345,9 +345,9 @@ pub fn decode(buf: &mut BytesMut, max_frame: usize) -> Result<Option<Frame>, Fra
 pub fn decode_keyed(
     buf: &mut BytesMut,
     max_frame: usize,
-    key: Option<&[u8; 32]>,
+    check: &Check,
 ) -> Result<Option<Frame>, FrameError> {
-    Decoder::default().decode(buf, max_frame, key)
+    Decoder::default().decode(buf, max_frame, check)
 }
 
 /// The header's checks (magic first, even before the whole header is here; version;
@@ -436,7 +436,7 @@ impl Default for Decoder {
 impl Decoder {
     /// Decodes one frame from the front of `buf`, consuming it; `Ok(None)`: more bytes are
     /// needed (and `buf` has been reserved for them, within `max_frame`). Call it again
-    /// with the same buffer, grown, and the same `key`.
+    /// with the same buffer, grown, and the same `check`.
     ///
     /// # Errors
     /// As [`decode`]; the decoder then starts over with the next frame.
@@ -444,9 +444,9 @@ impl Decoder {
         &mut self,
         buf: &mut BytesMut,
         max_frame: usize,
-        key: Option<&[u8; 32]>,
+        check: &Check,
     ) -> Result<Option<Frame>, FrameError> {
-        let res = self.step(buf, max_frame, key);
+        let res = self.step(buf, max_frame, check);
         if res.is_err() {
             if let Some(body) = self.pending.take().and_then(|p| p.body) {
                 crate::buffers::give(body);
@@ -473,7 +473,7 @@ impl Decoder {
         &mut self,
         buf: &mut BytesMut,
         max_frame: usize,
-        key: Option<&[u8; 32]>,
+        check: &Check,
     ) -> Result<Option<Frame>, FrameError> {
         if self.pending.as_ref().is_some_and(|p| p.body.is_some()) {
             return self.step_pooled(buf);
@@ -488,7 +488,7 @@ impl Decoder {
             let p = self.pending.get_or_insert_with(|| Pending {
                 kind,
                 len,
-                digest: StateDigest::new(key),
+                digest: StateDigest::new(check),
                 hashed: 0,
                 started: std::time::Instant::now(),
                 hashing: std::time::Duration::ZERO,
@@ -516,7 +516,7 @@ impl Decoder {
         let mut frame = buf.split_to(total).freeze();
         frame.advance(HEADER_LEN);
         match self.pending.take() {
-            None => parse_body(kind, frame, key).map(Some),
+            None => parse_body(kind, frame, check).map(Some),
             Some(p) => self.finish(p, frame),
         }
     }
@@ -584,18 +584,37 @@ fn get_32(b: &mut Bytes) -> Result<[u8; 32], FrameError> {
 pub enum StateDigest {
     Plain(Sha256),
     Keyed(hmac::Hmac<Sha256>),
+    /// Inside TLS: no digest of ours (see [`Check::Sealed`]); the trailer is 32 zero bytes.
+    Sealed,
+}
+
+/// How a connection checks the bytes of the states it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Check {
+    /// SHA-256 of the body (a plain link without a secret).
+    #[default]
+    Sha256,
+    /// HMAC-SHA256 under the session key of the handshake (a secret over a plain stream).
+    Hmac([u8; 32]),
+    /// A private link: TLS 1.3 has authenticated every byte of the connection with its
+    /// AEAD under keys only the two holders of the secret have, so a digest of ours over
+    /// the same bytes would check nothing more and cost a pass of SHA-256 on each side
+    /// (issue 16). The trailer is kept (32 zero bytes, checked) so that the frame layout
+    /// does not depend on the link.
+    Sealed,
 }
 
 impl StateDigest {
-    /// SHA-256, or HMAC-SHA256 under `key` on an authenticated link.
+    /// The digest `check` asks for.
     #[must_use]
-    pub fn new(key: Option<&[u8; 32]>) -> Self {
+    pub fn new(check: &Check) -> Self {
         use hmac::Mac;
-        match key {
-            None => StateDigest::Plain(Sha256::new()),
-            Some(k) => StateDigest::Keyed(
+        match check {
+            Check::Sha256 => StateDigest::Plain(Sha256::new()),
+            Check::Hmac(k) => StateDigest::Keyed(
                 hmac::Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any length"),
             ),
+            Check::Sealed => StateDigest::Sealed,
         }
     }
 
@@ -604,6 +623,7 @@ impl StateDigest {
         match self {
             StateDigest::Plain(h) => h.update(bytes),
             StateDigest::Keyed(m) => m.update(bytes),
+            StateDigest::Sealed => {}
         }
     }
 
@@ -614,28 +634,31 @@ impl StateDigest {
         match self {
             StateDigest::Plain(h) => h.finalize().into(),
             StateDigest::Keyed(m) => m.finalize().into_bytes().into(),
+            StateDigest::Sealed => [0; 32],
         }
     }
 
     /// Checks a trailer; an HMAC is compared in constant time by the `hmac` crate
-    /// (`verify_slice`).
+    /// (`verify_slice`). A sealed link's trailer must be zeros: a sender that checks
+    /// otherwise is not on the same kind of link.
     #[must_use]
     pub fn verify(self, sum: &[u8]) -> bool {
         use hmac::Mac;
         match self {
             StateDigest::Plain(h) => h.finalize().as_slice() == sum,
             StateDigest::Keyed(m) => m.verify_slice(sum).is_ok(),
+            StateDigest::Sealed => sum.iter().all(|&b| b == 0),
         }
     }
 }
 
-fn parse_body(kind: Kind, mut body: Bytes, key: Option<&[u8; 32]>) -> Result<Frame, FrameError> {
+fn parse_body(kind: Kind, mut body: Bytes, check: &Check) -> Result<Frame, FrameError> {
     let frame = match kind {
         Kind::Hello => Frame::Hello(get_identity(&mut body)?),
         Kind::HelloOk => Frame::HelloOk(get_identity(&mut body)?),
-        Kind::State => Frame::State(get_state(body.clone(), key)?),
-        Kind::Part => Frame::Part(get_state(body.clone(), key)?),
-        Kind::Last => Frame::Last(get_state(body.clone(), key)?),
+        Kind::State => Frame::State(get_state(body.clone(), check)?),
+        Kind::Part => Frame::Part(get_state(body.clone(), check)?),
+        Kind::Last => Frame::Last(get_state(body.clone(), check)?),
         Kind::Challenge => Frame::Challenge {
             nonce: get_32(&mut body)?,
         },
@@ -752,13 +775,13 @@ pub fn valid_id(id: &str) -> bool {
 }
 
 /// A state body whose checksum has not been checked yet (a body too short to hold one).
-fn get_state(body: Bytes, key: Option<&[u8; 32]>) -> Result<StateFrame, FrameError> {
+fn get_state(body: Bytes, check: &Check) -> Result<StateFrame, FrameError> {
     // Verify first: nothing of the body is interpreted before its checksum passed.
     if body.len() < 32 {
         return Err(malformed("state frame shorter than its checksum"));
     }
     let (covered, sum) = body.split_at(body.len() - 32);
-    let mut digest = StateDigest::new(key);
+    let mut digest = StateDigest::new(check);
     digest.update(covered);
     if !digest.verify(sum) {
         return Err(FrameError::Checksum);
@@ -860,7 +883,7 @@ fn check_len(s: &str, max: usize, what: &'static str) -> Result<(), EncodeError>
 /// # Errors
 /// A field over its limit, an invalid handoff id, or a body over `max_frame`.
 pub fn encode(frame: &Frame, out: &mut BytesMut, max_frame: usize) -> Result<(), EncodeError> {
-    encode_keyed(frame, out, max_frame, None)
+    encode_keyed(frame, out, max_frame, &Check::Sha256)
 }
 
 /// [`encode`] on an authenticated link (see [`decode_keyed`]).
@@ -871,14 +894,14 @@ pub fn encode_keyed(
     frame: &Frame,
     out: &mut BytesMut,
     max_frame: usize,
-    key: Option<&[u8; 32]>,
+    check: &Check,
 ) -> Result<(), EncodeError> {
     if let Frame::State(s) | Frame::Part(s) | Frame::Last(s) = frame {
         let start = out.len();
         out.reserve(s.payload.len() + s.tokens.len() * 4 + s.descriptors.len() * 64 + 160);
         encode_state_head(frame, out, max_frame)?;
         out.put_slice(&s.payload);
-        let mut digest = StateDigest::new(key);
+        let mut digest = StateDigest::new(check);
         digest.update(&out[start + HEADER_LEN..]);
         out.put_slice(&digest.finalize());
         return Ok(());
@@ -1265,17 +1288,17 @@ mod tests {
         });
         let (k1, k2) = ([1u8; 32], [2u8; 32]);
         let mut buf = BytesMut::new();
-        encode_keyed(&f, &mut buf, DEFAULT_MAX_FRAME, Some(&k1)).unwrap();
+        encode_keyed(&f, &mut buf, DEFAULT_MAX_FRAME, &Check::Hmac(k1)).unwrap();
         let wire = buf.clone();
         assert_eq!(
-            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, Some(&k1)).unwrap(),
+            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, &Check::Hmac(k1)).unwrap(),
             Some(f.clone())
         );
         // Another session's key, or a plain SHA-256 check, refuses it: a forger who
         // recomputes the SHA-256 over changed bytes cannot make the MAC.
         let mut other = wire.clone();
         assert_eq!(
-            decode_keyed(&mut other, DEFAULT_MAX_FRAME, Some(&k2)),
+            decode_keyed(&mut other, DEFAULT_MAX_FRAME, &Check::Hmac(k2)),
             Err(FrameError::Checksum)
         );
         let mut plain = wire.clone();
@@ -1286,9 +1309,45 @@ mod tests {
         let mut buf = BytesMut::new();
         encode(&f, &mut buf, DEFAULT_MAX_FRAME).unwrap();
         assert_eq!(
-            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, Some(&k1)),
+            decode_keyed(&mut buf, DEFAULT_MAX_FRAME, &Check::Hmac(k1)),
             Err(FrameError::Checksum)
         );
+    }
+
+    /// Inside TLS a state frame carries 32 zero bytes where its digest would be, checked:
+    /// a frame from a sender that hashes is refused, and a sealed frame is refused by a
+    /// receiver that expects a digest. (The bytes themselves are TLS's to check:
+    /// `router/tests/it/private.rs` flips one on the wire.)
+    #[test]
+    fn sealed_links_carry_a_zero_trailer_and_refuse_a_digest() {
+        let f = Frame::State(StateFrame {
+            handoff_id: "s".into(),
+            request_id: "r".into(),
+            tokens: vec![1, 2],
+            descriptors: vec![],
+            payload: Bytes::from_static(b"payload"),
+        });
+        let mut sealed = BytesMut::new();
+        encode_keyed(&f, &mut sealed, DEFAULT_MAX_FRAME, &Check::Sealed).unwrap();
+        assert_eq!(sealed[sealed.len() - 32..], [0u8; 32]);
+        let wire = sealed.clone();
+        assert_eq!(
+            decode_keyed(&mut sealed, DEFAULT_MAX_FRAME, &Check::Sealed).unwrap(),
+            Some(f.clone())
+        );
+        for check in [Check::Sha256, Check::Hmac([1; 32])] {
+            let mut w = wire.clone();
+            assert_eq!(
+                decode_keyed(&mut w, DEFAULT_MAX_FRAME, &check),
+                Err(FrameError::Checksum)
+            );
+            let mut hashed = BytesMut::new();
+            encode_keyed(&f, &mut hashed, DEFAULT_MAX_FRAME, &check).unwrap();
+            assert_eq!(
+                decode_keyed(&mut hashed, DEFAULT_MAX_FRAME, &Check::Sealed),
+                Err(FrameError::Checksum)
+            );
+        }
     }
 
     #[test]
@@ -1474,13 +1533,13 @@ mod tests {
         ) {
             let kinds: [fn(StateFrame) -> Frame; 3] = [Frame::State, Frame::Part, Frame::Last];
             let f = kinds[kind](st.clone());
-            let key = keyed.then_some([9u8; 32]);
+            let check = if keyed { Check::Hmac([9u8; 32]) } else { Check::Sha256 };
             let mut whole = BytesMut::new();
-            encode_keyed(&f, &mut whole, DEFAULT_MAX_FRAME, key.as_ref()).unwrap();
+            encode_keyed(&f, &mut whole, DEFAULT_MAX_FRAME, &check).unwrap();
             // What a streaming sender writes: the head, the payload, the running digest.
             let mut streamed = BytesMut::new();
             encode_state_head(&f, &mut streamed, DEFAULT_MAX_FRAME).unwrap();
-            let mut digest = StateDigest::new(key.as_ref());
+            let mut digest = StateDigest::new(&check);
             digest.update(&streamed[HEADER_LEN..]);
             digest.update(&st.payload);
             streamed.extend_from_slice(&st.payload);
@@ -1506,7 +1565,7 @@ mod tests {
                 buf.extend_from_slice(&wire[at..end]);
                 at = end;
                 loop {
-                    match dec.decode(&mut buf, DEFAULT_MAX_FRAME, key.as_ref()) {
+                    match dec.decode(&mut buf, DEFAULT_MAX_FRAME, &check) {
                         Ok(Some(frame)) => got.push(Ok(frame)),
                         Ok(None) => break,
                         Err(e) => {

@@ -158,7 +158,7 @@ pub async fn connect(
                 source,
             },
         })?;
-    let mut framed = Framed::new(stream, V2Codec::new(limits.max_frame));
+    let mut framed = Framed::new(stream, V2Codec::over(limits.max_frame, link.is_private()));
     handshake(&mut framed, ours, limits, link.secret()).await?;
     Ok(framed)
 }
@@ -250,7 +250,7 @@ where
     let mut head = bytes::BytesMut::new();
     frame::encode_state_head(piece, &mut head, framed.codec().max_frame())
         .map_err(CodecError::from)?;
-    let mut digest = frame::StateDigest::new(framed.codec().key());
+    let mut digest = frame::StateDigest::new(framed.codec().check());
     let mut hashing = Duration::ZERO;
     let mut hash = |digest: &mut frame::StateDigest, b: &[u8]| {
         let t0 = Instant::now();
@@ -563,11 +563,12 @@ pub async fn serve_connection<S>(
     limits: &Limits,
     sink: &dyn StateSink,
     secret: Option<&Secret>,
+    sealed: bool,
 ) -> Result<(), HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut framed = Framed::new(io, V2Codec::new(limits.max_frame));
+    let mut framed = Framed::new(io, V2Codec::over(limits.max_frame, sealed));
     let refuse = |n: Nack| {
         sink.refused(&n);
         n
@@ -731,6 +732,7 @@ pub async fn serve<F>(
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let ours = Arc::new(ours);
     let secret = link.secret_arc();
+    let sealed = link.is_private();
     let mut incoming = link.listen(listener, limits.handshake);
     tokio::pin!(shutdown);
     loop {
@@ -749,8 +751,15 @@ pub async fn serve<F>(
         let (ours, sink, secret) = (ours.clone(), sink.clone(), secret.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) =
-                serve_connection(stream, &ours, &limits, sink.as_ref(), secret.as_deref()).await
+            if let Err(e) = serve_connection(
+                stream,
+                &ours,
+                &limits,
+                sink.as_ref(),
+                secret.as_deref(),
+                sealed,
+            )
+            .await
             {
                 tracing::warn!(%peer, error = %e, "handoff connection ended with an error");
             }
@@ -835,7 +844,8 @@ mod tests {
             let recv = {
                 let sink = sink.clone();
                 tokio::spawn(async move {
-                    let _ = serve_connection(b, &identity(), &limits, sink.as_ref(), None).await;
+                    let _ =
+                        serve_connection(b, &identity(), &limits, sink.as_ref(), None, false).await;
                 })
             };
             let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
@@ -919,8 +929,15 @@ mod tests {
         let recv = {
             let (sink, receiver) = (sink.clone(), receiver.cloned());
             tokio::spawn(async move {
-                let _ = serve_connection(b, &identity(), &limits, sink.as_ref(), receiver.as_ref())
-                    .await;
+                let _ = serve_connection(
+                    b,
+                    &identity(),
+                    &limits,
+                    sink.as_ref(),
+                    receiver.as_ref(),
+                    false,
+                )
+                .await;
             })
         };
         let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
@@ -988,7 +1005,7 @@ mod tests {
             let recv = {
                 let (sink, k) = (sink.clone(), k.clone());
                 tokio::spawn(async move {
-                    serve_connection(b, &identity(), &limits, sink.as_ref(), Some(&k)).await
+                    serve_connection(b, &identity(), &limits, sink.as_ref(), Some(&k), false).await
                 })
             };
             let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));

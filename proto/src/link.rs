@@ -14,9 +14,9 @@
 //!   (AEAD), fresh randoms on both sides, so a recorded handshake cannot be replayed.
 //!
 //! Without a secret a [`Link`] is plain TCP, as before (the demo on loopback). The
-//! application-level checks (V2 challenge-response and HMAC checksum, the V1 and gRPC
-//! credentials) stay on either way: they are what a plain link has, and inside TLS they
-//! cost little.
+//! application-level authentication (V2 challenge-response, the V1 and gRPC credentials)
+//! stays on inside TLS: it costs little. The states' own digests do not: inside TLS, whose
+//! AEAD has authenticated every byte, they are 32 zero bytes (`frame::Check::Sealed`).
 
 use std::io;
 use std::net::SocketAddr;

@@ -4,7 +4,7 @@
 //!
 //! Upload: `PUT {v1_url}/{handoff_id}` with `Content-Length`, and the headers below; the
 //! body is the file followed by a 32-byte digest of it ([`TRAILER_LEN`], [`digest`]):
-//! SHA-256, or with a shared secret HMAC-SHA256 under a key bound to the handoff id. The
+//! SHA-256, or over a private link (TLS, which authenticates every byte) 32 zero bytes. The
 //! digest comes last so that both sides compute it as the bytes go (the sender while it
 //! sends, the receiver while it receives), as V2's STATE trailer is. The receiver answers
 //! 200 with `{"handoff_id","bytes"}` or a 4xx OpenAI-style error object whose `code` says
@@ -22,12 +22,25 @@ pub const DIGEST_TRAILER: &str = "trailer";
 /// Bytes of the digest after the file.
 pub const TRAILER_LEN: usize = 32;
 
-/// The digest of handoff `handoff_id`'s file: SHA-256, or HMAC-SHA256 keyed by the shared
-/// secret and the handoff id (a body made for one id does not pass for another).
+/// The digest of handoff `handoff_id`'s file: over a private link (`sealed`: TLS has
+/// authenticated every byte, and the upload's credential binds the id and the length)
+/// none of ours, the trailer 32 zero bytes ([`crate::frame::Check::Sealed`]); else
+/// SHA-256, or with a secret over a plain stream HMAC-SHA256 keyed by the secret and the
+/// handoff id (a body made for one id does not pass for another).
 #[must_use]
-pub fn digest(secret: Option<&crate::auth::Secret>, handoff_id: &str) -> crate::frame::StateDigest {
-    let key = secret.map(|s| s.mac(crate::auth::V1_DIGEST, &[handoff_id.as_bytes()]));
-    crate::frame::StateDigest::new(key.as_ref())
+pub fn digest(
+    secret: Option<&crate::auth::Secret>,
+    handoff_id: &str,
+    sealed: bool,
+) -> crate::frame::StateDigest {
+    use crate::frame::{Check, StateDigest};
+    match secret {
+        _ if sealed => StateDigest::new(&Check::Sealed),
+        Some(s) => StateDigest::new(&Check::Hmac(
+            s.mac(crate::auth::V1_DIGEST, &[handoff_id.as_bytes()]),
+        )),
+        None => StateDigest::new(&Check::Sha256),
+    }
 }
 /// Header: model fingerprint (SHA-256 of the GGUF), lowercase hex.
 pub const HEADER_MODEL: &str = "x-edgesplit-model-fingerprint";

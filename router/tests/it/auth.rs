@@ -230,10 +230,11 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     }
     // Nothing is held under the id: the right credential's upload there is taken, where a
     // held state would make it a duplicate. (Its body passes every check.)
-    // (Its digest is keyed by the secret and the id: a plain SHA-256 would not pass.)
+    // (Its link is TLS: the digest is 32 zero bytes, checked; a plain SHA-256 would not
+    // pass.)
     let mut file = edgesplit_proto::v1::file_head(&[1]);
     file.extend_from_slice(&[0u8; 8]);
-    let mut digest = edgesplit_proto::v1::digest(Some(&secret(SECRET)), "auth-test");
+    let mut digest = edgesplit_proto::v1::digest(Some(&secret(SECRET)), "auth-test", true);
     digest.update(&file);
     let mut plain = file.clone();
     plain.extend_from_slice(&<sha2::Sha256 as sha2::Digest>::digest(&file));
