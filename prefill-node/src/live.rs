@@ -26,7 +26,8 @@ use tonic::Status;
 
 use crate::Sender;
 
-/// Most pieces one handoff sends (the prompt's state and the deltas).
+/// Most pieces one handoff sends after the first token (what the prefill did not send,
+/// then the deltas).
 const MAX_ROUNDS: u32 = 8;
 /// The last delta is sent when it crosses the link in about this long.
 const LAST_ROUND: Duration = Duration::from_millis(25);
@@ -295,6 +296,8 @@ impl LiveHandoff {
             }
         };
         let mut before: Option<usize> = None;
+        // The rounds after the first token: the prefill's pieces do not count.
+        let first_round = out.sw.rounds;
         loop {
             // KV positions a snapshot would hold now: the prompt and the answer but its
             // newest token.
@@ -303,7 +306,8 @@ impl LiveHandoff {
                 Duration::from_secs_f64(pending as f64 * per_token as f64 / out.bandwidth);
             let last = crossing <= LAST_ROUND || pending <= LAST_ROUND_TOKENS;
             if !last {
-                if out.sw.rounds >= MAX_ROUNDS || before.is_some_and(|b| pending >= b) {
+                if out.sw.rounds - first_round >= MAX_ROUNDS || before.is_some_and(|b| pending >= b)
+                {
                     return Err(format!(
                         "the link carries the KV of {pending} tokens in {crossing:?}, \
                          slower than the answer is written"

@@ -37,8 +37,11 @@ fn stack() -> &'static common::Stack {
     S.get_or_init(|| {
         let mut o = common::StackOptions::new(common::SMOLLM2);
         o.handoff_proxy = Some(throttling_proxy);
-        // Scenario 1b sends the prompt's state during its prefill.
+        // Scenario 1b sends the prompt's state during its prefill, in batches of 128: more
+        // pieces than a handoff has delta rounds after the first token (which once
+        // counted them too, and gave up at once).
         o.stream_prefill = true;
+        o.batch = 128;
         // Scenario 4 shows that a dropped handoff does not wait this out.
         o.handoff_wait_s = 60;
         common::start(o)
@@ -99,7 +102,7 @@ async fn live_handoff_on_a_slow_link() {
     // 1b. A prompt of several prefill batches: its state crosses while it is prefilled,
     //     in pieces, then the rest after the first token; identical. (Prefilled anew, not
     //     from the prefix the local run left in the prefill node's cache.)
-    let body = long_answer_after(150, json!({"temperature": 0, "cache_prompt": false}));
+    let body = long_answer_after(155, json!({"temperature": 0, "cache_prompt": false}));
     RATE.store(0, Ordering::SeqCst);
     let reference = common::run(s, "/v1/completions", &body, "local", false).await;
     assert!(

@@ -88,6 +88,8 @@ pub struct StackOptions {
     pub handoff: edgesplit_router::api::HandoffMode,
     /// The prefill node's `--stream-prefill`.
     pub stream_prefill: bool,
+    /// Both nodes' `--batch` (prefill batch).
+    pub batch: u32,
     /// Both nodes' `--chat-template-file`.
     pub chat_template_file: Option<PathBuf>,
     /// The decode node's `--chat-template-file` instead (a device set up otherwise).
@@ -99,6 +101,7 @@ impl StackOptions {
         Self {
             model: model(model_file),
             n_ctx: 2048,
+            batch: 512,
             parallel: 2,
             handoff_proxy: None,
             decode_url_override: None,
@@ -231,6 +234,7 @@ async fn serve(opts: StackOptions) -> Stack {
     let api_key_file = write("api-key", &opts.api_key);
     let engine_args = edgesplit_engine::EngineArgs {
         n_ctx: opts.n_ctx,
+        batch: opts.batch,
         cache_type_k: opts.cache_type,
         cache_type_v: opts.cache_type,
         chat_template_file: opts.chat_template_file.clone(),

@@ -77,7 +77,7 @@ pub fn proxy(target: String, shape: fn() -> Shape) -> String {
                 let (mut ro, mut wo) = outbound.into_split();
                 let shape = shape();
                 let up = async move {
-                    let t0 = Instant::now();
+                    let mut free_at = Instant::now();
                     let mut seen = 0usize;
                     let mut buf = vec![0u8; 16 * 1024];
                     let mut frames = Frames::default();
@@ -95,8 +95,16 @@ pub fn proxy(target: String, shape: fn() -> Shape) -> String {
                         }
                         seen += k;
                         if shape.rate > 0 {
-                            let due = Duration::from_secs_f64(seen as f64 / shape.rate as f64);
-                            tokio::time::sleep_until((t0 + due).into()).await;
+                            // A serial link: each chunk takes its time once the link is
+                            // free. An idle link saves at most a few milliseconds of
+                            // credit (enough to absorb a sleep's overshoot), not a burst.
+                            let due = Duration::from_secs_f64(k as f64 / shape.rate as f64);
+                            let now = Instant::now();
+                            let credit = Duration::from_millis(5);
+                            free_at = free_at.max(now.checked_sub(credit).unwrap_or(now)) + due;
+                            if free_at > now {
+                                tokio::time::sleep_until(free_at.into()).await;
+                            }
                         }
                         if wo.write_all(&buf[..k]).await.is_err() {
                             break;
