@@ -64,7 +64,10 @@ pub struct Config {
     /// prefill batch), so the decode node holds most of it by the first token. Each piece
     /// costs an export on the engine thread and hashing beside it: worth it where the
     /// prefill runs on a GPU; on a CPU prefill node it slowed the prefill (TTFT 1.20x on
-    /// this 2-core machine, docs/BENCHMARKS.md), hence off by default.
+    /// this 2-core machine, docs/BENCHMARKS.md), hence off by default. With `--batch 128`
+    /// the decode node took over 0.2 s after the first token on the wifi profile (0.99 s
+    /// with 512). A sliding-window model (Gemma-3) sends nothing during its prefill: its
+    /// first piece is the state laid out after it (`/health` says `after_prefill`).
     #[arg(long)]
     pub stream_prefill: bool,
 }
@@ -284,6 +287,12 @@ impl pb::prefill_server::Prefill for PrefillService {
 
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::NodeInfo>, Status> {
         let mut info = self.engine.node_info("prefill");
+        info.stream_prefill = match (self.stream_prefill, self.engine.info().sliding_window) {
+            (false, _) => "off",
+            (true, false) => "per_batch",
+            (true, true) => "after_prefill",
+        }
+        .into();
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
         Ok(Response::new(info))

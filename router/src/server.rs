@@ -354,7 +354,8 @@ async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
 
 fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
     match r {
-        Ok(i) => json!({
+        Ok(i) => {
+            let mut v = json!({
             "status": "ok",
             "model_id": i.model_id,
             "model_fingerprint": i.model_fingerprint,
@@ -367,7 +368,13 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
             "handoff_bytes_received": i.handoff_bytes_received,
             "handoffs_received": i.handoffs_received,
             "handoffs_refused": i.handoffs_refused,
-        }),
+            });
+            // The prefill node's: how a live handoff sends the prompt's state.
+            if !i.stream_prefill.is_empty() {
+                v["stream_prefill"] = json!(i.stream_prefill);
+            }
+            v
+        }
         Err(e) => json!({"status": "unavailable", "error": e.message}),
     }
 }

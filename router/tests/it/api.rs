@@ -264,6 +264,10 @@ async fn models_and_health() {
     );
     assert_eq!(h["prefill"]["kv_bytes_per_token"], 23040);
     assert!(h["decode"]["mem_available_bytes"].as_u64().unwrap() > 0);
+    // How a live handoff sends the prompt's state (`live.rs` and `gemma.rs` check the
+    // other two values); a decode node says nothing of it.
+    assert_eq!(h["prefill"]["stream_prefill"], "off");
+    assert!(h["decode"].get("stream_prefill").is_none(), "{h}");
 }
 
 async fn assert_error(status: u16, v: &Value, want_status: u16, param: Option<&str>) {

@@ -173,8 +173,22 @@ async fn a_live_handoff_switches_mid_answer_identically() {
         o.handoff_proxy = Some(|target| {
             common::shaping::proxy(target, || common::shaping::Shape::rate(6_000_000))
         });
+        // Asked for, but a window's prefill sends no pieces: /health says so.
+        o.stream_prefill = true;
         common::start(o)
     });
+    let health: Value = common::client()
+        .get(format!("{}/health", s.router))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        health["prefill"]["stream_prefill"], "after_prefill",
+        "{health}"
+    );
     for (sampling, streamed) in [
         (json!({"temperature": 0}), true),
         (
