@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{model_path, read_until};
+use common::{model_path, read_until, take_over};
 use edgesplit_engine::{
     Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot,
     Start,
@@ -153,22 +153,7 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
         assert_eq!(splice::span(&joined).unwrap(), 0..last.tokens.len());
 
         // Another engine takes over from the joined state: the uninterrupted answer.
-        let mut rest = Vec::new();
-        let mut rx = b
-            .generate(
-                Start::Imported {
-                    state: joined.into(),
-                    tokens: last.tokens.clone(),
-                    first: last.last,
-                    answered: last.answered,
-                },
-                params.clone(),
-                24 - last.answered,
-            )
-            .await
-            .unwrap();
-        let end = read_until(&mut rx, &mut rest, usize::MAX).await;
-        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        let rest = take_over(&b, joined, &last, &params, 24).await;
         assert_eq!(
             [ids, rest].concat(),
             whole,

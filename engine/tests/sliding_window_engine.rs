@@ -157,22 +157,7 @@ async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
             splice::narrowest(&joined).unwrap(),
             splice::narrowest(&first.state).unwrap() + last.tokens.len() - prompt.len()
         );
-        let mut rest = Vec::new();
-        let mut rx = b
-            .generate(
-                Start::Imported {
-                    state: joined.into(),
-                    tokens: last.tokens.clone(),
-                    first: last.last,
-                    answered: last.answered,
-                },
-                params.clone(),
-                96 - last.answered,
-            )
-            .await
-            .unwrap();
-        let end = read_until(&mut rx, &mut rest, usize::MAX).await;
-        assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+        let rest = common::take_over(&b, joined, &last, &params, 96).await;
         assert_eq!(
             [ids, rest].concat(),
             whole,

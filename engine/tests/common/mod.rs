@@ -61,6 +61,32 @@ pub async fn continue_imported(
     .await
 }
 
+/// Another engine takes a live answer over at the handover snapshot `last`, from `state`
+/// (the pieces joined): the tokens it writes, `max_tokens` in all counting those written
+/// before the boundary.
+pub async fn take_over(
+    engine: &Engine,
+    state: Vec<u8>,
+    last: &edgesplit_engine::Snapshot,
+    params: &SamplingParams,
+    max_tokens: u32,
+) -> Vec<i32> {
+    let start = Start::Imported {
+        state: state.into(),
+        tokens: last.tokens.clone(),
+        first: last.last,
+        answered: last.answered,
+    };
+    let mut rx = engine
+        .generate(start, params.clone(), max_tokens - last.answered)
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let end = read_until(&mut rx, &mut rest, usize::MAX).await;
+    assert!(matches!(end, Some(GenEvent::Done(_))), "{end:?}");
+    rest
+}
+
 /// SmolLM2's GGUF (`EDGESPLIT_MODEL` overrides), which `scripts/test.sh` fetches.
 pub fn model_path() -> std::path::PathBuf {
     let p = std::env::var("EDGESPLIT_MODEL").map_or_else(

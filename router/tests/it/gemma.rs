@@ -177,14 +177,7 @@ async fn a_live_handoff_switches_mid_answer_identically() {
         o.stream_prefill = true;
         common::start(o)
     });
-    let health: Value = common::client()
-        .get(format!("{}/health", s.router))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = common::health(s).await;
     assert_eq!(
         health["prefill"]["stream_prefill"], "after_prefill",
         "{health}"

@@ -74,14 +74,7 @@ async fn pending_bytes(s: &common::Stack) -> f64 {
 #[tokio::test]
 async fn live_handoff_on_a_slow_link() {
     let s = stack();
-    let health: Value = common::client()
-        .get(format!("{}/health", s.router))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = common::health(s).await;
     assert_eq!(health["prefill"]["stream_prefill"], "per_batch", "{health}");
     // 1. The state takes about a second to cross: the prefill node writes meanwhile, then
     //    the decode node takes over mid-answer, identical to local, greedy and seeded.

@@ -464,6 +464,18 @@ pub async fn fallbacks(stack: &Stack) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// The router's `/health` body.
+pub async fn health(stack: &Stack) -> Value {
+    client()
+        .get(format!("{}/health", stack.router))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(300))
