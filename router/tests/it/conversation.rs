@@ -6,6 +6,9 @@
 //! false`) when the prompt was prefilled on the prefill node (which reuses only what makes
 //! no difference). Each test has a stack of its own: other tests' requests would evict.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
 use serde_json::{json, Value};
 
 use crate::common::{self, run_reporting, Outcome, Stack};
@@ -213,11 +216,7 @@ async fn two_clients_going_on_at_once_each_get_their_answer() {
 #[tokio::test]
 async fn a_conversation_the_prefill_node_ended_goes_on_there() {
     fn slow_link(target: String) -> String {
-        common::shaping::proxy(target, || common::shaping::Shape {
-            rate: 200_000,
-            corrupt_at: usize::MAX,
-            corrupt_last: false,
-        })
+        common::shaping::proxy(target, || common::shaping::Shape::rate(200_000))
     }
     let mut o = common::StackOptions::new(common::SMOLLM2);
     o.handoff_proxy = Some(slow_link);
@@ -332,4 +331,40 @@ async fn a_sliding_window_models_text_goes_on_on_the_decode_node() {
     );
     assert_eq!(e["cached_tokens"], le["cached_tokens"], "{le}");
     assert_eq!(split2, local2);
+}
+
+/// While set, the router's calls to the decode node of [`passed_over`]'s stack get no
+/// answer: nothing more crosses the control link towards the decode node.
+static HOLD: AtomicBool = AtomicBool::new(false);
+
+fn holding(target: String) -> String {
+    common::shaping::proxy(target, || common::shaping::Shape {
+        hold: Some(|| HOLD.load(Ordering::SeqCst)),
+        ..common::shaping::Shape::rate(0)
+    })
+}
+
+/// A decode node that holds the conversation but does not answer the `Local` call: the
+/// router gives up on it within its `Info` bound (3 s) instead of waiting, and the turn
+/// is answered without it (the request's own `Info` goes unanswered too: the prefill node
+/// answers, `decode_unavailable`), equal to the one-device answer from scratch.
+#[tokio::test]
+async fn a_decode_node_that_does_not_answer_is_passed_over() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(holding);
+    let s = common::start(o);
+    let first = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (a1, e1) = turn(&s, &first, &greedy(), "v2").await;
+    common::assert_split(&e1, a1.completion_tokens);
+    let second = next(&first, &a1.text, QUESTIONS[1]);
+    HOLD.store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    let (a2, e2) = turn(&s, &second, &greedy(), "v2").await;
+    let took = t0.elapsed();
+    HOLD.store(false, Ordering::SeqCst);
+    assert_eq!(e2["placement"], "prefill_node", "{e2}");
+    assert_eq!(e2["fallback"], "decode_unavailable", "{e2}");
+    // The `Local` call's bound, then the split's `Info` (overlapped with its prefill).
+    assert!(took < Duration::from_secs(9), "{took:?}: {e2}");
+    assert_eq!(a2, uncached(&s, &second, &greedy()).await);
 }

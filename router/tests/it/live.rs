@@ -29,6 +29,7 @@ fn throttling_proxy(target: String) -> String {
         rate: RATE.load(Ordering::SeqCst),
         corrupt_at: CORRUPT_AT.load(Ordering::SeqCst),
         corrupt_last: CORRUPT_LAST.load(Ordering::SeqCst),
+        hold: None,
     })
 }
 

@@ -687,8 +687,11 @@ pub async fn run_reporting(
         let (status, _, v) = post(&url, &body).await;
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["edgesplit"]["transport"], wire);
-        // (A conversation the decode node continued had no handoff.)
-        if let (Some(m), false) = (mode, v["edgesplit"]["placement"] == "decode_node") {
+        // (A conversation the decode node continued, or a request answered without a
+        // reachable decode node, had no handoff.)
+        let no_handoff = v["edgesplit"]["placement"] == "decode_node"
+            || v["edgesplit"]["fallback"] == "decode_unavailable";
+        if let (Some(m), false) = (mode, no_handoff) {
             assert_eq!(v["edgesplit"]["handoff_mode"], m, "{v}");
         }
         let choice = &v["choices"][0];

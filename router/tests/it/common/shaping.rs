@@ -1,5 +1,5 @@
-//! A handoff link between the nodes that the tests shape: a bandwidth, and corruption (one
-//! byte at an offset, or the checksum of every LAST frame).
+//! A link between the services that the tests shape: a bandwidth, corruption (one byte at
+//! an offset, or the checksum of every LAST frame), and holding everything back.
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,9 @@ pub struct Shape {
     pub corrupt_at: usize,
     /// Flip the last byte (its checksum's) of every LAST frame.
     pub corrupt_last: bool,
+    /// While this says so, nothing more goes through (checked for every chunk, on
+    /// connections already open too).
+    pub hold: Option<fn() -> bool>,
 }
 
 impl Shape {
@@ -24,6 +27,7 @@ impl Shape {
             rate,
             corrupt_at: usize::MAX,
             corrupt_last: false,
+            hold: None,
         }
     }
 }
@@ -86,6 +90,11 @@ pub fn proxy(target: String, shape: fn() -> Shape) -> String {
                             Ok(0) | Err(_) => break,
                             Ok(k) => k,
                         };
+                        if let Some(hold) = shape.hold {
+                            while hold() {
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                        }
                         let at = shape.corrupt_at;
                         if seen <= at && at < seen + k {
                             buf[at - seen] ^= 0x5a;
