@@ -8,10 +8,9 @@
 
 mod common;
 
-use common::{model_path, read_until, take_over};
+use common::{hand_over, model_path, read_until, take_over};
 use edgesplit_engine::{
-    Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot,
-    Start,
+    Engine, EngineConfig, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot, Start,
 };
 use edgesplit_proto::splice;
 
@@ -85,19 +84,8 @@ async fn snapshots_join_to_the_later_state_and_the_handover_goes_on_identically(
             .unwrap()
             .unwrap();
         assert!(read_until(&mut rx, &mut ids, 11).await.is_none());
-        let last = live
-            .snapshot(true, mid.tokens.len())
-            .await
-            .unwrap()
-            .unwrap();
-        let end = read_until(&mut rx, &mut ids, usize::MAX).await;
-        let Some(GenEvent::Done(summary)) = end else {
-            panic!("{end:?}")
-        };
-        assert_eq!(summary.finish, Finish::Handover);
         // Nothing after the boundary was emitted, and what was is the uninterrupted answer.
-        assert_eq!(ids.len(), last.answered as usize);
-        assert_eq!(ids, whole[..ids.len()]);
+        let last = hand_over(&live, &mut rx, &mut ids, mid.tokens.len(), &whole).await;
         for s in [&first, &mid, &last] {
             check(s, &prompt, &whole);
         }

@@ -74,8 +74,7 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
 async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
     use common::read_until;
     use edgesplit_engine::{
-        Engine, EngineConfig, Finish, FlashAttn, GenEvent, Input, LiveAnswer, Reuse,
-        SamplingParams, Start,
+        Engine, EngineConfig, FlashAttn, GenEvent, Input, LiveAnswer, Reuse, SamplingParams, Start,
     };
     use edgesplit_proto::splice;
     for flash in [FlashAttn::On, FlashAttn::Off] {
@@ -135,18 +134,7 @@ async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
         assert!(read_until(&mut rx, &mut ids, 30).await.is_none());
         let mid = live.snapshot(false, prompt.len()).await.unwrap().unwrap();
         assert!(read_until(&mut rx, &mut ids, 60).await.is_none());
-        let last = live
-            .snapshot(true, mid.tokens.len())
-            .await
-            .unwrap()
-            .unwrap();
-        let end = read_until(&mut rx, &mut ids, usize::MAX).await;
-        let Some(GenEvent::Done(summary)) = end else {
-            panic!("{end:?}")
-        };
-        assert_eq!(summary.finish, Finish::Handover);
-        assert_eq!(ids, whole[..ids.len()]);
-        assert_eq!(ids.len(), last.answered as usize);
+        let last = common::hand_over(&live, &mut rx, &mut ids, mid.tokens.len(), &whole).await;
         assert_eq!(
             splice::span(&mid.state).unwrap(),
             prompt.len()..mid.tokens.len()

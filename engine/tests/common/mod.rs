@@ -61,6 +61,27 @@ pub async fn continue_imported(
     .await
 }
 
+/// Hands a live answer over at its next boundary: the last piece (the cells from `from`),
+/// after checking that the answer then ends as handed over, that nothing past the boundary
+/// was emitted, and that what was is the start of the uninterrupted answer `whole`.
+pub async fn hand_over(
+    live: &edgesplit_engine::Live,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<GenEvent>,
+    ids: &mut Vec<i32>,
+    from: usize,
+    whole: &[i32],
+) -> edgesplit_engine::Snapshot {
+    let last = live.snapshot(true, from).await.unwrap().unwrap();
+    let end = read_until(rx, ids, usize::MAX).await;
+    let Some(GenEvent::Done(summary)) = end else {
+        panic!("{end:?}")
+    };
+    assert_eq!(summary.finish, edgesplit_engine::Finish::Handover);
+    assert_eq!(ids.len(), last.answered as usize);
+    assert_eq!(ids[..], whole[..ids.len()]);
+    last
+}
+
 /// Another engine takes a live answer over at the handover snapshot `last`, from `state`
 /// (the pieces joined): the tokens it writes, `max_tokens` in all counting those written
 /// before the boundary.
