@@ -76,6 +76,40 @@ struct TurnSample {
     client: &'static str,
     #[serde(flatten)]
     measure: Measure,
+    /// `reuse` only: state bytes that crossed after this turn's answer, for the decode
+    /// node to keep the conversation (a live answer that ended on the prefill node; the
+    /// prefill node's `v2-kept` handoff bytes until the client's next turn).
+    kept_bytes: Option<u64>,
+}
+
+/// The prefill node's `v2-kept` handoff bytes so far.
+async fn kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64> {
+    let text = http
+        .get(&stack.prefill_metrics)
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("edgesplit:handoff_bytes_total{transport=\"v2-kept\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// The `v2-kept` bytes once no state has crossed for 2 s (at most 60 s): what the last
+/// turn left crossing in the background.
+async fn settled_kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64> {
+    let t0 = std::time::Instant::now();
+    let mut last = kept_bytes(http, stack).await?;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let now = kept_bytes(http, stack).await?;
+        if now == last || t0.elapsed() > std::time::Duration::from_secs(60) {
+            return Ok(now);
+        }
+        last = now;
+    }
 }
 
 /// The user's message of turn `turn` (1-based) of conversation `round`: readings of a
@@ -116,12 +150,14 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
         "the model has no chat template: a conversation needs one"
     );
     let http = reqwest::Client::new();
-    let mut samples = Vec::new();
+    let mut samples: Vec<TurnSample> = Vec::new();
     let mut differing = 0usize;
     for profile in &args.profiles {
         stack.set_profile(profile);
         for round in 0..args.rounds {
             let mut histories: Vec<Vec<Value>> = vec![Vec::new(); CLIENTS.len()];
+            // The `reuse` client's latest turn (its sample) and the kept bytes before it.
+            let mut reuse_turn: Option<(usize, u64)> = None;
             for turn in 1..=args.turns {
                 let message = user_message(round, turn, args.first_turn_tokens, args.turn_tokens);
                 let mut texts: Vec<Option<String>> = vec![None; CLIENTS.len()];
@@ -146,6 +182,15 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
                         url: stack.router.clone(),
                         transport,
                     };
+                    let kept_before = if name == "reuse" {
+                        let now = kept_bytes(&http, &stack).await?;
+                        if let Some((i, before)) = reuse_turn.take() {
+                            samples[i].kept_bytes = Some(now - before);
+                        }
+                        Some(now)
+                    } else {
+                        None
+                    };
                     let m = client::run(&http, &target, &ask).await.with_context(|| {
                         format!("{} round {round} turn {turn} {name}", profile.name)
                     })?;
@@ -160,12 +205,16 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
                     );
                     histories[c].push(json!({"role": "assistant", "content": m.text}));
                     texts[c] = Some(m.text.clone());
+                    if let Some(before) = kept_before {
+                        reuse_turn = Some((samples.len(), before));
+                    }
                     samples.push(TurnSample {
                         profile: profile.name.clone(),
                         round,
                         turn,
                         client: name,
                         measure: m,
+                        kept_bytes: None,
                     });
                 }
                 if texts[0] != texts[2] {
@@ -173,9 +222,12 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
                     eprintln!("turn {turn}: the reuse answer is not the local one");
                 }
             }
+            if let Some((i, before)) = reuse_turn.take() {
+                samples[i].kept_bytes = Some(settled_kept_bytes(&http, &stack).await? - before);
+            }
         }
     }
-    let summary = summarise(args, &samples, differing);
+    let summary = summarise(args, &samples, differing, stack.kv_bytes_per_token);
     println!("{summary}");
     std::fs::write(out.join("summary.md"), &summary)?;
     std::fs::write(
@@ -195,7 +247,12 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 /// The per-turn table of each profile: medians over the rounds, and the targets.
-fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> String {
+fn summarise(
+    args: &ChatArgs,
+    samples: &[TurnSample],
+    differing: usize,
+    kv_bytes_per_token: u64,
+) -> String {
     let mut s = format!(
         "# Conversation: {} turns ({} then ~{} tokens a turn, {} answer tokens), {} rounds, \
          `{}` handoff\n\n\
@@ -209,7 +266,7 @@ fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> Strin
     );
     for profile in &args.profiles {
         s.push_str(&format!(
-            "\n## {}\n\n| turn | prompt tokens | reused | placement | bytes reuse | bytes no-reuse | bytes ratio | TTFT reuse ms | TTFT no-reuse ms | TTFT local ms | TTFT reuse / local |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "\n## {}\n\n| turn | prompt tokens | reused | placement | bytes reuse | of which kept after | bytes no-reuse | state bytes | bytes ratio | TTFT reuse ms | TTFT no-reuse ms | TTFT local ms | TTFT reuse / local |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             profile.name
         ));
         for turn in 1..=args.turns {
@@ -226,7 +283,28 @@ fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> Strin
             };
             let bytes = |m: &Measure| Some(m.handoff_bytes.unwrap_or(0) as f64);
             let ttft = |m: &Measure| Some(m.ttft_ms);
-            let (b_reuse, b_full) = (of("reuse", &bytes), of("no-reuse", &bytes));
+            // What crossed for the turn: its handoff, and the state kept after its answer.
+            let moved = median(
+                samples
+                    .iter()
+                    .filter(|x| x.profile == profile.name && x.turn == turn && x.client == "reuse")
+                    .map(|x| {
+                        (x.measure.handoff_bytes.unwrap_or(0) + x.kept_bytes.unwrap_or(0)) as f64
+                    })
+                    .collect(),
+            );
+            let kept = median(
+                samples
+                    .iter()
+                    .filter(|x| x.profile == profile.name && x.turn == turn && x.client == "reuse")
+                    .filter_map(|x| x.kept_bytes.map(|b| b as f64))
+                    .collect(),
+            );
+            // A full handoff of the turn's prompt (a live one overtaken by its answer
+            // reports no bytes, so this is counted, not measured).
+            let state = of("reuse", &|m| {
+                Some((m.prompt_tokens * kv_bytes_per_token) as f64)
+            });
             let (t_reuse, t_local) = (of("reuse", &ttft), of("local", &ttft));
             let placement = samples
                 .iter()
@@ -240,12 +318,14 @@ fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> Strin
                 _ => "-".into(),
             };
             s.push_str(&format!(
-                "| {turn} | {} | {} | {placement} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {turn} | {} | {} | {placement} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 f(of("reuse", &|m| Some(m.prompt_tokens as f64)), 0),
                 f(of("reuse", &|m| m.cached_tokens.map(|c| c as f64)), 0),
-                f(b_reuse, 0),
-                f(b_full, 0),
-                ratio(b_reuse, b_full),
+                f(moved, 0),
+                f(kept, 0),
+                f(of("no-reuse", &bytes), 0),
+                f(state, 0),
+                ratio(moved, state),
                 f(t_reuse, 0),
                 f(of("no-reuse", &ttft), 0),
                 f(t_local, 0),
@@ -254,7 +334,10 @@ fn summarise(args: &ChatArgs, samples: &[TurnSample], differing: usize) -> Strin
         }
     }
     s.push_str(
-        "\nTargets (issue 15): from turn 2, bytes ratio <= 0.10; TTFT reuse / local <= 1.2 \
+        "\n`bytes reuse`: the turn's handoff and the state kept on the decode node after its \
+         answer; `state bytes`: a full handoff of the turn's prompt (prompt tokens x KV bytes \
+         per token); `bytes ratio`: their ratio.\n\
+         Targets (issue 15): from turn 2, bytes ratio <= 0.10; TTFT reuse / local <= 1.2 \
          on wifi; no `reuse` answer that is not `local`'s.\n",
     );
     s

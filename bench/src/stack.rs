@@ -76,6 +76,10 @@ pub struct Stack {
     pub flash_attn: bool,
     /// Whether the model has a chat template (else the bench uses `/v1/completions`).
     pub chat: bool,
+    /// The prefill node's `/metrics` (`http://host:port/metrics`).
+    pub prefill_metrics: String,
+    /// KV bytes per token of the model's state.
+    pub kv_bytes_per_token: u64,
     links: Vec<Link>,
     /// decode, prefill, router (see [`Stack::processes`]).
     children: Vec<Child>,
@@ -193,6 +197,8 @@ impl Stack {
             router: format!("http://{router}"),
             flash_attn: false,
             chat: false,
+            prefill_metrics: format!("http://{prefill_metrics}/metrics"),
+            kv_bytes_per_token: 0,
             links,
             children: Vec::new(),
         };
@@ -216,7 +222,7 @@ impl Stack {
             cfg.secret.as_deref(),
         )?);
         let mut pargs = common(&prefill_grpc);
-        pargs.extend(["--metrics-listen".into(), prefill_metrics]);
+        pargs.extend(["--metrics-listen".into(), prefill_metrics.clone()]);
         if cfg.stream_prefill {
             pargs.push("--stream-prefill".into());
         }
@@ -290,6 +296,7 @@ impl Stack {
         .into_inner();
         stack.flash_attn = info.flash_attn;
         stack.chat = info.has_chat_template;
+        stack.kv_bytes_per_token = info.kv_bytes_per_token;
         Ok(stack)
     }
 

@@ -65,6 +65,9 @@ pub(crate) struct GenerateJob {
 #[derive(Debug)]
 pub(crate) struct SnapshotAsk {
     pub stop: bool,
+    /// Answered only when the answer ends by itself (end of generation or its length),
+    /// with its state then; the newest such ask replaces the one before.
+    pub at_end: bool,
     /// The first position wanted (the receiver holds the ones before).
     pub from: usize,
     pub reply: oneshot::Sender<Result<Snapshot, EngineError>>,

@@ -257,7 +257,43 @@ impl Live {
     /// more. `None` when the answer has already ended (or never started).
     pub async fn snapshot(&self, stop: bool, from: usize) -> Option<Result<Snapshot, EngineError>> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(SnapshotAsk { stop, from, reply }).ok()?;
+        self.tx
+            .send(SnapshotAsk {
+                stop,
+                at_end: false,
+                from,
+                reply,
+            })
+            .ok()?;
         rx.await.ok()
+    }
+
+    /// Asks now for the answer's state from position `from` on as it stands when the
+    /// answer ends by itself (end of generation or its length; the positions its last
+    /// step wrote included): resolves then, or to `None` when it is handed over, cancelled
+    /// or had already ended, or when a newer `at_end` ask replaced this one. Dropping the
+    /// future withdraws the ask (nothing is exported for it).
+    pub fn at_end(
+        &self,
+        from: usize,
+    ) -> impl std::future::Future<Output = Option<Result<Snapshot, EngineError>>> + Send + 'static
+    {
+        let (reply, rx) = oneshot::channel();
+        let asked = self
+            .tx
+            .send(SnapshotAsk {
+                stop: false,
+                at_end: true,
+                from,
+                reply,
+            })
+            .is_ok();
+        async move {
+            if asked {
+                rx.await.ok()
+            } else {
+                None
+            }
+        }
     }
 }

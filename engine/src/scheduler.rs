@@ -80,6 +80,8 @@ struct Running<A> {
     events: mpsc::UnboundedSender<GenEvent>,
     /// A live answer's snapshot requests.
     live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+    /// The newest snapshot asked for at the answer's end ([`SnapshotAsk::at_end`]).
+    at_end: Option<SnapshotAsk>,
     summary: GenSummary,
     decoding_since: Instant,
     /// Dropped before the final event is sent, so a reader that saw it sees the count
@@ -270,6 +272,7 @@ impl<S: Slots> Scheduler<S> {
                 answer,
                 events,
                 live,
+                at_end: None,
                 summary,
                 decoding_since: Instant::now(),
                 in_flight,
@@ -299,14 +302,19 @@ impl<S: Slots> Scheduler<S> {
                 done => {
                     let Running {
                         slot,
+                        mut answer,
                         events,
+                        live,
+                        at_end,
                         mut summary,
                         decoding_since,
                         in_flight,
-                        ..
                     } = self.running.remove(i);
                     if summary.finish == Finish::Handover {
                         self.slots.handed_over(slot);
+                    }
+                    if done.is_ok() && matches!(summary.finish, Finish::Stop | Finish::Length) {
+                        self.answer_at_end(slot, &mut answer, live, at_end);
                     }
                     self.slots.release(slot, done.is_ok());
                     self.publish_active(0);
@@ -321,6 +329,28 @@ impl<S: Slots> Scheduler<S> {
         }
     }
 
+    /// An answer that ended by itself: the snapshot asked for at its end, if its asker
+    /// still waits (asks not yet read count too; the newest wins). Before the slot is
+    /// released, so the state is the answer's.
+    fn answer_at_end(
+        &mut self,
+        slot: usize,
+        answer: &mut S::Answer,
+        live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+        mut at_end: Option<SnapshotAsk>,
+    ) {
+        if let Some(mut live) = live {
+            while let Ok(ask) = live.try_recv() {
+                if ask.at_end {
+                    at_end = Some(ask);
+                }
+            }
+        }
+        if let Some(ask) = at_end.filter(|a| !a.reply.is_closed()) {
+            let _ = ask.reply.send(self.slots.snapshot(slot, answer, ask.from));
+        }
+    }
+
     /// Steps running answer `i`; `Ok(true)` when it has ended (`summary.finish` says why).
     fn step(&mut self, i: usize) -> Result<bool, EngineError> {
         let r = &mut self.running[i];
@@ -330,6 +360,10 @@ impl<S: Slots> Scheduler<S> {
         }
         if let Some(live) = &mut r.live {
             while let Ok(ask) = live.try_recv() {
+                if ask.at_end {
+                    r.at_end = Some(ask);
+                    continue;
+                }
                 let snapshot = self.slots.snapshot(r.slot, &mut r.answer, ask.from);
                 let stop = ask.stop && snapshot.is_ok();
                 let _ = ask.reply.send(snapshot);
@@ -616,6 +650,7 @@ mod tests {
             let (reply, rx) = oneshot::channel();
             asks.send(SnapshotAsk {
                 stop,
+                at_end: false,
                 from: 0,
                 reply,
             })
@@ -655,10 +690,87 @@ mod tests {
         assert!(asks
             .send(SnapshotAsk {
                 stop: false,
+                at_end: false,
                 from: 0,
                 reply: oneshot::channel().0
             })
             .is_err());
+    }
+
+    /// A snapshot asked for at the end is taken when the answer ends by itself, after its
+    /// last step and before the slot is released, from the newest such ask; an answer
+    /// handed over or cancelled answers none (the asker sees `None`).
+    #[test]
+    fn a_snapshot_asked_for_at_the_end_comes_when_the_answer_ends() {
+        let ask = |asks: &mpsc::UnboundedSender<SnapshotAsk>, from| {
+            let (reply, rx) = oneshot::channel();
+            asks.send(SnapshotAsk {
+                stop: false,
+                at_end: true,
+                from,
+                reply,
+            })
+            .unwrap();
+            rx
+        };
+        let start = |h: &mut Harness, max_tokens| {
+            let (events, rx) = mpsc::unbounded_channel();
+            let (asks, live) = mpsc::unbounded_channel();
+            h.sched.accept(Command::Generate {
+                job: GenerateJob {
+                    start: Start::Prompt(vec![1]),
+                    params: SamplingParams::default(),
+                    max_tokens,
+                    live: Some(live),
+                    pieces: None,
+                },
+                events,
+                in_flight: InFlight::new(&h.in_flight),
+            });
+            (rx, asks)
+        };
+        // Ends by its length: the newer ask is answered with the state after the last
+        // step, the older one sees None.
+        let mut h = harness(1);
+        let (mut rx, asks) = start(&mut h, 3);
+        h.round();
+        let mut older = ask(&asks, 1);
+        h.round();
+        let mut newer = ask(&asks, 2);
+        assert!(newer.try_recv().is_err(), "not before the end");
+        h.round();
+        h.round();
+        let snap = newer.try_recv().unwrap().unwrap();
+        assert_eq!((snap.from, snap.last, snap.answered), (2, 3, 3));
+        assert!(older.try_recv().is_err());
+        assert!(
+            matches!(drain(&mut rx).last(), Some(GenEvent::Done(s)) if s.finish == Finish::Length)
+        );
+        let log = h.log.lock().unwrap().clone();
+        assert_eq!(
+            log[log.len() - 2..],
+            ["snapshot 0", "keep 0"],
+            "before the release"
+        );
+        // Handed over: the ask made for the end is not answered.
+        let mut h = harness(1);
+        let (_rx, asks) = start(&mut h, 10);
+        h.round();
+        let mut end = ask(&asks, 1);
+        let (reply, mut stop) = oneshot::channel();
+        asks.send(SnapshotAsk {
+            stop: true,
+            at_end: false,
+            from: 0,
+            reply,
+        })
+        .unwrap();
+        h.round();
+        assert!(stop.try_recv().unwrap().is_ok());
+        assert!(matches!(
+            end.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        ));
     }
 
     #[test]

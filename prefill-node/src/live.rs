@@ -10,7 +10,11 @@
 //! the handoff gives up (`HandoffCancelled`) and the answer ends here, waiting for nothing
 //! (the state's export and hashing still share this machine's cores with it). When the
 //! answer ends before the handoff completes, the connection closes and the decode node
-//! drops what it received. A sliding-window model's state goes the same way, its first
+//! drops what it received - unless the router asked to keep it (`Handoff.keep`, a chat it
+//! may continue): then the piece on its way is finished, the state written since goes
+//! as the last piece (asked of the engine for the answer's end, [`Live::at_end`]), and
+//! `Kept` follows `Finished` once the decode node acknowledged it, so that the next turn
+//! can go on there with nothing crossing. A sliding-window model's state goes the same way, its first
 //! piece the state laid out right after the prefill (the engine's `LiveWindow`), none
 //! during the prefill; once its ring could wrap, no further piece is cut and the handoff is
 //! cancelled.
@@ -51,6 +55,23 @@ pub(crate) struct LiveHandoff {
 /// Why a live handoff did not complete: the reason for the router, the bytes sent.
 struct Cancelled(String, u64);
 
+/// How a live handoff completed.
+enum Done {
+    /// At a token boundary inside the answer: the decode node writes the rest.
+    Switched(pb::Switched),
+    /// After the answer ended here (`Handoff.keep`): the decode node holds its whole
+    /// state, acknowledged.
+    Kept(pb::Switched),
+}
+
+/// The state asked for at the answer's end ([`Live::at_end`]).
+type AtEnd = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Option<Result<Snapshot, edgesplit_engine::EngineError>>>
+            + Send,
+    >,
+>;
+
 impl LiveHandoff {
     /// Forwards the answer's tokens to the router while the handoff runs; ends with
     /// `Switched`, `Finished` or an error.
@@ -77,7 +98,7 @@ impl LiveHandoff {
             self.rounds(&live, early, written).await
         };
         tokio::pin!(handoff);
-        let mut outcome: Option<Result<pb::Switched, Cancelled>> = None;
+        let mut outcome: Option<Result<Done, Cancelled>> = None;
         loop {
             tokio::select! {
                 ev = events.recv() => {
@@ -93,21 +114,34 @@ impl LiveHandoff {
                                 Some(o) => o,
                                 None => (&mut handoff).await,
                             };
+                            let failed = |reason: &str| Err(edgesplit_engine::wire::status_with_code(
+                                tonic::Code::Unavailable,
+                                "handoff_failed",
+                                format!("live handoff failed at the switch: {reason}"),
+                            ));
                             let msg = match done {
-                                Ok(sw) => event(pb::prefill_event::Event::Switched(sw)),
+                                Ok(Done::Switched(sw)) => event(pb::prefill_event::Event::Switched(sw)),
                                 // The answer stopped here for a switch that failed: the
                                 // router finishes it (its fallback) from the tokens it has.
-                                Err(Cancelled(reason, _)) => Err(edgesplit_engine::wire::status_with_code(
-                                    tonic::Code::Unavailable,
-                                    "handoff_failed",
-                                    format!("live handoff failed at the switch: {reason}"),
-                                )),
+                                Err(Cancelled(reason, _)) => failed(&reason),
+                                Ok(Done::Kept(_)) => failed("the answer ended first"),
                             };
                             let _ = tx.send(msg).await;
                             return;
                         }
                         Some(GenEvent::Done(s)) => {
-                            let _ = tx.send(event(pb::prefill_event::Event::Finished(finished(&s)))).await;
+                            if tx.send(event(pb::prefill_event::Event::Finished(finished(&s)))).await.is_err()
+                                || !self.handoff.keep
+                                || outcome.is_some()
+                            {
+                                return;
+                            }
+                            // The answer ended before the switch: the rest of its state
+                            // follows it, for the decode node to keep the conversation.
+                            drop(written_tx);
+                            if let Ok(Done::Kept(sw)) = (&mut handoff).await {
+                                let _ = tx.send(event(pb::prefill_event::Event::Kept(sw))).await;
+                            }
                             return;
                         }
                         Some(GenEvent::Error(e)) => {
@@ -135,12 +169,13 @@ impl LiveHandoff {
         }
     }
 
-    /// The answer's state from position `from` on, cut on the engine thread.
-    async fn snapshot(live: &Live, stop: bool, from: usize) -> Result<Snapshot, String> {
+    /// The answer's state from position `from` on, cut on the engine thread; `None` when
+    /// the answer has ended.
+    async fn snapshot(live: &Live, stop: bool, from: usize) -> Result<Option<Snapshot>, String> {
         match live.snapshot(stop, from).await {
-            Some(Ok(s)) => Ok(s),
+            Some(Ok(s)) => Ok(Some(s)),
             Some(Err(e)) => Err(e.to_string()),
-            None => Err("the answer ended".into()),
+            None => Ok(None),
         }
     }
 
@@ -256,14 +291,22 @@ impl LiveHandoff {
         live: &Live,
         early: Option<Sent>,
         mut written: watch::Receiver<usize>,
-    ) -> Result<pb::Switched, Cancelled> {
+    ) -> Result<Done, Cancelled> {
         let t0 = Instant::now();
         let mut bytes = early.as_ref().map_or(0, |s| s.sw.bytes);
         match self
             .rounds_inner(live, early, &mut written, &mut bytes)
             .await
         {
-            Ok(out) => Ok(self.acked_later(out, t0)),
+            Ok((out, false)) => Ok(Done::Switched(self.acked_later(out, t0))),
+            Ok((out, true)) => {
+                let secs = t0.elapsed().as_secs_f64();
+                // Its own series: these bytes crossed after the answer, for the next turn.
+                self.sender
+                    .metrics
+                    .handoff("v2-kept", true, out.sw.bytes, secs);
+                Ok(Done::Kept(out.sw))
+            }
             Err(reason) => {
                 let secs = t0.elapsed().as_secs_f64();
                 self.sender.metrics.handoff("v2-live", false, bytes, secs);
@@ -272,21 +315,34 @@ impl LiveHandoff {
         }
     }
 
+    /// `Ok((sent, kept))`: `kept` when the answer ended first and its end went as the
+    /// last piece (`Handoff.keep`).
     async fn rounds_inner(
         &self,
         live: &Live,
         early: Option<Sent>,
         written: &mut watch::Receiver<usize>,
         bytes: &mut u64,
-    ) -> Result<Sent, String> {
+    ) -> Result<(Sent, bool), String> {
         let per_token = self.sender.info.kv_bytes_per_token.max(1);
+        // With `keep`, the state at the answer's end from where the decode node will hold
+        // it once the piece on its way is delivered, asked for before that piece is sent.
+        let at_end = |from: usize| -> Option<AtEnd> {
+            self.handoff
+                .keep
+                .then(|| Box::pin(live.at_end(from)) as AtEnd)
+        };
+        let mut end = early.as_ref().and_then(|s| at_end(s.held));
         let mut out = match early {
             Some(s) => s,
             None => {
-                let snap = Self::snapshot(live, false, 0).await?;
+                let Some(snap) = Self::snapshot(live, false, 0).await? else {
+                    return Err("the answer ended".into());
+                };
                 if !splice::is_linear(&snap.state) {
                     return Err("the state cannot be cut into pieces".into());
                 }
+                end = at_end(snap.tokens.len());
                 let mut out = Sent::new(self.connect().await?);
                 out.sw.export_ms += snap.export_ms;
                 self.send(&mut out, self.piece(snap.tokens, snap.state), false)
@@ -318,12 +374,16 @@ impl LiveHandoff {
             if pending == 0 {
                 // Nothing new yet: the last piece needs at least one token.
                 let next = out.held + 2 - self.prompt_tokens;
-                written
-                    .wait_for(|n| *n >= next)
-                    .await
-                    .map_err(|_| "the answer ended".to_string())?;
+                if written.wait_for(|n| *n >= next).await.is_err() {
+                    return self.keep(out, end, bytes).await.map(|o| (o, true));
+                }
             }
-            let snap = Self::snapshot(live, last, out.held).await?;
+            let Some(snap) = Self::snapshot(live, last, out.held).await? else {
+                return self.keep(out, end, bytes).await.map(|o| (o, true));
+            };
+            if !last {
+                end = at_end(snap.tokens.len());
+            }
             out.sw.export_ms += snap.export_ms;
             let piece = self.piece(snap.tokens[out.held..].to_vec(), snap.state);
             self.send(&mut out, piece, last).await?;
@@ -331,9 +391,39 @@ impl LiveHandoff {
             tracing::debug!(request_id = %self.request_id, round = out.sw.rounds, pending, last, "live handoff piece sent");
             if last {
                 out.sw.answered = snap.answered;
-                return Ok(out);
+                return Ok((out, false));
             }
         }
+    }
+
+    /// The answer ended here before the switch: with `Handoff.keep`, its state from
+    /// where the decode node holds it to the end goes as the last piece, acknowledged
+    /// before this returns, so that the decode node can keep the whole conversation.
+    async fn keep(
+        &self,
+        mut out: Sent,
+        end: Option<AtEnd>,
+        bytes: &mut u64,
+    ) -> Result<Sent, String> {
+        let ended = || "the answer ended".to_string();
+        let tail = end.ok_or_else(ended)?.await.ok_or_else(ended)?;
+        let tail = tail.map_err(|e| format!("the answer's end: {e}"))?;
+        if tail.from != out.held {
+            return Err(format!(
+                "the answer's end starts at {}, the decode node holds {}",
+                tail.from, out.held
+            ));
+        }
+        out.sw.export_ms += tail.export_ms;
+        let piece = self.piece(tail.tokens[out.held..].to_vec(), tail.state);
+        self.send(&mut out, piece, true).await?;
+        *bytes = out.sw.bytes;
+        handoff::await_ack(&mut out.link, &self.handoff.handoff_id, &self.sender.limits)
+            .await
+            .map_err(|e| e.to_string())?;
+        out.sw.answered = tail.answered;
+        tracing::info!(request_id = %self.request_id, bytes = out.sw.bytes, answered = tail.answered, "live handoff completed after the answer: the decode node keeps it");
+        Ok(out)
     }
 }
 

@@ -346,6 +346,13 @@ impl Backend {
         prefill.is_some() && prefill == template(&self.last_decode_info)
     }
 
+    /// A live answer that ends on the prefill node is handed over after it all the same
+    /// (`Handoff.keep`) when its conversation may go on on the decode node: a request that
+    /// allows its prompt cache, rendered alike by both nodes.
+    fn keeps(&self, req: &ValidRequest, mode: HandoffMode) -> bool {
+        mode == HandoffMode::Live && req.cache_prompt && self.renders_alike(&req.input)
+    }
+
     /// The decode node's info, within the info timeout.
     ///
     /// # Errors
@@ -486,6 +493,7 @@ impl Backend {
                 decode_addr: addr.to_string(),
                 transport: wire as i32,
                 live: mode == HandoffMode::Live,
+                keep: self.keeps(req, mode),
             }),
             info.kv_budget_bytes,
         );
@@ -794,6 +802,7 @@ impl Backend {
             handoff_report_wait: self.config.handoff_report_wait,
             param,
             mode,
+            keep: self.keeps(req, mode),
         };
         tokio::spawn(split.run(pstream, fallback));
         Ok(started)
@@ -870,7 +879,14 @@ struct SplitAnswer {
     /// The request field an upstream refusal names (`messages` or `prompt`).
     param: &'static str,
     mode: HandoffMode,
+    /// A live answer that ends on the prefill node is handed over after it
+    /// ([`SplitAnswer::keep_on_decode_node`]).
+    keep: bool,
 }
+
+/// Longest wait for a live answer's state to be kept on the decode node after the answer
+/// ended (the prefill node's own handoff deadlines end a stalled one sooner).
+const KEEP_WAIT: Duration = Duration::from_secs(600);
 
 impl SplitAnswer {
     async fn run(
@@ -981,14 +997,21 @@ impl SplitAnswer {
                         *decode_ms = 0.0;
                     }
                     let _ = self.tx.send(ev).await;
+                    if self.keep {
+                        self.keep_on_decode_node(pstream);
+                    }
                     return Split::Over;
                 }
-                Some(P::Cancelled(c)) => Event::HandoffCancelled {
-                    reason: c.reason,
-                    bytes: c.bytes,
-                },
+                Some(P::Cancelled(c)) => {
+                    // Nothing of this answer will be kept on the decode node.
+                    self.keep = false;
+                    Event::HandoffCancelled {
+                        reason: c.reason,
+                        bytes: c.bytes,
+                    }
+                }
                 Some(P::Switched(sw)) => return self.switch(sw).await,
-                Some(P::First(_) | P::Handoff(_)) | None => {
+                Some(P::First(_) | P::Handoff(_) | P::Kept(_)) | None => {
                     return Split::Failed(ApiError::upstream(
                         "protocol_error",
                         "unexpected event in the prefill node's live answer",
@@ -999,6 +1022,65 @@ impl SplitAnswer {
                 return Split::Over;
             }
         }
+    }
+
+    /// The live answer ended on the prefill node, which goes on sending its state: once
+    /// the decode node holds all of it (`Kept`), a `Generate` of no tokens takes it into
+    /// the decode node's cache, and the conversation is remembered there, so that its
+    /// next turn goes on there with nothing crossing. In the background, after the
+    /// client's answer ended; a turn that comes first is split as before.
+    fn keep_on_decode_node(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) {
+        let Some(transcript) = self.transcript.take() else {
+            return;
+        };
+        let (mut decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
+        let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
+        let generate = pb::GenerateRequest {
+            first_token: self.sent.last().copied(),
+            answered,
+            max_new_tokens: 0,
+            ..self.generate.clone()
+        };
+        tokio::spawn(async move {
+            let request_id = generate.request_id.clone();
+            let kept = match tokio::time::timeout(KEEP_WAIT, pstream.message()).await {
+                Ok(Ok(Some(pb::PrefillEvent {
+                    event: Some(pb::prefill_event::Event::Kept(sw)),
+                }))) => sw,
+                _ => return,
+            };
+            if kept.answered != answered {
+                tracing::warn!(%request_id, kept = kept.answered, answered, "the kept state ends elsewhere than the answer; not kept");
+                return;
+            }
+            lock(&learned)
+                .rates
+                .handed_off(kept.bytes, kept.transfer_ms);
+            let took = async {
+                let mut stream = decode.generate(generate).await?.into_inner();
+                while let Some(ev) = stream.message().await? {
+                    if let Some(pb::token_event::Event::Finished(_)) = ev.event {
+                        return Ok(true);
+                    }
+                }
+                Ok::<_, tonic::Status>(false)
+            };
+            match tokio::time::timeout(idle, took).await {
+                Ok(Ok(true)) => {
+                    tracing::info!(%request_id, bytes = kept.bytes, "the decode node keeps the conversation");
+                    transcript.held_by_decode_node();
+                }
+                Ok(Ok(false)) => {
+                    tracing::warn!(%request_id, "the decode node ended without keeping the conversation")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%request_id, error = %e, "the decode node did not keep the conversation")
+                }
+                Err(_) => {
+                    tracing::warn!(%request_id, "the decode node did not keep the conversation within the idle bound")
+                }
+            }
+        });
     }
 
     /// The decode node holds the state up to the last token sent: it writes the rest.
@@ -1379,6 +1461,7 @@ mod tests {
             handoff_report_wait: Duration::from_secs(1),
             param,
             mode: HandoffMode::After,
+            keep: false,
         }
     }
 

@@ -242,6 +242,80 @@ async fn a_conversation_the_prefill_node_ended_goes_on_there() {
     assert_eq!(split2, local2);
 }
 
+/// A live answer that ends before its state has crossed is handed over after it all the
+/// same (`Handoff.keep`): the piece on its way is finished, the state written since goes
+/// last, and the decode node takes it into its cache. Once it holds it, the next turn goes
+/// on there with nothing crossing, as one device continues its own copy: seeded, with
+/// log-probabilities, on both model families (Gemma-3's sliding-window state too).
+/// `cache_prompt: false` keeps nothing there.
+async fn a_live_answer_that_ended_first_is_kept(model: &'static str) {
+    fn slow_link(target: String) -> String {
+        common::shaping::proxy(target, || common::shaping::Shape::rate(1_000_000))
+    }
+    let mut o = common::StackOptions::new(model);
+    o.handoff_proxy = Some(slow_link);
+    let s = common::start(o);
+    let decode_cached = || async {
+        let status: Value = common::client()
+            .get(format!("{}/dashboard/api/status", s.router))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        status["decode"]["cached_tokens"].as_u64().unwrap()
+    };
+    let sampling = json!({"temperature": 0.9, "top_p": 0.95, "seed": 23, "max_tokens": 8,
+                          "logprobs": true, "top_logprobs": 2});
+    let ended_first = |e: &Value, n: u64| {
+        assert!(
+            e["switch_ms"].is_null() && e["prefill_tokens"] == n,
+            "the answer ended on the prefill node: {e}"
+        );
+    };
+    // Not kept when the request does not allow its prompt cache.
+    let mut uncached = sampling.clone();
+    uncached["cache_prompt"] = json!(false);
+    let first = json!([{"role": "user", "content": "Name a large city of Asia."}]);
+    let (split, e) = turn(&s, &first, &uncached, "v2-live").await;
+    ended_first(&e, split.completion_tokens);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(decode_cached().await, 0, "kept without the prompt cache");
+
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (local, _) = turn(&s, &messages, &sampling, "local").await;
+    let (split, e) = turn(&s, &messages, &sampling, "v2-live").await;
+    assert_eq!(split, local);
+    ended_first(&e, split.completion_tokens);
+    let held = split.prompt_tokens + split.completion_tokens - 1;
+    let t0 = Instant::now();
+    while decode_cached().await < held {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the decode node never held the conversation ({} of {held} tokens)",
+            decode_cached().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let going_on = next(&messages, &local.text, QUESTIONS[1]);
+    let (local2, le) = turn(&s, &going_on, &sampling, "local").await;
+    let (split2, e) = turn(&s, &going_on, &sampling, "v2-live").await;
+    decode_node_continued(&e);
+    assert_eq!(e["cached_tokens"], le["cached_tokens"], "{e}");
+    assert_eq!(split2, local2);
+}
+
+#[tokio::test]
+async fn a_live_answer_that_ended_first_is_kept_on_the_decode_node() {
+    a_live_answer_that_ended_first_is_kept(common::SMOLLM2).await;
+}
+
+#[tokio::test]
+async fn a_sliding_window_live_answer_that_ended_first_is_kept_on_the_decode_node() {
+    a_live_answer_that_ended_first_is_kept(common::GEMMA3).await;
+}
+
 /// A decode node whose chat template is not the prefill node's (another
 /// `--chat-template-file`) would render the next turn as another prompt: here the two
 /// templates render the first turn and its answer alike and a later user message

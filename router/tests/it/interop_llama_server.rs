@@ -44,6 +44,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             max_uncached: None,
             handoff: Some(pb::Handoff {
                 live: false,
+                keep: false,
                 handoff_id: "interop-1".into(),
                 decode_addr: upload_url,
                 transport: pb::HandoffTransport::V1 as i32,
