@@ -5,6 +5,7 @@
 //! its SHA-256, the sender's model fingerprint and build, and its tensor layout.
 
 pub mod metrics;
+pub mod rpc;
 pub mod store;
 pub mod upload;
 
@@ -93,6 +94,12 @@ pub struct Config {
     /// Largest handoff frame accepted, in bytes.
     #[arg(long, default_value_t = edgesplit_proto::frame::DEFAULT_MAX_FRAME)]
     pub max_frame_bytes: usize,
+    /// The layer split (issue 17): serve ggml's RPC here, for a prefill node's
+    /// `--rpc-peer` to compute the model's last layers on this device. Behind the private
+    /// link (the shared secret; without one, loopback only); ggml's own server runs in a
+    /// child process (`edgesplit-rpc`) on loopback.
+    #[arg(long, env = "EDGESPLIT_RPC_LISTEN")]
+    pub rpc_listen: Option<String>,
 }
 
 impl Config {

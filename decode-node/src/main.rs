@@ -4,6 +4,7 @@ use clap::Parser;
 async fn main() -> anyhow::Result<()> {
     edgesplit_proto::service::init_tracing("info,llama-cpp-2=warn,llama_cpp_2=warn");
     let config = edgesplit_decode::Config::parse();
+    edgesplit_engine::mem_budget_bytes().map_err(anyhow::Error::msg)?;
     if config.plan {
         return edgesplit_decode::print_plan(&config).await;
     }
@@ -23,6 +24,17 @@ async fn main() -> anyhow::Result<()> {
         v1 = %listeners.v1.local_addr()?,
         "decode node listening"
     );
+    if let Some(addr) = &config.rpc_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let bound = listener.local_addr()?;
+        let link = config.node.link(&[bound])?;
+        let threads = config.engine().n_threads;
+        tokio::spawn(async move {
+            if let Err(e) = edgesplit_decode::rpc::serve(listener, link, threads).await {
+                tracing::error!(error = %e, "the RPC server stopped");
+            }
+        });
+    }
     edgesplit_decode::run(
         listeners,
         engine,

@@ -36,6 +36,17 @@ pub struct EngineConfig {
     /// A Jinja chat template read from this file instead of the GGUF's (llama-server's
     /// `--chat-template-file`): for a GGUF that has none, or a wrong one.
     pub chat_template_file: Option<PathBuf>,
+    /// The layer split (issue 17): the model's last layers on a ggml RPC device
+    /// ([`crate::rpc::add_server`]); the rest, and the output layer, here.
+    pub remote_layers: Option<RemoteLayers>,
+}
+
+/// The model's last `layers` repeating layers (weights and KV), and its output layer, on
+/// ggml device `device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteLayers {
+    pub device: usize,
+    pub layers: u32,
 }
 
 impl EngineConfig {
@@ -54,6 +65,7 @@ impl EngineConfig {
             cache_type_k: KvType::F16,
             cache_type_v: KvType::F16,
             chat_template_file: None,
+            remote_layers: None,
         }
     }
 }

@@ -173,11 +173,31 @@ impl MemoryPlan {
     }
 }
 
-/// `MemAvailable` from /proc/meminfo (what can be allocated without swapping), not total RAM.
+/// `MemAvailable` from /proc/meminfo (what can be allocated without swapping), not total
+/// RAM; at most `EDGESPLIT_MEM_BUDGET_BYTES` when that is set (a device's budget for this
+/// service: what `Info`, `--plan` and the layer split's plan count).
 #[must_use]
 pub fn mem_available_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    parse_mem_available(&text)
+    let available = parse_mem_available(&text)?;
+    let budget = mem_budget_bytes().ok().flatten();
+    Some(budget.map_or(available, |b| b.min(available)))
+}
+
+/// `EDGESPLIT_MEM_BUDGET_BYTES`, if set (the nodes refuse to start with one that is not
+/// a byte count).
+///
+/// # Errors
+/// It is set and is not a byte count.
+pub fn mem_budget_bytes() -> Result<Option<u64>, String> {
+    match std::env::var("EDGESPLIT_MEM_BUDGET_BYTES") {
+        Err(_) => Ok(None),
+        Ok(b) => b
+            .trim()
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| format!("EDGESPLIT_MEM_BUDGET_BYTES={b:?} is not a count of bytes")),
+    }
 }
 
 fn parse_mem_available(text: &str) -> Option<u64> {

@@ -15,6 +15,8 @@ mod config;
 mod exit_guard;
 mod handle;
 mod info;
+pub mod layer_plan;
+pub mod rpc;
 pub mod sampling;
 mod scheduler;
 mod template;
@@ -23,9 +25,11 @@ pub mod wire;
 mod worker;
 
 pub use command::CacheStats;
-pub use config::{default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, GGML_TYPE_F16};
+pub use config::{
+    default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, RemoteLayers, GGML_TYPE_F16,
+};
 pub use handle::{Engine, Live, LiveAnswer};
-pub use info::{mem_available_bytes, MemoryPlan, ModelInfo, BUILD_ID};
+pub use info::{mem_available_bytes, mem_budget_bytes, MemoryPlan, ModelInfo, BUILD_ID};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use template::ToolCallFormat;

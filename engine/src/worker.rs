@@ -60,7 +60,17 @@ pub(crate) fn owner_thread(
         }
     };
     let backend = backend();
-    let mparams = LlamaModelParams::default().with_n_gpu_layers(config.n_gpu_layers);
+    let mparams = match config.remote_layers {
+        // llama.cpp offloads the output layer first, then from the last layer back.
+        Some(r) => match LlamaModelParams::default().with_devices(&[r.device]) {
+            Ok(p) => p.with_n_gpu_layers(r.layers + 1),
+            Err(e) => {
+                let _ = ready.send(Err(load_err(format!("the RPC device: {e}"))));
+                return;
+            }
+        },
+        None => LlamaModelParams::default().with_n_gpu_layers(config.n_gpu_layers),
+    };
     let model = match LlamaModel::load_from_file(backend, &config.model_path, &mparams) {
         Ok(m) => m,
         Err(e) => {

@@ -5,6 +5,7 @@
 
 mod live;
 pub mod metrics;
+pub mod rpc;
 pub mod upload;
 
 use std::future::{Future, IntoFuture};
@@ -70,6 +71,25 @@ pub struct Config {
     /// first piece is the state laid out after it (`/health` says `after_prefill`).
     #[arg(long)]
     pub stream_prefill: bool,
+    /// The layer split (issue 17): a decode node's `--rpc-listen` address; the model's
+    /// last `--rpc-layers` layers (weights and KV) are computed there, the rest here.
+    /// Checked at start (a peer down, or with another secret, is an error naming it).
+    #[arg(long, requires = "rpc_layers")]
+    pub rpc_peer: Option<String>,
+    /// Layers on `--rpc-peer`, counted from the last (the output layer goes with them), or
+    /// `auto`: the fewest with which both devices hold their part (each split layer costs
+    /// a link round trip per token), from both sides' available memory (the peer's from
+    /// `--decode-url`) and the GGUF's layer sizes. A count that does not fit is refused
+    /// with the numbers, before the model loads.
+    #[arg(long, requires = "rpc_peer")]
+    pub rpc_layers: Option<rpc::RpcLayers>,
+    /// The decode node's gRPC URL, for its available memory (`Info`): the layer split's
+    /// plan.
+    #[arg(long, env = "EDGESPLIT_DECODE_URL")]
+    pub decode_url: Option<String>,
+    /// Print the layer split's plan (`--rpc-peer`, `--rpc-layers`) and exit.
+    #[arg(long, requires = "rpc_peer")]
+    pub plan: bool,
 }
 
 impl Config {

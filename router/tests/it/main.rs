@@ -24,6 +24,7 @@ mod gemma;
 mod handoff;
 mod hostile;
 mod interop_llama_server;
+mod layers;
 mod live;
 mod logprobs;
 mod metrics;

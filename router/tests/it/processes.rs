@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use edgesplit_proto::pb;
 use serde_json::json;
 
-struct Proc(Child);
+pub(crate) struct Proc(pub(crate) Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -23,7 +23,7 @@ impl Drop for Proc {
     }
 }
 
-fn bin(name: &str) -> PathBuf {
+pub(crate) fn bin(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/release")
         .join(name);
@@ -37,7 +37,7 @@ fn bin(name: &str) -> PathBuf {
 
 /// The fields of the first JSON log line of `log` whose message is `message`: a child
 /// binds port 0 and reports the address it got (no port is picked, freed and raced for).
-async fn reported(log: &std::path::Path, message: &str) -> serde_json::Value {
+pub(crate) async fn reported(log: &std::path::Path, message: &str) -> serde_json::Value {
     let t0 = Instant::now();
     loop {
         let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -90,7 +90,7 @@ impl LateTarget {
     }
 }
 
-fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
+pub(crate) fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
     let file = std::fs::File::create(log).unwrap();
     Proc(
         Command::new(bin(name))
@@ -106,7 +106,7 @@ fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
 
 /// The tests here each start three processes: one at a time, so that on a 2-core
 /// machine their timings (drain deadlines) are not at the mercy of each other.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The three services, started and healthy.
 struct Three {

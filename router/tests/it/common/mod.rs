@@ -271,6 +271,7 @@ async fn serve(opts: StackOptions) -> Stack {
         max_pending_bytes: 1 << 30,
         upload_timeout_s: opts.upload_timeout_s,
         max_frame_bytes: edgesplit_proto::frame::DEFAULT_MAX_FRAME,
+        rpc_listen: None,
     };
     let pcfg = edgesplit_prefill::Config {
         engine: engine_args,
@@ -287,6 +288,10 @@ async fn serve(opts: StackOptions) -> Stack {
         handoff_connect_timeout_s: 5,
         metrics_listen: String::new(),
         stream_prefill: opts.stream_prefill,
+        rpc_peer: None,
+        rpc_layers: None,
+        decode_url: None,
+        plan: false,
     };
     let dengine = edgesplit_engine::Engine::start(dcfg.engine())
         .await
