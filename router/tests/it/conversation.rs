@@ -256,14 +256,7 @@ async fn a_live_answer_that_ended_first_is_kept(model: &'static str) {
     o.handoff_proxy = Some(slow_link);
     let s = common::start(o);
     let decode_cached = || async {
-        let status: Value = common::client()
-            .get(format!("{}/dashboard/api/status", s.router))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let status = common::get_json(&format!("{}/dashboard/api/status", s.router)).await;
         status["decode"]["cached_tokens"].as_u64().unwrap()
     };
     let sampling = json!({"temperature": 0.9, "top_p": 0.95, "seed": 23, "max_tokens": 8,

@@ -13,12 +13,8 @@ use crate::processes::{bin, reported, spawn, Proc, ONE_AT_A_TIME};
 
 const SECRET: &str = "layer split test secret, 32 bytes or more of it";
 
-/// The prefill node's arguments: SmolLM2, the context of the reference stack, `extra`.
-fn prefill_args(secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
-    prefill_args_for(common::SMOLLM2, secret, extra)
-}
-
-fn prefill_args_for(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
+/// A prefill node's arguments: `model`, the reference's context, ports picked, `extra`.
+fn prefill_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
         "--model",
         &common::model(model).display().to_string(),
@@ -38,23 +34,11 @@ fn prefill_args_for(model: &str, secret: &std::path::Path, extra: &[&str]) -> Ve
     a
 }
 
-/// A decode node with `--rpc-listen`: the process, its gRPC and RPC addresses.
-async fn decode_with_rpc(
-    dir: &std::path::Path,
-    secret: &std::path::Path,
-) -> (Proc, String, String) {
-    decode_with_rpc_for(common::SMOLLM2, dir, secret).await
-}
-
-async fn decode_with_rpc_for(
-    model: &str,
-    dir: &std::path::Path,
-    secret: &std::path::Path,
-) -> (Proc, String, String) {
-    let model = common::model(model).display().to_string();
-    let args: Vec<String> = [
+/// A decode node's arguments: `model`, the reference's context, ports picked, `extra`.
+fn decode_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
         "--model",
-        &model,
+        &common::model(model).display().to_string(),
         "--n-ctx",
         "1024",
         "--listen",
@@ -63,14 +47,23 @@ async fn decode_with_rpc_for(
         "127.0.0.1:0",
         "--v1-listen",
         "127.0.0.1:0",
-        "--rpc-listen",
-        "127.0.0.1:0",
         "--secret-file",
         &secret.display().to_string(),
     ]
     .iter()
     .map(ToString::to_string)
     .collect();
+    a.extend(extra.iter().map(ToString::to_string));
+    a
+}
+
+/// A decode node of `model` with `--rpc-listen`: the process, its gRPC and RPC addresses.
+async fn decode_with_rpc(
+    model: &str,
+    dir: &std::path::Path,
+    secret: &std::path::Path,
+) -> (Proc, String, String) {
+    let args = decode_args(model, secret, &["--rpc-listen", "127.0.0.1:0"]);
     let decode = spawn("edgesplit-decode", &args, &dir.join("decode.log"));
     let d = reported(&dir.join("decode.log"), "decode node listening").await;
     let grpc = d["grpc"].as_str().unwrap().to_string();
@@ -98,7 +91,7 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET).unwrap();
-    let (_decode, decode_grpc, rpc) = decode_with_rpc_for(model, &dir, &secret).await;
+    let (_decode, decode_grpc, rpc) = decode_with_rpc(model, &dir, &secret).await;
 
     // ggml's port is not the network's: a plain peer speaking ggml's protocol to
     // --rpc-listen gets no answer (the link wants TLS under the secret first).
@@ -117,7 +110,7 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
 
     let prefill = spawn(
         "edgesplit-prefill",
-        &prefill_args_for(
+        &prefill_args(
             model,
             &secret,
             &["--rpc-peer", &rpc, "--rpc-layers", layers],
@@ -199,7 +192,7 @@ async fn an_unreachable_or_unauthenticated_rpc_peer_is_a_clear_error_at_start() 
     std::fs::write(&secret, SECRET).unwrap();
     let other = dir.join("other");
     std::fs::write(&other, "another secret altogether, also long enough").unwrap();
-    let (_decode, _, rpc) = decode_with_rpc(&dir, &secret).await;
+    let (_decode, _, rpc) = decode_with_rpc(common::SMOLLM2, &dir, &secret).await;
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let closed_addr = closed.local_addr().unwrap().to_string();
     drop(closed);
@@ -210,7 +203,11 @@ async fn an_unreachable_or_unauthenticated_rpc_peer_is_a_clear_error_at_start() 
         let log = dir.join(format!("prefill-{}.log", what.replace(' ', "-")));
         let mut p = spawn(
             "edgesplit-prefill",
-            &prefill_args(key, &["--rpc-peer", &peer, "--rpc-layers", "4"]),
+            &prefill_args(
+                common::SMOLLM2,
+                key,
+                &["--rpc-peer", &peer, "--rpc-layers", "4"],
+            ),
             &log,
         );
         let t0 = std::time::Instant::now();
@@ -257,24 +254,10 @@ async fn the_plan_splits_a_model_neither_device_holds_and_refuses_one_that_does_
     std::fs::write(&secret, SECRET).unwrap();
     let mib = |n: u64| (n << 20).to_string();
     let decode_with_budget = |budget: String, log: &str| {
-        let model = common::model(common::SMOLLM2).display().to_string();
         let file = std::fs::File::create(dir.join(log)).unwrap();
         Proc(
             std::process::Command::new(bin("edgesplit-decode"))
-                .args([
-                    "--model",
-                    &model,
-                    "--n-ctx",
-                    "1024",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--handoff-listen",
-                    "127.0.0.1:0",
-                    "--v1-listen",
-                    "127.0.0.1:0",
-                    "--secret-file",
-                    &secret.display().to_string(),
-                ])
+                .args(decode_args(common::SMOLLM2, &secret, &[]))
                 .env("EDGESPLIT_LOG_FORMAT", "json")
                 .env("EDGESPLIT_MEM_BUDGET_BYTES", budget)
                 .stderr(file)
@@ -285,6 +268,7 @@ async fn the_plan_splits_a_model_neither_device_holds_and_refuses_one_that_does_
     let plan = |here: String, layers: &str, decode_grpc: &str| {
         std::process::Command::new(bin("edgesplit-prefill"))
             .args(prefill_args(
+                common::SMOLLM2,
                 &secret,
                 &[
                     "--rpc-peer",

@@ -471,8 +471,13 @@ pub async fn fallbacks(stack: &Stack) -> u64 {
 
 /// The router's `/health` body.
 pub async fn health(stack: &Stack) -> Value {
+    get_json(&format!("{}/health", stack.router)).await
+}
+
+/// A GET's JSON body.
+pub async fn get_json(url: &str) -> Value {
     client()
-        .get(format!("{}/health", stack.router))
+        .get(url)
         .send()
         .await
         .unwrap()
