@@ -7,7 +7,8 @@
 #   scripts/build-cuda.sh                       sm_75, sm_86, sm_89 and sm_90 (laptop GPUs + H100/H200)
 #   CUDA_ARCHS="86" scripts/build-cuda.sh       one architecture (a shorter build)
 #
-# Output: target/cuda/release/edgesplit-prefill. It loads libcublas/libcublasLt from
+# Output: target/cuda-<architectures>/release/edgesplit-prefill (target/cuda-75-86-89-90/...). It
+# loads libcublas/libcublasLt from
 # .build/cuda (an rpath is set; copy that folder with the binary) and the NVIDIA driver's
 # libcuda.so.1 from the system at run time. On a machine without a GPU or driver it serves on
 # the CPU (ggml finds no CUDA device) and says so in its log.
@@ -70,7 +71,9 @@ export CUDA_PATH="$CUDA" CUDAToolkit_ROOT="$CUDA" CUDACXX="$CUDA/bin/nvcc"
 # CMake reads the architectures from CUDAARCHS when the project does not set them.
 export CUDAARCHS="$ARCHS"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-export CARGO_TARGET_DIR="$ROOT/target/cuda"
+# One target folder per architecture list: CMake keeps the architectures it first
+# configured with, so another list is another build.
+export CARGO_TARGET_DIR="$ROOT/target/cuda-${ARCHS//;/-}"
 export RUSTFLAGS="${RUSTFLAGS:-} -L native=$SHIM -L native=$CUDA/lib \
 -C link-arg=-Wl,-rpath,$CUDA/lib -C link-arg=-lcublas -C link-arg=-lcublasLt"
 echo "[cuda] nvcc $("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), cmake $(cmake --version | head -1 | cut -d' ' -f3), architectures $CUDAARCHS" >&2

@@ -13,48 +13,42 @@ use crate::processes::{bin, reported, spawn, Proc, ONE_AT_A_TIME};
 
 const SECRET: &str = "layer split test secret, 32 bytes or more of it";
 
-/// A prefill node's arguments: `model`, the reference's context, ports picked, `extra`.
-fn prefill_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--model",
-        &common::model(model).display().to_string(),
-        "--n-ctx",
-        "1024",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--secret-file",
-        &secret.display().to_string(),
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
+/// A node's arguments: `model`, the reference's context, the secret, then `extra`.
+fn node_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut a = vec![
+        "--model".to_string(),
+        common::model(model).display().to_string(),
+        "--n-ctx".into(),
+        "1024".into(),
+        "--secret-file".into(),
+        secret.display().to_string(),
+    ];
     a.extend(extra.iter().map(ToString::to_string));
     a
 }
 
-/// A decode node's arguments: `model`, the reference's context, ports picked, `extra`.
+/// A prefill node's arguments, its ports picked, then `extra`.
+fn prefill_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut a = node_args(model, secret, &["--listen", "127.0.0.1:0"]);
+    a.extend(node_args_tail(&["--metrics-listen", "127.0.0.1:0"], extra));
+    a
+}
+
+/// A decode node's arguments, its ports picked, then `extra`.
 fn decode_args(model: &str, secret: &std::path::Path, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--model",
-        &common::model(model).display().to_string(),
-        "--n-ctx",
-        "1024",
-        "--listen",
-        "127.0.0.1:0",
+    let mut a = node_args(model, secret, &["--listen", "127.0.0.1:0"]);
+    let ports = [
         "--handoff-listen",
         "127.0.0.1:0",
         "--v1-listen",
         "127.0.0.1:0",
-        "--secret-file",
-        &secret.display().to_string(),
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
-    a.extend(extra.iter().map(ToString::to_string));
+    ];
+    a.extend(node_args_tail(&ports, extra));
     a
+}
+
+fn node_args_tail(ports: &[&str], extra: &[&str]) -> Vec<String> {
+    ports.iter().chain(extra).map(ToString::to_string).collect()
 }
 
 /// A decode node of `model` with `--rpc-listen`: the process, its gRPC and RPC addresses.
