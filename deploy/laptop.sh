@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Laptop side (Linux or WSL2): builds and runs the prefill node and the router.
-# Builds the prefill node with CUDA when `nvcc` is on PATH, for the CPU otherwise.
+# Builds the prefill node with CUDA (scripts/build-cuda.sh) when an NVIDIA GPU is present
+# (`nvidia-smi`), for the CPU otherwise.
 #   deploy/laptop.sh [CONFIG]      CONFIG defaults to deploy/edgesplit.env (see .example)
 # Not run by the test suite (needs a phone on the network); checked with shellcheck.
 set -euo pipefail
@@ -20,17 +21,19 @@ bash "$ROOT/scripts/secret.sh" "$EDGESPLIT_SECRET_FILE"
 
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-if command -v nvcc >/dev/null; then
-    echo "[laptop] nvcc found: building the prefill node with CUDA" >&2
-    cargo build --release -p edgesplit-prefill --features cuda
+if command -v nvidia-smi >/dev/null; then
+    # The CUDA toolkit from PyPI (no system toolkit needed); CUDA_ARCHS picks the GPUs.
+    echo "[laptop] NVIDIA GPU found: building the prefill node with CUDA (scripts/build-cuda.sh)" >&2
+    PREFILL_BIN="$(bash "$ROOT/scripts/build-cuda.sh" | tail -1)"
 else
-    echo "[laptop] no nvcc: building the prefill node for the CPU" >&2
+    echo "[laptop] no NVIDIA GPU: building the prefill node for the CPU" >&2
     cargo build --release -p edgesplit-prefill
+    PREFILL_BIN="$ROOT/target/release/edgesplit-prefill"
 fi
 cargo build --release -p edgesplit-router
 
 BIN="$ROOT/target/release"
-"$BIN/edgesplit-prefill" --model "$MODEL" --n-ctx "${N_CTX:-4096}" \
+"$PREFILL_BIN" --model "$MODEL" --n-ctx "${N_CTX:-4096}" \
     --listen "${PREFILL_LISTEN:-127.0.0.1:50051}" --metrics-listen "${PREFILL_METRICS:-127.0.0.1:50063}" &
 PREFILL=$!
 trap 'kill "$PREFILL" 2>/dev/null || true' EXIT

@@ -7,14 +7,15 @@
 #   scripts/build-cuda.sh                       sm_75, sm_86, sm_89 and sm_90 (laptop GPUs + H100/H200)
 #   CUDA_ARCHS="86" scripts/build-cuda.sh       one architecture (a shorter build)
 #
-# Output: target/cuda-<architectures>/release/edgesplit-prefill (target/cuda-75-86-89-90/...). It
-# loads libcublas/libcublasLt from
-# .build/cuda (an rpath is set; copy that folder with the binary) and the NVIDIA driver's
-# libcuda.so.1 from the system at run time. On a machine without a GPU or driver it serves on
-# the CPU (ggml finds no CUDA device) and says so in its log.
+# Output: target/cuda-<architectures>/release/edgesplit-prefill (for the default list
+# target/cuda-75-86-89-90/...), its path the last line on stdout. It loads libcublas and
+# libcublasLt from .build/cuda (an rpath is set; copy that folder with the binary) and the
+# NVIDIA driver's libcuda.so.1 from the system at run time. On a machine without a GPU or
+# driver it serves on the CPU (ggml finds no CUDA device and says so in its log;
+# scripts/check-cuda-build.sh checks it).
 #
-# Not part of scripts/test.sh: ggml's CUDA kernels take a long time on 2 cores (see the time
-# printed at the end; docs/BENCHMARKS.md "The CUDA build").
+# Not part of scripts/test.sh: ggml's CUDA kernels take a long time on 2 cores (one
+# architecture: ~38 minutes here; docs/BENCHMARKS.md "The CUDA build").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFIX="${EDGESPLIT_CUDA_PREFIX:-$ROOT/.build/cuda}"
@@ -86,3 +87,4 @@ cargo build --release -p edgesplit-prefill --features cuda-no-vmm
 BIN="$CARGO_TARGET_DIR/release/edgesplit-prefill"
 echo "[cuda] built in $(( $(date +%s) - START )) s: $BIN" >&2
 echo "[cuda] it needs at run time: $CUDA/lib (libcublas, libcublasLt; found by its rpath) and the NVIDIA driver's libcuda.so.1" >&2
+echo "$BIN"

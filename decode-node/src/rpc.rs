@@ -41,11 +41,22 @@ fn loopback_endpoint() -> std::io::Result<String> {
         .to_string())
 }
 
+/// The child, its endpoint, and the write end of its stdin (held while it should run:
+/// `Child::wait` would close it).
+type Started = (
+    tokio::process::Child,
+    String,
+    Option<tokio::process::ChildStdin>,
+);
+
 /// Starts the child on a loopback endpoint and waits until it answers ggml's HELLO.
-async fn start_child(threads: i32) -> anyhow::Result<(tokio::process::Child, String)> {
+async fn start_child(threads: i32) -> anyhow::Result<Started> {
     let endpoint = loopback_endpoint()?;
+    // Its stdin is a pipe held by this process (in the `Child`): when this process ends,
+    // however it ends, the pipe closes and the child exits.
     let mut child = tokio::process::Command::new(server_binary()?)
         .args(["--endpoint", &endpoint, "--threads", &threads.to_string()])
+        .stdin(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
     let t0 = std::time::Instant::now();
@@ -56,7 +67,10 @@ async fn start_child(threads: i32) -> anyhow::Result<(tokio::process::Child, Str
         })
         .await?;
         match probe {
-            Ok(_) => return Ok((child, endpoint)),
+            Ok(_) => {
+                let stdin = child.stdin.take();
+                return Ok((child, endpoint, stdin));
+            }
             Err(e) if t0.elapsed() > START_WAIT => {
                 anyhow::bail!("the RPC server did not start within {START_WAIT:?}: {e}")
             }
@@ -76,19 +90,22 @@ async fn start_child(threads: i32) -> anyhow::Result<(tokio::process::Child, Str
 /// # Errors
 /// The child cannot be started at all (its binary missing, or it never answers).
 pub async fn serve(listener: TcpListener, link: Link, threads: i32) -> anyhow::Result<()> {
-    let (mut child, endpoint) = start_child(threads).await?;
-    tracing::info!(rpc = %listener.local_addr()?, "RPC server ready");
+    let (mut child, endpoint, mut stdin) = start_child(threads).await?;
+    tracing::info!(rpc = %listener.local_addr()?, pid = child.id(), "RPC server ready");
     let endpoint = std::sync::Arc::new(tokio::sync::RwLock::new(endpoint));
     let mut peers = link.listen(listener, Duration::from_secs(10));
     let ep = endpoint.clone();
     tokio::spawn(async move {
         loop {
             let status = child.wait().await;
+            drop(stdin.take());
             tracing::warn!(?status, "the RPC server exited; restarting it");
             tokio::time::sleep(RESTART_PAUSE).await;
             match start_child(threads).await {
-                Ok((c, e)) => {
+                Ok((c, e, i)) => {
+                    tracing::info!(pid = c.id(), "RPC server restarted");
                     child = c;
+                    stdin = i;
                     *ep.write().await = e;
                 }
                 Err(e) => {

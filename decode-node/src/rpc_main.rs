@@ -1,6 +1,7 @@
 //! `edgesplit-rpc`: llama.cpp's ggml RPC server on a loopback endpoint, the CPU its device.
 //! Started (and restarted) by the decode node's `--rpc-listen`, which alone faces the
-//! network (see `edgesplit_decode::rpc`); not meant to be run by hand.
+//! network (see `edgesplit_decode::rpc`); not meant to be run by hand. It exits when its
+//! stdin closes (the decode node's end of a pipe).
 
 use clap::Parser;
 
@@ -29,6 +30,12 @@ fn main() {
         );
         std::process::exit(2);
     }
+    // Ends with the decode node that started it: its stdin is a pipe from that process,
+    // which closes when it exits, however it exits (a SIGKILL included).
+    std::thread::spawn(|| {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        std::process::exit(0);
+    });
     let e = edgesplit_engine::rpc::serve(&args.endpoint, args.threads);
     eprintln!("edgesplit-rpc: {e}");
     std::process::exit(1);

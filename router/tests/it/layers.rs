@@ -65,6 +65,45 @@ async fn decode_with_rpc(
     (decode, grpc, rpc["rpc"].as_str().unwrap().to_string())
 }
 
+/// ggml's RPC server is restarted when it dies (a malformed message aborts it), and ends
+/// with the decode node that started it, even one killed with SIGKILL (it would otherwise
+/// hold its port and memory forever).
+#[tokio::test]
+async fn the_ggml_rpc_server_is_restarted_and_ends_with_its_decode_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = std::env::temp_dir().join(format!("edgesplit-layers-end-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let (decode, _, _) = decode_with_rpc(common::SMOLLM2, &dir, &secret).await;
+    let ready = reported(&dir.join("decode.log"), "RPC server ready").await;
+    let first = ready["pid"].as_u64().unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &first.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let again = reported(&dir.join("decode.log"), "RPC server restarted").await;
+    assert_ne!(again["pid"].as_u64().unwrap(), first, "{again}");
+    let child = std::path::PathBuf::from(format!("/proc/{}", again["pid"]));
+    assert!(child.exists(), "{again}");
+    drop(decode); // SIGKILL
+    let t0 = std::time::Instant::now();
+    // Gone, or a zombie nobody reaps (its parent is gone too).
+    let alive = || {
+        std::fs::read_to_string(child.join("stat"))
+            .is_ok_and(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+    };
+    while alive() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "edgesplit-rpc outlived its decode node"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn completion(sampling: &Value) -> Value {
     let mut b = json!({
         "prompt": "The lighthouse keeper climbed the stairs every evening, and on the last night of the year",
