@@ -93,7 +93,7 @@ async fn the_ggml_rpc_server_is_restarted_and_ends_with_its_decode_node() {
     // Gone, or a zombie nobody reaps (its parent is gone too).
     let alive = || {
         std::fs::read_to_string(child.join("stat"))
-            .is_ok_and(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+            .is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
     };
     while alive() {
         assert!(
