@@ -30,6 +30,7 @@ mod client;
 mod engine_bench;
 mod handoff_bench;
 mod kv_quality;
+mod layers_bench;
 mod link;
 mod load;
 mod power;
@@ -63,6 +64,9 @@ enum Cli {
     /// A multi-turn conversation: per-turn TTFT, handoff bytes, where each turn was
     /// prefilled, with the nodes' caches and without, beside one device (issue 15).
     Chat(chat_bench::ChatArgs),
+    /// The layer split (ggml RPC to the decode node) against one device, per link
+    /// profile, and a run with both nodes' memory capped (issue 17).
+    Layers(layers_bench::LayersArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -207,6 +211,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::KvQuality(args) => kv_quality::run(&args).await,
         Cli::Handoff(args) => handoff_bench::run(&args).await,
         Cli::Chat(args) => chat_bench::run(&args).await,
+        Cli::Layers(args) => layers_bench::run(&args).await,
     }
 }
 
@@ -331,17 +336,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(url) => (url.clone(), true, true, None),
             None => {
                 let cfg = stack::StackConfig {
-                    model: path.clone(),
-                    n_ctx: args.n_ctx,
-                    threads,
-                    parallel: None,
-                    dir: out.join(format!("services-{model_name}")),
                     stream_prefill: args.stream_prefill,
-                    direct: false,
                     flash_attn: args.flash_attn.clone(),
                     cache_type: args.cache_type.clone(),
                     batch: args.batch,
-                    secret: None,
+                    ..stack::StackConfig::new(
+                        path.clone(),
+                        args.n_ctx,
+                        threads,
+                        out.join(format!("services-{model_name}")),
+                    )
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))

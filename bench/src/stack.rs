@@ -4,7 +4,9 @@
 //! crosses the network in a real deployment (laptop: router + prefill; phone: decode):
 //! - the V2 handoff (prefill -> decode),
 //! - the V1 upload (prefill -> decode),
-//! - the router's gRPC channel to the decode node (the answer's tokens, decode -> router).
+//! - the router's gRPC channel to the decode node (the answer's tokens, decode -> router),
+//! - with a layer split ([`StackConfig::rpc`]), ggml's RPC (prefill -> decode's
+//!   `--rpc-listen`), a round trip per request of ggml's.
 //!
 //! Each path has its own proxy with the same profile; on a real Wi-Fi they would share the
 //! air time, which matters only if a handoff and a token stream overlap.
@@ -47,6 +49,19 @@ pub struct StackConfig {
     pub batch: u32,
     /// The shared secret of the three services (`EDGESPLIT_SECRET`): private links.
     pub secret: Option<String>,
+    /// The layer split (issue 17): the decode node's `--rpc-listen` and the prefill node's
+    /// `--rpc-peer` through an emulated link.
+    pub rpc: Option<RpcSplit>,
+}
+
+/// A layer split's settings.
+#[derive(Clone, Debug)]
+pub struct RpcSplit {
+    /// `--rpc-layers`: a count or `auto` (then the prefill node plans with the decode
+    /// node's available memory, `--decode-url`).
+    pub layers: String,
+    /// `EDGESPLIT_MEM_BUDGET_BYTES` of the prefill node and of the decode node.
+    pub budgets: Option<(u64, u64)>,
 }
 
 impl StackConfig {
@@ -65,6 +80,7 @@ impl StackConfig {
             cache_type: "f16".into(),
             batch: 512,
             secret: None,
+            rpc: None,
         }
     }
 }
@@ -115,12 +131,24 @@ fn binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-fn spawn(name: &str, args: &[String], log: &Path, secret: Option<&str>) -> anyhow::Result<Child> {
+/// Starts service `name` with `args`, its log in `log`, the stack's `secret` and a
+/// memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
+fn spawn(
+    name: &str,
+    args: &[String],
+    log: &Path,
+    secret: Option<&str>,
+    budget: Option<u64>,
+) -> anyhow::Result<Child> {
     let log = std::fs::File::create(log)?;
     let mut cmd = Command::new(binary(name)?);
     match secret {
         Some(s) => cmd.env("EDGESPLIT_SECRET", s),
         None => cmd.env_remove("EDGESPLIT_SECRET"),
+    };
+    match budget {
+        Some(b) => cmd.env("EDGESPLIT_MEM_BUDGET_BYTES", b.to_string()),
+        None => cmd.env_remove("EDGESPLIT_MEM_BUDGET_BYTES"),
     };
     cmd.env_remove("EDGESPLIT_SECRET_FILE")
         .args(args)
@@ -128,6 +156,21 @@ fn spawn(name: &str, args: &[String], log: &Path, secret: Option<&str>) -> anyho
         .stderr(log)
         .spawn()
         .with_context(|| format!("starting {name}"))
+}
+
+/// Waits until `addr` accepts connections (a node binds once its model is loaded), at
+/// most 120 s.
+async fn wait_listening(addr: &str, dir: &Path) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(120),
+            "{addr} did not listen within 120 s; see the logs in {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
 }
 
 /// Whether a service's log says its port was taken.
@@ -172,6 +215,23 @@ impl Stack {
         }
         let [handoff_at, v1_at, grpc_at]: [String; 3] =
             via.try_into().expect("three paths, three addresses");
+        let rpc_port = free_port()?;
+        let rpc_at = match (&cfg.rpc, cfg.direct) {
+            (None, _) => None,
+            (Some(_), true) => Some(rpc_port.clone()),
+            (Some(_), false) => {
+                let link = Link::start(rpc_port.clone(), profile.clone()).await?;
+                let at = link.addr.to_string();
+                links.push(link);
+                Some(at)
+            }
+        };
+        let budget = |i: usize| {
+            cfg.rpc
+                .as_ref()
+                .and_then(|r| r.budgets)
+                .map(|b| if i == 0 { b.0 } else { b.1 })
+        };
         let model = cfg.model.display().to_string();
         let common = |listen: &str| -> Vec<String> {
             let mut a: Vec<String> = vec![
@@ -215,22 +275,38 @@ impl Stack {
             "--handoff-wait-s".into(),
             "60".into(),
         ]);
+        if cfg.rpc.is_some() {
+            dargs.extend(["--rpc-listen".into(), rpc_port]);
+        }
         stack.children.push(spawn(
             "edgesplit-decode",
             &dargs,
             &cfg.dir.join("decode.log"),
             cfg.secret.as_deref(),
+            budget(1),
         )?);
         let mut pargs = common(&prefill_grpc);
         pargs.extend(["--metrics-listen".into(), prefill_metrics.clone()]);
         if cfg.stream_prefill {
             pargs.push("--stream-prefill".into());
         }
+        if let (Some(rpc), Some(at)) = (&cfg.rpc, rpc_at) {
+            pargs.extend([
+                "--rpc-peer".into(),
+                at,
+                "--rpc-layers".into(),
+                rpc.layers.clone(),
+            ]);
+            // The plan reads the decode node's available memory; it must listen first.
+            pargs.extend(["--decode-url".into(), format!("http://{decode_grpc}")]);
+            wait_listening(&decode_grpc, &cfg.dir).await?;
+        }
         stack.children.push(spawn(
             "edgesplit-prefill",
             &pargs,
             &cfg.dir.join("prefill.log"),
             cfg.secret.as_deref(),
+            budget(0),
         )?);
         let mut rargs: Vec<String> = vec![
             "--listen".into(),
@@ -250,6 +326,7 @@ impl Stack {
             &rargs,
             &cfg.dir.join("router.log"),
             cfg.secret.as_deref(),
+            None,
         )?);
 
         // Ready when the router says healthy (it checks both nodes).

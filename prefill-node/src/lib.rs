@@ -6,6 +6,7 @@
 mod live;
 pub mod metrics;
 pub mod rpc;
+pub mod supervise;
 pub mod upload;
 
 use std::future::{Future, IntoFuture};
@@ -87,6 +88,12 @@ pub struct Config {
     /// plan.
     #[arg(long, env = "EDGESPLIT_DECODE_URL")]
     pub decode_url: Option<String>,
+    /// A restarted engine process (its RPC peer lost) tries to reach the peer again for
+    /// this long; then, if the model fits here alone, it computes every layer here
+    /// (`Info.layer_split.state` "lost") until the node is restarted, and otherwise ends
+    /// and is tried again.
+    #[arg(long, default_value_t = 15, requires = "rpc_peer")]
+    pub rpc_reconnect_s: u64,
     /// Print the layer split's plan (`--rpc-peer`, `--rpc-layers`) and exit.
     #[arg(long, requires = "rpc_peer")]
     pub plan: bool,
@@ -119,6 +126,7 @@ pub struct PrefillService {
     metrics: Arc<metrics::NodeMetrics>,
     link: Link,
     stream_prefill: bool,
+    layer_split: Option<Arc<rpc::Split>>,
 }
 
 /// The V1 uploads' HTTP client: over `link`, within the handoff deadlines.
@@ -150,7 +158,19 @@ impl PrefillService {
             metrics,
             link,
             stream_prefill: false,
+            layer_split: None,
         })
+    }
+
+    /// Reports `split` (the layer split this engine serves) in `Info` and `/metrics`.
+    #[must_use]
+    pub fn with_layer_split(mut self, split: Option<rpc::Split>) -> Self {
+        let split = split.map(Arc::new);
+        if let Some(s) = &split {
+            self.metrics.watch_layer_split(s.clone());
+        }
+        self.layer_split = split;
+        self
     }
 
     /// Sends the prompt's state in pieces while it is prefilled (live handoff).
@@ -315,6 +335,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         .into();
         info.requests_in_flight = self.engine.in_flight();
         info.sequences_active = u32::try_from(self.engine.active()).unwrap_or(u32::MAX);
+        info.layer_split = self.layer_split.as_ref().map(|s| s.info());
         Ok(Response::new(info))
     }
 }
@@ -622,7 +643,8 @@ pub struct Listeners {
     pub metrics: TcpListener,
 }
 
-/// Serves the prefill gRPC API and its metrics until `shutdown` resolves.
+/// Serves the prefill gRPC API and its metrics until `shutdown` resolves; `layer_split`
+/// is the engine's (reported, not set up, here: see [`rpc::start`]).
 ///
 /// # Errors
 /// The gRPC server's transport error, or the state folder.
@@ -630,6 +652,7 @@ pub async fn run(
     listeners: Listeners,
     engine: Engine,
     config: &Config,
+    layer_split: Option<rpc::Split>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     // Metrics are not a link between the devices: only the gRPC listener is checked.
@@ -638,7 +661,8 @@ pub async fn run(
     let svc = PrefillService::new(engine, config.limits())
         .and_then(|s| s.with_link(link.clone()))
         .map_err(|e| anyhow::anyhow!("HTTP client: {e}"))?
-        .with_stream_prefill(config.stream_prefill);
+        .with_stream_prefill(config.stream_prefill)
+        .with_layer_split(layer_split);
     let drain = config.node.drain(shutdown);
     let app = metrics::router(svc.metrics.clone());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);

@@ -9,6 +9,10 @@
 //! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time, `ok` or `error` |
 //! | `edgesplit:prefix_cache_tokens`, `_bytes` | gauge | the prefix cache: KV kept in idle sequences |
 //! | `edgesplit:prefix_cache_hits_total`, `_misses_total`, `_reused_tokens_total` | counter | prompts that reused a cached prefix, that found none; prompt tokens not prefilled |
+//! | `edgesplit:layer_split_peer_layers` | gauge | the layer split (`--rpc-peer`): layers computed on the peer (0 once it is lost) |
+//! | `edgesplit:layer_split_restarts` | gauge | engine processes that ran before this one |
+//! | `edgesplit:rpc_round_trips_total` | counter | ggml RPC requests that waited for the peer's answer |
+//! | `edgesplit:rpc_bytes_total{direction}` | counter | ggml RPC bytes `sent` to the peer, `received` from it |
 //!
 //! Colocated (`local`) runs are counted by the router only.
 
@@ -67,6 +71,13 @@ impl NodeMetrics {
             .register_collector(Box::new(collector));
     }
 
+    /// Adds the layer split's series, read on each scrape.
+    pub fn watch_layer_split(&self, split: Arc<crate::rpc::Split>) {
+        self.metrics
+            .registry()
+            .register_collector(Box::new(SplitCollector(split)));
+    }
+
     /// The OpenMetrics text.
     #[must_use]
     pub fn render(&self) -> String {
@@ -77,4 +88,54 @@ impl NodeMetrics {
 /// The `/metrics` route.
 pub fn router(m: Arc<NodeMetrics>) -> Router {
     edgesplit_proto::metrics::route(m, NodeMetrics::render)
+}
+
+/// The layer split's series (`watch_layer_split`).
+#[derive(Debug)]
+struct SplitCollector(Arc<crate::rpc::Split>);
+
+impl prometheus_client::collector::Collector for SplitCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let i = self.0.info();
+        for (name, help, v) in [
+            (
+                "edgesplit:layer_split_peer_layers",
+                "Layers computed on the RPC peer",
+                i.peer_layers,
+            ),
+            (
+                "edgesplit:layer_split_restarts",
+                "Engine processes that ran before this one",
+                i.restarts,
+            ),
+        ] {
+            let g = ConstGauge::new(i64::from(v));
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let c = ConstCounter::new(i.round_trips);
+        c.encode(encoder.encode_descriptor(
+            "edgesplit:rpc_round_trips",
+            "ggml RPC requests that waited for the peer's answer",
+            None,
+            c.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "edgesplit:rpc_bytes",
+            "ggml RPC bytes to and from the peer",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (direction, v) in [("sent", i.bytes_sent), ("received", i.bytes_received)] {
+            let labels = [("direction", direction)];
+            let c = ConstCounter::new(v);
+            c.encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }

@@ -24,10 +24,14 @@ pub enum Transport {
     V1,
     /// No handoff: prefill and decode both on the prefill node (the single-device baseline).
     Local,
+    /// No handoff, on a prefill node with a layer split (`--rpc-peer`, issue 17): the
+    /// model's last layers computed on the peer for every token. Refused (400) when the
+    /// prefill node serves no split.
+    Layers,
 }
 
 impl Transport {
-    /// Parses `v2` / `local`.
+    /// Parses `v2` / `v1` / `local` / `layers`.
     ///
     /// # Errors
     /// Any other name.
@@ -36,8 +40,9 @@ impl Transport {
             "v2" => Ok(Transport::V2),
             "v1" => Ok(Transport::V1),
             "local" => Ok(Transport::Local),
+            "layers" => Ok(Transport::Layers),
             other => Err(format!(
-                "unknown transport {other:?}; expected \"v2\", \"v1\" or \"local\""
+                "unknown transport {other:?}; expected \"v2\", \"v1\", \"local\" or \"layers\""
             )),
         }
     }
@@ -49,7 +54,14 @@ impl Transport {
             Transport::V2 => "v2",
             Transport::V1 => "v1",
             Transport::Local => "local",
+            Transport::Layers => "layers",
         }
+    }
+
+    /// Whether the whole answer runs on the prefill node (no handoff).
+    #[must_use]
+    pub fn colocated(self) -> bool {
+        matches!(self, Transport::Local | Transport::Layers)
     }
 }
 

@@ -445,6 +445,37 @@ impl Backend {
         match transport {
             Transport::V2 | Transport::V1 => self.start_split(req, transport, request_id).await,
             Transport::Local => self.start_local(req, request_id, None).await,
+            Transport::Layers => {
+                self.layer_split_serving().await?;
+                let mut started = self.start_local(req, request_id, None).await?;
+                started.transport = Transport::Layers;
+                Ok(started)
+            }
+        }
+    }
+
+    /// `Ok` when the prefill node serves a layer split (its last `Info`, else a fresh
+    /// one); a 400 naming the transport otherwise.
+    async fn layer_split_serving(&self) -> Result<(), ApiError> {
+        let known = lock_info(&self.last_prefill_info).clone();
+        let info = match known {
+            Some(i) => i,
+            None => self.prefill_info().await?,
+        };
+        match info.layer_split.as_ref().map(|l| l.state.as_str()) {
+            Some("split") => Ok(()),
+            Some(state) => Err(ApiError::invalid(
+                Some("edgesplit.transport".to_string()),
+                format!(
+                    "transport \"layers\": the prefill node's layer split is {state:?} (its RPC \
+                     peer was lost; every layer is computed there): use \"local\""
+                ),
+            )),
+            None => Err(ApiError::invalid(
+                Some("edgesplit.transport".to_string()),
+                "transport \"layers\": the prefill node serves no layer split (start it with \
+                 --rpc-peer and --rpc-layers)",
+            )),
         }
     }
 

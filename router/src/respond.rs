@@ -255,7 +255,7 @@ impl Answer {
                 }
                 self.timing.decode_tokens = decode_tokens;
                 self.timing.decode_ms = Some(decode_ms);
-                if self.meta.transport != Transport::Local {
+                if !self.meta.transport.colocated() {
                     self.timing.import_ms = Some(import_ms);
                     self.timing.receive_ms = Some(receive_ms);
                     self.timing.verify_ms = Some(verify_ms);

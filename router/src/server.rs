@@ -373,6 +373,19 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
             if !i.stream_prefill.is_empty() {
                 v["stream_prefill"] = json!(i.stream_prefill);
             }
+            // The prefill node's layer split (`--rpc-peer`).
+            if let Some(l) = &i.layer_split {
+                v["layer_split"] = json!({
+                    "state": l.state,
+                    "layers_here": l.layers_here,
+                    "peer_layers": l.peer_layers,
+                    "peer": l.peer,
+                    "rpc_round_trips": l.round_trips,
+                    "rpc_bytes_sent": l.bytes_sent,
+                    "rpc_bytes_received": l.bytes_received,
+                    "restarts": l.restarts,
+                });
+            }
             v
         }
         Err(e) => json!({"status": "unavailable", "error": e.message}),

@@ -1,8 +1,9 @@
 //! Issue 17, the layer split, with the real binaries on loopback: a decode node serving
 //! ggml's RPC behind `--rpc-listen` (its child `edgesplit-rpc` on loopback), a prefill
 //! node computing the model's last layers there (`--rpc-peer`, `--rpc-layers`), and a
-//! router serving it `local`. Its answers are the one-device answers; the RPC port admits
-//! only a holder of the secret; a peer that cannot be reached is a clear error at start.
+//! router serving it (`layers`). Its answers are the one-device answers; the RPC port
+//! admits only a holder of the secret; a peer that cannot be reached is a clear error at
+//! start; a peer lost while serving leaves the prefill node serving.
 
 use std::time::Duration;
 
@@ -104,15 +105,70 @@ async fn the_ggml_rpc_server_is_restarted_and_ends_with_its_decode_node() {
     }
 }
 
-fn completion(sampling: &Value) -> Value {
+/// A router over a prefill node at `prefill` and a decode node at `decode` (gRPC
+/// addresses): the process and its base URL.
+async fn router_of(
+    dir: &std::path::Path,
+    prefill: &str,
+    decode: &str,
+    secret: &std::path::Path,
+) -> (Proc, String) {
+    let router = spawn(
+        "edgesplit-router",
+        &[
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--prefill-url".into(),
+            format!("http://{prefill}"),
+            "--decode-url".into(),
+            format!("http://{decode}"),
+            "--secret-file".into(),
+            secret.display().to_string(),
+        ],
+        &dir.join("router.log"),
+    );
+    let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
+    (router, format!("http://{}", r["addr"].as_str().unwrap()))
+}
+
+/// A completion request on `transport` with `sampling`'s fields.
+fn completion_on(transport: &str, sampling: &Value) -> Value {
     let mut b = json!({
         "prompt": "The lighthouse keeper climbed the stairs every evening, and on the last night of the year",
-        "edgesplit": {"transport": "local"},
+        "edgesplit": {"transport": transport},
     });
     for (k, v) in sampling.as_object().unwrap() {
         b[k] = v.clone();
     }
     b
+}
+
+/// The router's `/health` (its status code aside: a lost decode node makes it 503).
+async fn health_of(base: &str) -> Value {
+    common::client()
+        .get(format!("{base}/health"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Polls `/health` until the prefill node's layer split satisfies `want`, within 90 s.
+async fn wait_for_split(base: &str, what: &str, want: impl Fn(&Value) -> bool) -> Value {
+    let t0 = std::time::Instant::now();
+    loop {
+        let h = health_of(base).await;
+        if want(&h["prefill"]["layer_split"]) {
+            return h["prefill"]["layer_split"].clone();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "the layer split never became {what}: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The layer split of `model` (`layers` of its layers on the peer) against one device.
@@ -157,22 +213,7 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
     )
     .await;
     assert_eq!(split_on["layers"].to_string(), layers, "{split_on}");
-    let router = spawn(
-        "edgesplit-router",
-        &[
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--prefill-url".into(),
-            format!("http://{}", p["grpc"].as_str().unwrap()),
-            "--decode-url".into(),
-            format!("http://{decode_grpc}"),
-            "--secret-file".into(),
-            secret.display().to_string(),
-        ],
-        &dir.join("router.log"),
-    );
-    let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
-    let base = format!("http://{}", r["addr"].as_str().unwrap());
+    let (router, base) = router_of(&dir, p["grpc"].as_str().unwrap(), &decode_grpc, &secret).await;
 
     // The reference: one device, the same model and context.
     let reference = common::start(common::StackOptions {
@@ -183,11 +224,15 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
         json!({"temperature": 0, "max_tokens": 32}),
         json!({"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_tokens": 32, "logprobs": 2}),
     ] {
-        let body = completion(&sampling);
+        let body = completion_on("layers", &sampling);
         let (st, _, split) = common::post(&format!("{base}/v1/completions"), &body).await;
         assert_eq!(st, 200, "{split}");
-        let (st, _, one) =
-            common::post(&format!("{}/v1/completions", reference.router), &body).await;
+        assert_eq!(split["edgesplit"]["transport"], "layers", "{split}");
+        let (st, _, one) = common::post(
+            &format!("{}/v1/completions", reference.router),
+            &completion_on("local", &sampling),
+        )
+        .await;
         assert_eq!(st, 200, "{one}");
         assert_eq!(
             split["choices"][0]["text"], one["choices"][0]["text"],
@@ -199,18 +244,191 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
         );
         assert_eq!(split["usage"]["completion_tokens"], 32, "{split}");
     }
+    // /health shows the split and what crossed for it: at least one round trip per token.
+    let l = health_of(&base).await["prefill"]["layer_split"].clone();
+    assert_eq!(l["state"], "split", "{l}");
+    assert_eq!(l["peer_layers"].to_string(), layers, "{l}");
+    assert_eq!(l["peer"], rpc.as_str(), "{l}");
+    assert!(l["rpc_round_trips"].as_u64().unwrap() >= 64, "{l}");
+    assert!(l["rpc_bytes_received"].as_u64().unwrap() > 0, "{l}");
+    let metrics = common::scrape(&format!(
+        "http://{}/metrics",
+        p["metrics"].as_str().unwrap()
+    ))
+    .await;
+    assert_eq!(
+        common::value(&metrics, "edgesplit:layer_split_peer_layers"),
+        layers.parse::<f64>().unwrap(),
+        "{metrics}"
+    );
+    assert!(common::value(&metrics, "edgesplit:rpc_round_trips_total") >= 64.0);
     drop(router);
     drop(prefill);
 }
 
-/// SmolLM2 (30 layers: the last 12 and the output layer on the peer). Not Gemma-3: its
-/// Q4_K weights are repacked for the CPU's kernels here (`CPU_REPACK`), not on the RPC
-/// device, and its greedy answer parts from the one-device one within a few tokens;
-/// llama-cpp-2 0.1.160 does not expose llama.cpp's `use_extra_bufts` (`--no-repack`), and
-/// a CPU buffer override still picks the repacked type (seen in the load log).
+/// SmolLM2 (30 layers: the last 12 and the output layer on the peer).
 #[tokio::test]
 async fn a_layer_split_answer_is_the_one_device_answer_smollm2() {
     a_layer_split_answer_is_the_one_device_answer(common::SMOLLM2, "12").await;
+}
+
+/// Gemma-3 (18 layers: the last 8 and the output layer on the peer). Identical because
+/// the build repacks no weights (`GGML_CPU_REPACK=OFF`, `.cargo/config.toml`): with
+/// repacking, its Q4_K weights ran repacked kernels here and plain ones on the RPC device,
+/// and its greedy answer parted from the one-device one within 3 tokens.
+#[tokio::test]
+async fn a_layer_split_answer_is_the_one_device_answer_gemma3() {
+    a_layer_split_answer_is_the_one_device_answer(common::GEMMA3, "8").await;
+}
+
+/// `transport: "layers"` on a prefill node without a layer split is refused, naming it.
+#[tokio::test]
+async fn the_layers_transport_without_a_layer_split_is_refused() {
+    let stack = common::smollm2();
+    let body = completion_on("layers", &json!({"max_tokens": 4}));
+    let (st, _, err) = common::post(&format!("{}/v1/completions", stack.router), &body).await;
+    assert_eq!(st, 400, "{err}");
+    assert_eq!(err["error"]["param"], "edgesplit.transport", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no layer split"),
+        "{err}"
+    );
+}
+
+/// Whether process `pid` runs (not gone, not a zombie).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.split_whitespace().nth(2).is_some_and(|st| st != "Z"))
+}
+
+/// The RPC peer lost mid-answer, then for good: ggml's client would abort the prefill
+/// node (it aborts on a failed send). The node keeps serving: its process (the
+/// supervisor) stays, the running answer ends with an error instead of hanging, the
+/// next answer is the one-device answer through the split again once the decode node has
+/// restarted its ggml server, and, with the decode node gone, every layer is computed on
+/// the prefill node (SmolLM2 fits it alone), `layers` is then refused, and `local`
+/// answers as one device does.
+#[tokio::test]
+async fn a_lost_rpc_peer_leaves_the_prefill_node_serving() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = std::env::temp_dir().join(format!("edgesplit-layers-lost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let (decode, decode_grpc, rpc) = decode_with_rpc(common::SMOLLM2, &dir, &secret).await;
+    let ggml_server = reported(&dir.join("decode.log"), "RPC server ready").await["pid"]
+        .as_u64()
+        .unwrap();
+    let prefill = spawn(
+        "edgesplit-prefill",
+        &prefill_args(
+            common::SMOLLM2,
+            &secret,
+            &[
+                "--rpc-peer",
+                &rpc,
+                "--rpc-layers",
+                "12",
+                "--rpc-reconnect-s",
+                "3",
+            ],
+        ),
+        &dir.join("prefill.log"),
+    );
+    let node = prefill.0.id();
+    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
+    let (_router, base) = router_of(&dir, p["grpc"].as_str().unwrap(), &decode_grpc, &secret).await;
+    let reference = common::start(common::StackOptions {
+        n_ctx: 1024,
+        ..common::StackOptions::new(common::SMOLLM2)
+    });
+    let greedy = json!({"temperature": 0, "max_tokens": 24});
+    let one = common::post(
+        &format!("{}/v1/completions", reference.router),
+        &completion_on("local", &greedy),
+    )
+    .await
+    .2;
+
+    // A long answer, streaming, when ggml's server is killed.
+    let mut long = completion_on("layers", &json!({"temperature": 0, "max_tokens": 600}));
+    long["stream"] = json!(true);
+    let resp = common::client()
+        .post(format!("{base}/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut sse = common::Sse::new(resp);
+    for _ in 0..3 {
+        assert!(sse.next().await.is_some());
+    }
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &ggml_server.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut rest = Vec::new();
+        while let Some(d) = sse.next().await {
+            rest.push(d);
+        }
+        rest
+    })
+    .await
+    .expect("the answer hung after its RPC peer was lost");
+    let errors: Vec<&String> = rest.iter().filter(|d| d.contains("\"error\"")).collect();
+    assert!(!errors.is_empty(), "no error: {rest:?}");
+    assert!(running(node), "the prefill node is gone");
+
+    // The decode node restarted its ggml server: split again, the one-device answer.
+    let l = wait_for_split(&base, "split again", |l| {
+        l["state"] == "split" && l["restarts"].as_u64() >= Some(1)
+    })
+    .await;
+    assert_eq!(l["peer_layers"], 12, "{l}");
+    let (st, _, again) = common::post(
+        &format!("{base}/v1/completions"),
+        &completion_on("layers", &greedy),
+    )
+    .await;
+    assert_eq!(st, 200, "{again}");
+    assert_eq!(again["choices"][0]["text"], one["choices"][0]["text"]);
+    // One restart: the engine process that lost its peer, and no other.
+    let l = health_of(&base).await["prefill"]["layer_split"].clone();
+    assert_eq!(
+        (l["state"].as_str(), l["restarts"].as_u64()),
+        (Some("split"), Some(1)),
+        "{l}"
+    );
+
+    // The decode node gone for good: every layer here, once the reconnect window passed.
+    drop(decode);
+    let l = wait_for_split(&base, "lost", |l| l["state"] == "lost").await;
+    assert_eq!(l["peer_layers"], 0, "{l}");
+    assert_eq!(l["layers_here"], 30, "{l}");
+    let (st, _, refused) = common::post(
+        &format!("{base}/v1/completions"),
+        &completion_on("layers", &greedy),
+    )
+    .await;
+    assert_eq!(st, 400, "{refused}");
+    let (st, _, alone) = common::post(
+        &format!("{base}/v1/completions"),
+        &completion_on("local", &greedy),
+    )
+    .await;
+    assert_eq!(st, 200, "{alone}");
+    assert_eq!(alone["choices"][0]["text"], one["choices"][0]["text"]);
+    assert!(running(node), "the prefill node is gone");
+    let log = std::fs::read_to_string(dir.join("prefill.log")).unwrap();
+    assert!(log.contains("the RPC peer is lost"), "{log}");
+    drop(prefill);
 }
 
 /// A prefill node whose RPC peer is down, or holds another secret, exits at start with a

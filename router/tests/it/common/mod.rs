@@ -290,6 +290,7 @@ async fn serve(opts: StackOptions) -> Stack {
         stream_prefill: opts.stream_prefill,
         rpc_peer: None,
         rpc_layers: None,
+        rpc_reconnect_s: 15,
         decode_url: None,
         plan: false,
     };
@@ -315,7 +316,7 @@ async fn serve(opts: StackOptions) -> Stack {
             grpc: prefill_grpc,
             metrics: prefill_metrics,
         };
-        edgesplit_prefill::run(listeners, pengine, &pcfg, std::future::pending())
+        edgesplit_prefill::run(listeners, pengine, &pcfg, None, std::future::pending())
             .await
             .unwrap();
     });
