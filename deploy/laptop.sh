@@ -33,7 +33,15 @@ fi
 cargo build --release -p edgesplit-router
 
 BIN="$ROOT/target/release"
-"$PREFILL_BIN" --model "$MODEL" --n-ctx "${N_CTX:-4096}" \
+# The layer split (RPC_LAYERS: a count or auto): the phone's last layers, planned from both
+# devices' available memory; printed first, refused with the numbers if it cannot fit.
+split=()
+if [[ -n "${RPC_LAYERS:-}" ]]; then
+    split=(--rpc-peer "$PHONE_IP:${RPC_PORT:-50053}" --rpc-layers "$RPC_LAYERS"
+        --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}")
+    "$PREFILL_BIN" --model "$MODEL" --n-ctx "${N_CTX:-4096}" "${split[@]}" --plan
+fi
+"$PREFILL_BIN" --model "$MODEL" --n-ctx "${N_CTX:-4096}" "${split[@]}" \
     --listen "${PREFILL_LISTEN:-127.0.0.1:50051}" --metrics-listen "${PREFILL_METRICS:-127.0.0.1:50063}" &
 PREFILL=$!
 trap 'kill "$PREFILL" 2>/dev/null || true' EXIT

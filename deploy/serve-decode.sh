@@ -3,7 +3,8 @@
 # part every phone-side script shares (Termux, Debian under proot, plain aarch64 Linux).
 #   deploy/serve-decode.sh [--dry-run] BIN MODEL.gguf [N_CTX]
 # BIN is the edgesplit-decode binary. PARALLEL (default 2) answers are written at once,
-# each with its own N_CTX tokens of KV. --dry-run prints the commands instead.
+# each with its own N_CTX tokens of KV. RPC_LISTEN (e.g. 0.0.0.0:50053) also serves the
+# layer split's ggml RPC behind the shared secret. --dry-run prints the commands instead.
 set -euo pipefail
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
@@ -39,6 +40,9 @@ cmd=("$BIN" --model "$MODEL" --n-ctx "$N_CTX" --parallel "$PARALLEL"
     --listen 0.0.0.0:50052 --handoff-listen 0.0.0.0:50061 --v1-listen 0.0.0.0:50062
     --handoff-advertise "${IP:-127.0.0.1}:50061" --v1-advertise "http://${IP:-127.0.0.1}:50062/v1/handoff"
     --kv-budget-bytes "${BUDGET:-0}")
+if [[ -n "${RPC_LISTEN:-}" ]]; then
+    cmd+=(--rpc-listen "$RPC_LISTEN")
+fi
 if ((DRY)); then
     echo "+ ${cmd[*]}"
 else

@@ -52,7 +52,7 @@ pub struct LayersArgs {
     pub rounds: usize,
     /// Memory budgets in MiB, `HERE,PEER`: a last row with both nodes capped and the plan's
     /// own layer count (`--rpc-layers auto`), on the first profile.
-    #[arg(long, value_delimiter = ',', num_args = 2)]
+    #[arg(long, value_delimiter = ',')]
     pub budgets: Option<Vec<u64>>,
     #[arg(long, default_value_t = 1024)]
     pub n_ctx: u32,
@@ -186,6 +186,7 @@ pub async fn run(args: &LayersArgs) -> anyhow::Result<()> {
     drop(stack);
 
     if let Some(b) = &args.budgets {
+        anyhow::ensure!(b.len() == 2, "--budgets takes HERE,PEER (MiB), not {b:?}");
         let mib = |n: u64| n << 20;
         let capped = StackConfig {
             rpc: Some(RpcSplit {
