@@ -69,7 +69,8 @@ fn asset(kind: &'static str, body: &'static str) -> Response {
 
 fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, url: &str) -> Value {
     match r {
-        Ok(i) => json!({
+        Ok(i) => {
+            let mut v = json!({
             "up": true,
             "url": url,
             "model_id": i.model_id,
@@ -90,7 +91,13 @@ fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, u
             "cached_bytes": i.cached_tokens * i.kv_bytes_per_token,
             "cache_hits": i.cache_hits,
             "cache_misses": i.cache_misses,
-        }),
+            });
+            // The prefill node's layer split (`--rpc-peer`), as `/health` shows it.
+            if let Some(l) = &i.layer_split {
+                v["layer_split"] = crate::server::layer_split_json(l);
+            }
+            v
+        }
         Err(e) => json!({"up": false, "url": url, "error": e.message}),
     }
 }

@@ -352,6 +352,21 @@ async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
     })))
 }
 
+/// A prefill node's layer split (`--rpc-peer`, issue 17) as `/health` and the dashboard
+/// show it.
+pub(crate) fn layer_split_json(l: &edgesplit_proto::pb::LayerSplit) -> Value {
+    json!({
+        "state": l.state,
+        "layers_here": l.layers_here,
+        "peer_layers": l.peer_layers,
+        "peer": l.peer,
+        "rpc_round_trips": l.round_trips,
+        "rpc_bytes_sent": l.bytes_sent,
+        "rpc_bytes_received": l.bytes_received,
+        "restarts": l.restarts,
+    })
+}
+
 fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
     match r {
         Ok(i) => {
@@ -375,16 +390,7 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
             }
             // The prefill node's layer split (`--rpc-peer`).
             if let Some(l) = &i.layer_split {
-                v["layer_split"] = json!({
-                    "state": l.state,
-                    "layers_here": l.layers_here,
-                    "peer_layers": l.peer_layers,
-                    "peer": l.peer,
-                    "rpc_round_trips": l.round_trips,
-                    "rpc_bytes_sent": l.bytes_sent,
-                    "rpc_bytes_received": l.bytes_received,
-                    "restarts": l.restarts,
-                });
+                v["layer_split"] = layer_split_json(l);
             }
             v
         }

@@ -94,7 +94,17 @@ async function refreshStatus() {
     ['answered / failed', r.answered + ' / ' + r.failed],
     ['uptime', r.uptime_s + ' s'],
   ]);
-  setCard('card-prefill', s.prefill.up, s.prefill.up ? 'up' : 'down', nodeRows(s.prefill));
+  const prows = nodeRows(s.prefill);
+  const ls = s.prefill.up && s.prefill.layer_split;
+  if (ls) {
+    // The layer split (issue 17): where the layers run and what each token cost the link.
+    prows.push(['layer split', ls.state === 'split'
+      ? ls.layers_here + ' layers here, last ' + ls.peer_layers + ' + output on ' + ls.peer
+      : 'peer ' + ls.peer + ' lost: every layer here']);
+    prows.push(['RPC round trips', ls.rpc_round_trips + ' (' + fmtBytes(ls.rpc_bytes_sent) +
+      ' sent, ' + fmtBytes(ls.rpc_bytes_received) + ' received), restarts ' + ls.restarts]);
+  }
+  setCard('card-prefill', s.prefill.up, s.prefill.up ? 'up' : 'down', prows);
   const d = s.decode;
   const drows = nodeRows(d);
   if (d.up) {

@@ -251,6 +251,15 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
     assert_eq!(l["peer"], rpc.as_str(), "{l}");
     assert!(l["rpc_round_trips"].as_u64().unwrap() >= 64, "{l}");
     assert!(l["rpc_bytes_received"].as_u64().unwrap() > 0, "{l}");
+    // The dashboard's status card reads the same split.
+    let d = common::get_json(&format!("{base}/dashboard/api/status")).await["prefill"]
+        ["layer_split"]
+        .clone();
+    assert_eq!(
+        (&d["state"], &d["peer_layers"], &d["peer"]),
+        (&l["state"], &l["peer_layers"], &l["peer"]),
+        "{d}"
+    );
     let metrics = common::scrape(&format!(
         "http://{}/metrics",
         p["metrics"].as_str().unwrap()
