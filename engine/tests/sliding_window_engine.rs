@@ -90,18 +90,28 @@ async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
             .repeat(30);
         let prompt = a.tokenize(Input::Raw(text)).await.unwrap();
         assert!(prompt.len() > 600, "past the window: {}", prompt.len());
-        let params = SamplingParams {
-            temperature: 1.0,
-            seed: 3,
-            ..SamplingParams::default()
-        };
-        let (whole, _) = collect(
-            a.generate(Start::Prompt(prompt.clone()), params.clone(), 96)
-                .await
-                .unwrap(),
-        )
-        .await;
-        assert_eq!(whole.len(), 96, "the answer ended early");
+        // The first seed whose uninterrupted answer runs all 96 tokens: which seeds do
+        // depends on the build's kernels (seed 3 did until weight repacking was turned
+        // off, then ended after 26 tokens), and a short answer ends before its pieces.
+        let mut long = None;
+        for seed in 1..=16 {
+            let params = SamplingParams {
+                temperature: 1.0,
+                seed,
+                ..SamplingParams::default()
+            };
+            let (whole, _) = collect(
+                a.generate(Start::Prompt(prompt.clone()), params.clone(), 96)
+                    .await
+                    .unwrap(),
+            )
+            .await;
+            if whole.len() == 96 {
+                long = Some((params, whole));
+                break;
+            }
+        }
+        let (params, whole) = long.expect("no seed in 1..=16 answers 96 tokens");
 
         let live_answer = || async {
             a.generate_live(
