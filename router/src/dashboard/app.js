@@ -105,6 +105,10 @@ async function refreshStatus() {
       ' sent, ' + fmtBytes(ls.rpc_bytes_received) + ' received), restarts ' + ls.restarts]);
   }
   setCard('card-prefill', s.prefill.up, s.prefill.up ? 'up' : 'down', prows);
+  // The `layers` transport is offered while the prefill node serves a layer split.
+  const layers = $('transport-layers');
+  layers.hidden = layers.disabled = !(ls && ls.state === 'split');
+  if (layers.disabled && $('transport').value === 'layers') $('transport').value = 'v2';
   const d = s.decode;
   const drows = nodeRows(d);
   if (d.up) {

@@ -126,6 +126,15 @@ async fn dashboard_runs_a_v2_request_in_a_real_browser() {
         Duration::from_secs(20),
     )
     .await;
+    // No layer split on this prefill node: the `layers` transport is not offered.
+    assert_eq!(
+        js(
+            &c,
+            "const o = document.getElementById('transport-layers'); return o.hidden && o.disabled"
+        )
+        .await,
+        true
+    );
     // No API key configured: the page does not ask for one.
     assert_eq!(
         js(
