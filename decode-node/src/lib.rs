@@ -124,6 +124,51 @@ pub struct DecodeService {
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
+/// Where a `Generate` starts from: the stored state, or, for a tail (PROTOCOL.md,
+/// "Tails"), the stored positions `n..` joined onto the cached prefix the request names
+/// (its `n` tokens and the SHA-256 of its state). A tail without its prefix, or a prefix
+/// that is not where the tail starts, is refused before the engine sees it.
+fn start_of(
+    f: edgesplit_proto::frame::StateFrame,
+    first: i32,
+    answered: u32,
+    base_tokens: Vec<i32>,
+    base_digest: &[u8],
+) -> Result<Start, Status> {
+    let invalid = |why: String| status_with_code(tonic::Code::InvalidArgument, "invalid_tail", why);
+    let from = edgesplit_proto::splice::span(&f.payload).map_or(0, |s| s.start);
+    if base_tokens.len() != from {
+        return Err(invalid(format!(
+            "handoff {} holds positions from {from}, and the request names a prefix of {} tokens",
+            f.handoff_id,
+            base_tokens.len()
+        )));
+    }
+    if from == 0 {
+        return Ok(Start::Imported {
+            state: f.payload,
+            tokens: f.tokens,
+            first,
+            answered,
+        });
+    }
+    let base_digest: [u8; 32] = base_digest.try_into().map_err(|_| {
+        invalid(format!(
+            "base_digest has {} bytes, not 32",
+            base_digest.len()
+        ))
+    })?;
+    let mut tokens = base_tokens;
+    tokens.extend_from_slice(&f.tokens);
+    Ok(Start::Tail {
+        state: f.payload,
+        tokens,
+        first,
+        answered,
+        base_digest,
+    })
+}
+
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = EventStream<pb::TokenEvent>;
@@ -193,12 +238,7 @@ impl pb::decode_server::Decode for DecodeService {
             "generating from handoff"
         );
         let Held { state: f, receipt } = state;
-        let start = Start::Imported {
-            state: f.payload,
-            tokens: f.tokens,
-            first,
-            answered: req.answered,
-        };
+        let start = start_of(f, first, req.answered, req.base_tokens, &req.base_digest)?;
         let rx = self
             .engine
             .generate(start, params, req.max_new_tokens)

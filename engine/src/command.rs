@@ -70,6 +70,9 @@ pub(crate) struct SnapshotAsk {
     pub at_end: bool,
     /// The first position wanted (the receiver holds the ones before).
     pub from: usize,
+    /// Also the SHA-256 of the state of the positions before `from`
+    /// ([`Snapshot::head_digest`]).
+    pub digest: bool,
     pub reply: oneshot::Sender<Result<Snapshot, EngineError>>,
 }
 

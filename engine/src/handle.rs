@@ -262,6 +262,24 @@ impl Live {
                 stop,
                 at_end: false,
                 from,
+                digest: false,
+                reply,
+            })
+            .ok()?;
+        rx.await.ok()
+    }
+
+    /// The answer's state before its next step from position `from` (> 0) on, with the
+    /// SHA-256 of the state before it ([`Snapshot::head_digest`]): the first piece of a
+    /// tail handoff. `None` when the answer has already ended.
+    pub async fn first_tail(&self, from: usize) -> Option<Result<Snapshot, EngineError>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(SnapshotAsk {
+                stop: false,
+                at_end: false,
+                from,
+                digest: true,
                 reply,
             })
             .ok()?;
@@ -285,6 +303,7 @@ impl Live {
                 stop: false,
                 at_end: true,
                 from,
+                digest: false,
                 reply,
             })
             .is_ok();

@@ -63,6 +63,7 @@ pub(crate) trait Slots {
         slot: usize,
         answer: &mut Self::Answer,
         from: usize,
+        digest: bool,
     ) -> Result<Snapshot, EngineError>;
     /// `slot` is no longer in use: its sequence stays as a cached prefix when `keep` (the
     /// job ended with its KV whole), else it is emptied.
@@ -283,9 +284,12 @@ impl<S: Slots> Scheduler<S> {
                 let _ = events.send(GenEvent::Done(summary));
             }
             Err(e) => {
-                // A cache that holds too little was left as it was.
-                self.slots
-                    .release(slot, matches!(e, EngineError::NotCached { .. }));
+                // A cache that holds too little, or not a tail's prefix, was left as it
+                // was.
+                self.slots.release(
+                    slot,
+                    matches!(e, EngineError::NotCached { .. } | EngineError::TailBase(_)),
+                );
                 drop(in_flight);
                 let _ = events.send(GenEvent::Error(e));
             }
@@ -347,7 +351,9 @@ impl<S: Slots> Scheduler<S> {
             }
         }
         if let Some(ask) = at_end.filter(|a| !a.reply.is_closed()) {
-            let _ = ask.reply.send(self.slots.snapshot(slot, answer, ask.from));
+            let _ = ask
+                .reply
+                .send(self.slots.snapshot(slot, answer, ask.from, ask.digest));
         }
     }
 
@@ -364,7 +370,9 @@ impl<S: Slots> Scheduler<S> {
                     r.at_end = Some(ask);
                     continue;
                 }
-                let snapshot = self.slots.snapshot(r.slot, &mut r.answer, ask.from);
+                let snapshot = self
+                    .slots
+                    .snapshot(r.slot, &mut r.answer, ask.from, ask.digest);
                 let stop = ask.stop && snapshot.is_ok();
                 let _ = ask.reply.send(snapshot);
                 if stop {
@@ -395,7 +403,9 @@ fn wanted(cmd: &Command) -> Option<(&[i32], Reuse)> {
         Command::Generate { job, .. } => match &job.start {
             Start::Prompt(t) => Some((t, Reuse::Exact)),
             Start::Cached { tokens, reuse, .. } => Some((tokens, *reuse)),
-            Start::Resume { prompt, .. } => Some((prompt, Reuse::Exact)),
+            Start::Resume { prompt, reuse, .. } => Some((prompt, *reuse)),
+            // A tail goes on from a conversation a slot holds: the one that holds most of it.
+            Start::Tail { tokens, .. } => Some((tokens, Reuse::Conversation)),
             Start::Imported { .. } => None,
         },
         Command::Score { .. } | Command::Tokenize { .. } => None,
@@ -488,6 +498,7 @@ mod tests {
             slot: usize,
             a: &mut FakeAnswer,
             from: usize,
+            _digest: bool,
         ) -> Result<Snapshot, EngineError> {
             self.log.lock().unwrap().push(format!("snapshot {slot}"));
             Ok(Snapshot {
@@ -497,6 +508,7 @@ mod tests {
                 last: slot as i32 * 100 + a.step as i32,
                 answered: a.step,
                 export_ms: 0.0,
+                head_digest: None,
             })
         }
         fn pick(&mut self, free: &[usize], _: Option<(&[i32], Reuse)>) -> usize {
@@ -652,6 +664,7 @@ mod tests {
                 stop,
                 at_end: false,
                 from: 0,
+                digest: false,
                 reply,
             })
             .unwrap();
@@ -692,6 +705,7 @@ mod tests {
                 stop: false,
                 at_end: false,
                 from: 0,
+                digest: false,
                 reply: oneshot::channel().0
             })
             .is_err());
@@ -708,6 +722,7 @@ mod tests {
                 stop: false,
                 at_end: true,
                 from,
+                digest: false,
                 reply,
             })
             .unwrap();
@@ -762,6 +777,7 @@ mod tests {
             stop: true,
             at_end: false,
             from: 0,
+            digest: false,
             reply,
         })
         .unwrap();

@@ -25,6 +25,10 @@ pub enum EngineError {
     Export(String),
     #[error("state import failed: {0}")]
     Import(String),
+    /// A [`Start::Tail`] whose prefix no cached sequence here holds (its tokens, or a
+    /// state whose bytes hash to the sender's). Nothing was changed.
+    #[error("tail handoff: {0}")]
+    TailBase(String),
     #[error("the engine thread has stopped")]
     Closed,
     #[error("{waiting} requests are already waiting for a free sequence; try again later")]
@@ -209,6 +213,10 @@ pub struct Snapshot {
     /// sampling step. 0 for a piece of a prefill (no answer token yet; `last` is 0).
     pub answered: u32,
     pub export_ms: f64,
+    /// When asked for ([`crate::Live::first_tail`]): SHA-256 of the state of the
+    /// positions before `from` (`edgesplit_proto::splice::head_digest`), which names the
+    /// prefix a tail handoff goes on from.
+    pub head_digest: Option<[u8; 32]>,
 }
 
 /// Streamed out of a generation.
@@ -266,9 +274,31 @@ pub enum Start {
         first: i32,
         answered: u32,
     },
+    /// [`Start::Imported`] for a tail (PROTOCOL.md, "Tails"): `state` holds the positions
+    /// `n..` of `tokens`, and a cached slot here holds `tokens[..n]` with a state whose
+    /// SHA-256 (`edgesplit_proto::splice::head_digest`) is `base_digest`. The slot's
+    /// prefix and the tail are joined and imported into it; refused with
+    /// [`EngineError::Import`] (the cached prefix left as it was) when no slot holds that
+    /// prefix or its state hashes otherwise.
+    Tail {
+        state: bytes::Bytes,
+        tokens: Vec<i32>,
+        first: i32,
+        answered: u32,
+        base_digest: [u8; 32],
+    },
     /// Take over an answer another node was writing (it failed): rebuild the KV of
     /// `prompt` + `answer` the way the uninterrupted run built it - the prompt in batches,
     /// then each answer token one at a time - and continue after the last answer token
     /// with the next step's sampler, so the text goes on exactly as it would have.
-    Resume { prompt: Vec<i32>, answer: Vec<i32> },
+    /// The prompt's cached prefix is reused under `reuse`, the rule the interrupted run's
+    /// prefill used (so that the rebuilt KV is the one it computed). With `max_tokens` 0
+    /// nothing is generated: the slot then holds the prompt and the answer but its last
+    /// token, as the node that wrote it does (a conversation replayed for a later tail
+    /// handoff).
+    Resume {
+        prompt: Vec<i32>,
+        answer: Vec<i32>,
+        reuse: Reuse,
+    },
 }

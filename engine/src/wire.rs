@@ -47,6 +47,7 @@ impl ModelInfo {
             parallel: self.parallel,
             tool_call_format: self.tool_call_format.as_str().into(),
             chat_template_fingerprint: self.chat_template_fingerprint.clone(),
+            sliding_window: self.sliding_window,
             ..Default::default()
         }
     }
@@ -266,8 +267,14 @@ pub fn status(e: &EngineError) -> tonic::Status {
         EngineError::Template(_) => (tonic::Code::InvalidArgument, "template_error"),
         EngineError::Grammar(_) => (tonic::Code::InvalidArgument, "grammar_error"),
         EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
+        EngineError::TailBase(_) => (tonic::Code::FailedPrecondition, "tail_base_missing"),
         EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
         EngineError::Busy { .. } => (tonic::Code::Unavailable, "engine_busy"),
+        // Held, but the new part is longer than the caller's bound: the caller may send
+        // only that part's KV from elsewhere (a tail handoff).
+        EngineError::NotCached { cached, .. } if *cached > 0 => {
+            (tonic::Code::FailedPrecondition, "uncached_part_too_long")
+        }
         EngineError::NotCached { .. } => (tonic::Code::FailedPrecondition, "not_cached"),
         EngineError::Closed | EngineError::Load { .. } | EngineError::Decode(_) => {
             (tonic::Code::Internal, "engine_error")

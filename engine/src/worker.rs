@@ -524,6 +524,7 @@ impl Worker<'_> {
             last: 0,
             answered: 0,
             export_ms: ms(t0),
+            head_digest: None,
         };
         tx.send(piece).ok().map(|()| covered)
     }
@@ -757,6 +758,68 @@ impl Worker<'_> {
         Ok(())
     }
 
+    /// Joins a tail (`state`: the positions `n..` of `tokens`) onto the prefix `slot`
+    /// holds and imports the whole into it; returns `n`. The slot must hold `tokens[..n]`
+    /// with a state whose SHA-256 is `digest` (what the sender held under the same
+    /// tokens: the KV is then the sender's bit for bit); otherwise nothing changes. Of the
+    /// joined tokens, the slot's marks are kept below `n`; the tail's prompt positions
+    /// (below `prompt`) continued a conversation, the rest were decoded.
+    fn import_tail(
+        &mut self,
+        slot: usize,
+        state: &[u8],
+        tokens: &[i32],
+        prompt: usize,
+        digest: &[u8; 32],
+    ) -> Result<usize, EngineError> {
+        use edgesplit_proto::splice;
+        let refuse = |why: String| EngineError::Import(format!("tail handoff: {why}"));
+        let missing = EngineError::TailBase;
+        let n = splice::span(state)
+            .map_err(|e| refuse(e.to_string()))?
+            .start;
+        if n == 0 || n >= tokens.len() {
+            return Err(refuse(format!(
+                "a tail from position {n} of {} tokens",
+                tokens.len()
+            )));
+        }
+        let s = &self.slots[slot];
+        if s.tokens.len() < n || s.tokens[..n] != tokens[..n] {
+            return Err(missing(format!(
+                "no cached sequence here holds the {n} tokens it goes on from"
+            )));
+        }
+        Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
+        let head = splice::head(&self.export_buf, n).map_err(|e| refuse(e.to_string()))?;
+        let mine: [u8; 32] = {
+            use sha2::Digest;
+            sha2::Sha256::digest(&head).into()
+        };
+        if &mine != digest {
+            return Err(missing(format!(
+                "the cached state of its first {n} tokens differs from the sender's"
+            )));
+        }
+        let joined = splice::append(&head, state).map_err(|e| refuse(e.to_string()))?;
+        let (exact, mut decoded) = {
+            let s = &self.slots[slot];
+            (s.exact.min(n), s.decoded.clone())
+        };
+        decoded.retain(|(start, _)| *start < n);
+        if let Some(last) = decoded.last_mut() {
+            last.1 = last.1.min(n);
+        }
+        self.import(slot, &joined, tokens, 0)?;
+        let s = &mut self.slots[slot];
+        s.exact = exact;
+        if prompt < tokens.len() {
+            decoded.push((prompt.max(n), tokens.len()));
+        }
+        s.decoded = decoded;
+        Ok(n)
+    }
+
     /// Imports `state` into `ctx`'s (empty) sequence; returns the positions it holds.
     fn import_raw(ctx: &mut LlamaContext<'_>, state: &[u8]) -> Result<usize, EngineError> {
         // SAFETY: the bytes were produced by `state_seq_get_data_ext` of the same llama.cpp
@@ -896,8 +959,29 @@ impl Slots for Worker<'_> {
                 summary.import_ms = ms(t0);
                 (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }
+            Start::Tail {
+                state,
+                tokens,
+                first,
+                answered,
+                base_digest,
+            } => {
+                self.check_fits(tokens.len(), max_tokens + 1)?;
+                summary.prompt_tokens = tokens.len() as u32;
+                let t0 = Instant::now();
+                step = answered.max(1);
+                let prompt = tokens.len() + 1 - (step as usize).min(tokens.len() + 1);
+                let base = self.import_tail(slot, &state, &tokens, prompt, &base_digest)?;
+                summary.cached_tokens = u32::try_from(base).unwrap_or(u32::MAX);
+                summary.import_ms = ms(t0);
+                (tokens, self.token_out(LlamaToken(first)), max_tokens)
+            }
             Start::Prompt(_) => unreachable!("made a Start::Cached above"),
-            Start::Resume { prompt, answer } => {
+            Start::Resume {
+                prompt,
+                answer,
+                reuse,
+            } => {
                 let Some((&last, before)) = answer.split_last() else {
                     return Err(EngineError::Decode(
                         "resume needs at least the first token of the answer".into(),
@@ -906,8 +990,10 @@ impl Slots for Worker<'_> {
                 self.check_fits(prompt.len() + answer.len(), max_tokens)?;
                 summary.prompt_tokens = prompt.len() as u32;
                 let t0 = Instant::now();
-                // The same batches as the original prefill (its sampled token is not used).
-                let keep = self.reusable(slot, &prompt, Reuse::Exact);
+                // The same cut and batches as the original prefill (its sampled token is
+                // not used).
+                let keep = self.reusable(slot, &prompt, reuse);
+                summary.cached_tokens = u32::try_from(keep).unwrap_or(u32::MAX);
                 self.prefill(slot, &prompt, keep, params)?;
                 let mut history = prompt;
                 for &t in before {
@@ -1011,6 +1097,7 @@ impl Slots for Worker<'_> {
         slot: usize,
         a: &mut Answer,
         from: usize,
+        digest: bool,
     ) -> Result<Snapshot, EngineError> {
         let t0 = Instant::now();
         if self.sliding_window {
@@ -1032,6 +1119,7 @@ impl Slots for Worker<'_> {
                     last: a.history.get(prompt).copied().unwrap_or(a.last),
                     answered: 1,
                     export_ms: ms(t0),
+                    head_digest: None,
                 });
             }
             let written = a.history.len() - w.prompt;
@@ -1044,6 +1132,15 @@ impl Slots for Worker<'_> {
             }
         }
         let state = self.export_from(slot, from)?;
+        // `export_from` left the whole state in `export_buf` (from > 0).
+        let head_digest = if digest && from > 0 {
+            Some(
+                edgesplit_proto::splice::head_digest(&self.export_buf, from)
+                    .map_err(|e| EngineError::Export(e.to_string()))?,
+            )
+        } else {
+            None
+        };
         Ok(Snapshot {
             state,
             from,
@@ -1051,19 +1148,28 @@ impl Slots for Worker<'_> {
             last: a.last,
             answered: a.step,
             export_ms: ms(t0),
+            head_digest,
         })
     }
 
     /// The rest of the answer is written elsewhere: what this slot decoded of it would be
     /// only the start of the conversation's answer, which the next turn's prompt goes on
     /// past, so a continuation would prefill the rest in a batch where one device decoded
-    /// it token by token. Only the prompt stays cached (nothing, for a ring cache).
+    /// it token by token. Only the prompt stays cached (nothing, for a ring cache): the
+    /// answer's decoded run is cut away, the prompt's positions - a conversation's earlier
+    /// turns and the new part prefilled after them - are kept, so that the answer can be
+    /// replayed onto them as the decode node wrote it (`Start::Resume`, from the same cut).
     fn handed_over(&mut self, slot: usize) {
         if self.sliding_window {
             self.clear(slot);
         } else {
-            let exact = self.slots[slot].exact;
-            self.cut_back(slot, exact);
+            let s = &self.slots[slot];
+            let prompt = s
+                .decoded
+                .last()
+                .filter(|(_, end)| *end == s.tokens.len())
+                .map_or(s.tokens.len(), |(start, _)| *start);
+            self.cut_back(slot, prompt);
         }
     }
 

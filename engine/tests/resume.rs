@@ -62,6 +62,7 @@ async fn a_resumed_answer_goes_on_as_the_uninterrupted_one() {
                 Start::Resume {
                     prompt: prompt.clone(),
                     answer: whole[..cut].to_vec(),
+                    reuse: edgesplit_engine::Reuse::Exact,
                 },
                 params.clone(),
                 N - cut as u32,

@@ -303,6 +303,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             let start = Start::Resume {
                 prompt: tokens,
                 answer: req.resume_tokens.clone(),
+                reuse: reuse_of(&req),
             };
             let rx = self
                 .engine
@@ -367,18 +368,23 @@ impl PrefillService {
             .generate_live(start, params, max_tokens)
             .await
             .map_err(|e| status(&e))?;
+        // A tail may go (the decode node holds a prefix of this prompt's conversation):
+        // where it starts is known after the prefill, so nothing goes during it.
+        let tail = handoff.base_max > 0 && !self.engine.info().sliding_window;
+        let base_max = handoff.base_max as usize;
         let handoff = Arc::new(live::LiveHandoff {
             sender: self.sender(),
             handoff,
             request_id: req.request_id.clone(),
             prompt_tokens: n_prompt,
+            base: std::sync::atomic::AtomicUsize::new(0),
         });
         // The prompt's state starts crossing while it is prefilled; aborted (its
         // connection closed, the decode node dropping what it got) if the answer does not
         // go past its first token.
         // Without `--stream-prefill` the pieces channel closes now, and the engine exports
         // nothing during the prefill.
-        let pieces = if self.stream_prefill {
+        let pieces = if self.stream_prefill && !tail {
             pieces
         } else {
             drop(pieces);
@@ -398,6 +404,12 @@ impl PrefillService {
             Some(GenEvent::Error(e)) => return Err(status(&e)),
             _ => return Err(protocol()),
         };
+        // Only what follows the reused prefix crosses, when the decode node holds it.
+        if tail && cached_tokens > 0 && cached_tokens as usize <= base_max {
+            handoff
+                .base
+                .store(cached_tokens as usize, std::sync::atomic::Ordering::Relaxed);
+        }
         let first = match events.recv().await {
             Some(GenEvent::Token(t)) => t,
             Some(GenEvent::Error(e)) => return Err(status(&e)),

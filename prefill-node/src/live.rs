@@ -50,6 +50,10 @@ pub(crate) struct LiveHandoff {
     pub handoff: pb::Handoff,
     pub request_id: String,
     pub prompt_tokens: usize,
+    /// A tail (PROTOCOL.md, "Tails"): the decode node holds the conversation's first
+    /// `base` positions, so the pieces start there (0: at the start). Set after the
+    /// prefill (the prefix it reused), before the first piece.
+    pub base: std::sync::atomic::AtomicUsize,
 }
 
 /// Why a live handoff did not complete: the reason for the router, the bytes sent.
@@ -237,7 +241,7 @@ impl LiveHandoff {
     /// finishes the answer through its fallback). Its ACK is awaited in the background,
     /// off the switch's path; the handoff's metrics are recorded then.
     fn acked_later(&self, mut out: Sent, t0: Instant) -> pb::Switched {
-        let sw = out.sw;
+        let sw = out.sw.clone();
         let (metrics, limits) = (self.sender.metrics.clone(), self.sender.limits);
         let (id, request_id) = (self.handoff.handoff_id.clone(), self.request_id.clone());
         tokio::spawn(async move {
@@ -336,7 +340,13 @@ impl LiveHandoff {
         let mut out = match early {
             Some(s) => s,
             None => {
-                let Some(snap) = Self::snapshot(live, false, 0).await? else {
+                let base = self.base.load(std::sync::atomic::Ordering::Relaxed);
+                let snap = if base > 0 {
+                    live.first_tail(base).await.transpose()
+                } else {
+                    live.snapshot(false, 0).await.transpose()
+                };
+                let Some(snap) = snap.map_err(|e| e.to_string())? else {
                     return Err("the answer ended".into());
                 };
                 if !splice::is_linear(&snap.state) {
@@ -345,7 +355,14 @@ impl LiveHandoff {
                 end = at_end(snap.tokens.len());
                 let mut out = Sent::new(self.connect().await?);
                 out.sw.export_ms += snap.export_ms;
-                self.send(&mut out, self.piece(snap.tokens, snap.state), false)
+                if let Some(digest) = snap.head_digest {
+                    // The decode node joins the pieces onto the prefix it holds.
+                    out.held = base;
+                    out.sw.base_tokens = snap.tokens[..base].to_vec();
+                    out.sw.base_digest = digest.to_vec();
+                }
+                let tokens = snap.tokens[out.held..].to_vec();
+                self.send(&mut out, self.piece(tokens, snap.state), false)
                     .await?;
                 *bytes = out.sw.bytes;
                 out

@@ -424,6 +424,8 @@ struct Pieces<'a> {
 /// One handoff's pieces so far.
 struct Held {
     frames: Vec<StateFrame>,
+    /// The first position the first piece holds (0, or a tail's start).
+    first: usize,
     /// Payload bytes, reserved in the sink.
     bytes: u64,
     /// What receiving them took, summed.
@@ -441,18 +443,26 @@ impl Pieces<'_> {
         let Some(held) = self.held.get_mut(&id) else {
             let span = crate::splice::span(&piece.payload)
                 .map_err(|e| refuse(NackCode::Malformed, e.to_string()))?;
+            // A first piece past 0 is a tail (PROTOCOL.md, "Tails"): every stream of it
+            // starts there; its `Generate` names the prefix it goes on from.
             if span.start != 0 {
-                return Err(refuse(
-                    NackCode::UnexpectedFrame,
-                    format!(
-                        "the first piece of handoff {id} starts at position {}, not 0",
-                        span.start
-                    ),
-                ));
+                crate::splice::join_from(&[&piece.payload], span.start, Vec::new()).map_err(
+                    |e| {
+                        refuse(
+                            NackCode::UnexpectedFrame,
+                            format!(
+                                "the first piece of handoff {id} starts at position {}, and is \
+                                 not a tail: {e}",
+                                span.start
+                            ),
+                        )
+                    },
+                )?;
             }
             self.sink.reserve(&id, size)?;
             let held = Held {
                 frames: vec![piece],
+                first: span.start,
                 bytes: size,
                 receipt,
             };
@@ -479,7 +489,7 @@ impl Pieces<'_> {
         self.sink.release(held.bytes);
         let payloads: Vec<&[u8]> = held.frames.iter().map(|f| &f.payload[..]).collect();
         let out = crate::buffers::POOL.take(usize::try_from(held.bytes).unwrap_or(0));
-        let joined = crate::splice::join(&payloads, out)
+        let joined = crate::splice::join_from(&payloads, held.first, out)
             .map_err(|e| nack(NackCode::Malformed, handoff_id, e.to_string()))?;
         let first = &held.frames[0];
         let whole = StateFrame {
@@ -898,6 +908,31 @@ mod tests {
         assert!(sink.accepted.lock().unwrap().is_empty());
         assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(*sink.dropped.lock().unwrap(), ["h"]);
+
+        // A tail: pieces from position 4 on, joined from there (the receiver's
+        // `Generate` joins them onto the prefix it holds).
+        let (acks, sink) = run(vec![
+            Frame::Part(piece("t", 4, 3)),
+            Frame::Last(piece("t", 7, 2)),
+        ])
+        .await;
+        assert!(acks.iter().all(Result::is_ok), "{acks:?}");
+        assert_eq!(
+            *sink.payloads.lock().unwrap(),
+            vec![bytes::Bytes::from(crate::splice::testing::synthetic(
+                4, 5, true, 1
+            ))]
+        );
+        // A first piece past 0 whose streams do not all start there is no tail.
+        let mut odd = piece("w", 4, 3);
+        odd.payload = bytes::Bytes::from(crate::splice::testing::windowed(&[(4, 3), (5, 2)], true));
+        odd.descriptors = layout::describe(&odd.payload).descriptors;
+        let (acks, sink) = run(vec![Frame::Part(odd)]).await;
+        match &acks[0] {
+            Err(HandoffError::Refused(n)) => assert_eq!(n.code, NackCode::UnexpectedFrame),
+            other => panic!("expected a NACK, got {other:?}"),
+        }
+        assert!(sink.accepted.lock().unwrap().is_empty());
     }
 
     fn state(id: &str) -> StateFrame {

@@ -398,6 +398,39 @@ pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
     Ok(write(&[state], &[(&p, from, p.end)], Vec::new()))
 }
 
+/// The cells of `state` at positions `0..to`: the state a sequence holds after its first
+/// `to` tokens. With [`tail`], `append(head(s, n), tail(s, n))` is `s`. A tail handoff
+/// (PROTOCOL.md, "Tails") names the prefix it goes on from by the SHA-256 of this.
+///
+/// # Errors
+/// A state that is malformed or not contiguous, that does not start at position 0 in
+/// every stream (a sliding window), or that does not hold `to` positions (`to` 0 is
+/// refused too: a state holds at least one cell).
+pub fn head(state: &[u8], to: usize) -> Result<Vec<u8>, SpliceError> {
+    let p = parse(state)?;
+    if p.streams().any(|s| s.first != 0) {
+        return Err(SpliceError::NotLinear(
+            "a stream does not start at position 0 (a sliding window)".into(),
+        ));
+    }
+    if to == 0 || to > p.end {
+        return Err(SpliceError::Mismatch(format!(
+            "the state covers {} positions; it has no head of {to}",
+            p.end
+        )));
+    }
+    Ok(write(&[state], &[(&p, 0, to)], Vec::new()))
+}
+
+/// SHA-256 of [`head`]`(state, to)`.
+///
+/// # Errors
+/// As [`head`].
+pub fn head_digest(state: &[u8], to: usize) -> Result<[u8; 32], SpliceError> {
+    use sha2::Digest;
+    Ok(sha2::Sha256::digest(head(state, to)?).into())
+}
+
 /// Joins `head` (positions `0..n`) and `tail` (positions `n..m`) into the state of
 /// positions `0..m`.
 ///
@@ -429,6 +462,16 @@ pub fn follows(prev: &[u8], next: &[u8]) -> Result<std::ops::Range<usize>, Splic
 /// No pieces, a piece malformed or not linear, a first piece that does not start at 0, or
 /// pieces that do not continue each other or differ in shape.
 pub fn join(pieces: &[&[u8]], out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
+    join_from(pieces, 0, out)
+}
+
+/// [`join`] for pieces whose first starts at position `first` (a tail: the receiver
+/// holds the positions before, PROTOCOL.md "Tails"); the joined state covers
+/// `first..m` in every stream.
+///
+/// # Errors
+/// As [`join`], with `first` in place of 0.
+pub fn join_from(pieces: &[&[u8]], first: usize, out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
     let parsed = pieces
         .iter()
         .map(|p| parse(p))
@@ -436,9 +479,9 @@ pub fn join(pieces: &[&[u8]], out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
     let Some(h) = parsed.first() else {
         return Err(SpliceError::Mismatch("no pieces to join".into()));
     };
-    if h.first != 0 {
+    if h.first != first || (first > 0 && h.streams().any(|s| s.first != first)) {
         return Err(SpliceError::Mismatch(format!(
-            "the head starts at position {}, not 0",
+            "the head starts at position {}, not {first}",
             h.first
         )));
     }
@@ -590,6 +633,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_head_and_its_tail_make_the_whole_state_and_the_tail_joins_on_its_own() {
+        for v_trans in [false, true] {
+            for sections in [1, 2] {
+                let whole = synthetic(0, 7, v_trans, sections);
+                for n in 1..7 {
+                    let h = head(&whole, n as usize).unwrap();
+                    assert_eq!(h, synthetic(0, n, v_trans, sections), "n={n}");
+                    let t = tail(&whole, n as usize).unwrap();
+                    assert_eq!(append(&h, &t).unwrap(), whole, "n={n} v_trans={v_trans}");
+                    // A tail's pieces join from where it starts, not from 0.
+                    assert_eq!(join_from(&[&t], n as usize, Vec::new()).unwrap(), t);
+                    assert!(
+                        join(&[&t], Vec::new()).is_err(),
+                        "a tail is not a whole state"
+                    );
+                }
+                assert_eq!(head(&whole, 7).unwrap(), whole);
+                assert!(head(&whole, 8).is_err(), "past the end");
+                assert!(head(&whole, 0).is_err(), "an empty head");
+                assert_eq!(
+                    head_digest(&whole, 3).unwrap(),
+                    head_digest(&synthetic(0, 3, v_trans, sections), 3).unwrap()
+                );
+                assert_ne!(
+                    head_digest(&whole, 3).unwrap(),
+                    head_digest(&whole, 4).unwrap()
+                );
+            }
+        }
+        // A sliding window's stream does not start at 0: no head.
+        assert!(matches!(
+            head(&windowed(&[(0, 9), (5, 4)], false), 5),
+            Err(SpliceError::NotLinear(_))
+        ));
     }
 
     #[test]

@@ -49,9 +49,23 @@ pub struct BackendConfig {
     pub handoff_report_wait: Duration,
     /// The handoff mode of split answers whose request does not name one.
     pub handoff: HandoffMode,
+    /// Where a new turn of a held conversation is prefilled.
+    pub continue_on: ContinueOn,
     /// The link to the nodes: TLS keyed by the shared secret when one is configured, whose
     /// secret also signs every call's credential.
     pub link: Link,
+}
+
+/// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ContinueOn {
+    /// By the measured rule (`placement::Rates`): on the decode node while that is sooner,
+    /// else on the prefill node, shipping only the new part's KV when the prefill node
+    /// holds the conversation too.
+    #[default]
+    Measured,
+    /// Always on the prefill node, shipping only the new part's KV (a tail) when it can.
+    PrefillNode,
 }
 
 /// Why an answer ended.
@@ -177,23 +191,85 @@ struct Transcript {
     input: Input,
     prompt_tokens: u32,
     text: Vec<u8>,
-    tokens: u32,
+    tokens: Vec<i32>,
+    /// Where the prefill node should replay the answer once the decode node ended it.
+    replay: Option<Replay>,
+    /// The prefill node wrote the whole answer (kept on the decode node after it): both
+    /// nodes hold the conversation alike with no replay.
+    written_on_prefill_node: bool,
+}
+
+/// The prefill node's copy of a conversation the decode node ended: the request as a
+/// colocated one, whose answer the prefill node rebuilds step by step and stops
+/// (`resume_tokens`, `max_tokens` 0).
+struct Replay {
+    prefill: PrefillClient<Authed>,
+    request: pb::PrefillRequest,
+    bound: Duration,
 }
 
 impl Transcript {
-    fn token(&mut self, bytes: &[u8]) {
+    fn token(&mut self, id: i32, bytes: &[u8]) {
         self.text.extend_from_slice(bytes);
-        self.tokens += 1;
+        self.tokens.push(id);
     }
 
     /// The decode node ended the answer: it keeps the prompt and every answer token but
-    /// the last (sampled, never decoded) as a cached prefix.
+    /// the last (sampled, never decoded) as a cached prefix. With `replay`, the prefill
+    /// node then rebuilds the same (the prompt as its prefill did, each answer token as
+    /// a decode step, the last one not), in the background, so that a later turn can go
+    /// there and ship only its new part's KV.
     fn held_by_decode_node(self) {
-        let held = (self.prompt_tokens + self.tokens).saturating_sub(1);
-        let answer = String::from_utf8_lossy(&self.text);
-        lock(&self.learned)
-            .conversations
-            .record(&self.input, &answer, held);
+        let held = (self.prompt_tokens + self.tokens.len() as u32).saturating_sub(1);
+        let answer = String::from_utf8_lossy(&self.text).into_owned();
+        {
+            let mut l = lock(&self.learned);
+            l.conversations.record(&self.input, &answer, held);
+            if self.written_on_prefill_node {
+                l.conversations.replayed(&self.input, &answer);
+            }
+        }
+        let Some(Replay {
+            mut prefill,
+            mut request,
+            bound,
+        }) = self.replay
+        else {
+            return;
+        };
+        if self.tokens.is_empty() {
+            return;
+        }
+        request.resume_tokens = self.tokens;
+        request.max_tokens = 0;
+        let (learned, input) = (self.learned, self.input);
+        tokio::spawn(async move {
+            let request_id = request.request_id.clone();
+            let replayed = async {
+                let mut stream = prefill.generate(request).await?.into_inner();
+                while let Some(ev) = stream.message().await? {
+                    if let Some(pb::token_event::Event::Finished(_)) = ev.event {
+                        return Ok(true);
+                    }
+                }
+                Ok::<_, tonic::Status>(false)
+            };
+            match tokio::time::timeout(bound, replayed).await {
+                Ok(Ok(true)) => {
+                    tracing::info!(%request_id, held, "the prefill node replayed the answer: it holds the conversation too");
+                    lock(&learned).conversations.replayed(&input, &answer);
+                }
+                Ok(Ok(false)) => {
+                    tracing::warn!(%request_id, "the prefill node ended the replay without finishing it")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%request_id, error = %e, "the prefill node did not replay the answer")
+                }
+                Err(_) => {
+                    tracing::warn!(%request_id, "the prefill node did not replay the answer within the idle bound")
+                }
+            }
+        });
     }
 }
 
@@ -353,6 +429,27 @@ impl Backend {
         mode == HandoffMode::Live && req.cache_prompt && self.renders_alike(&req.input)
     }
 
+    /// Whether the prefill node should replay the answers the decode node ends for this
+    /// request's conversation (`Transcript::held_by_decode_node`): when a later turn may
+    /// go there and ship only its new part's KV - always with `--continue-on
+    /// prefill-node`, else once the measured rule finds the prefill node sooner - and the
+    /// model's state can be cut into tails (no sliding window). A tail goes over the live
+    /// V2 handoff only (the router's default).
+    fn replay(&self, req: &ValidRequest, request_id: &str) -> Option<Replay> {
+        let info = lock_info(&self.last_decode_info).clone()?;
+        let wanted = match self.config.continue_on {
+            ContinueOn::PrefillNode => true,
+            ContinueOn::Measured => lock(&self.learned)
+                .rates
+                .prefill_node_sooner(info.kv_bytes_per_token),
+        };
+        (wanted && !info.sliding_window && self.keeps(req, HandoffMode::Live)).then(|| Replay {
+            prefill: self.prefill.clone(),
+            request: Self::prefill_request(req, &format!("{request_id}-replay"), None, 0),
+            bound: self.config.first_token_timeout,
+        })
+    }
+
     /// The decode node's info, within the info timeout.
     ///
     /// # Errors
@@ -501,9 +598,9 @@ impl Backend {
         req: &ValidRequest,
         request_id: &str,
         handoff_id: &str,
-        transport: Transport,
-        mode: HandoffMode,
+        (transport, mode): (Transport, HandoffMode),
         info: &pb::NodeInfo,
+        base_max: u32,
     ) -> Result<(tonic::Streaming<pb::PrefillEvent>, pb::FirstToken), ApiError> {
         let param = input_param(&req.input);
         let (addr, wire) = target(info, transport);
@@ -525,6 +622,13 @@ impl Backend {
                 transport: wire as i32,
                 live: mode == HandoffMode::Live,
                 keep: self.keeps(req, mode),
+                // The decode node's cached prefix this prompt goes on from, as remembered
+                // (it checks the prefix's bytes before it joins the tail on).
+                base_max: if self.keeps(req, mode) && wire == pb::HandoffTransport::V2 {
+                    base_max
+                } else {
+                    0
+                },
             }),
             info.kv_budget_bytes,
         );
@@ -652,7 +756,9 @@ impl Backend {
             input: req.input.clone(),
             prompt_tokens: p.prompt_tokens,
             text: Vec::new(),
-            tokens: 0,
+            tokens: Vec::new(),
+            replay: self.replay(req, request_id),
+            written_on_prefill_node: false,
         };
         let fallback = self.fallback(req, request_id);
         let idle = self.config.token_idle_timeout;
@@ -695,18 +801,36 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
-        let held = if req.cache_prompt && self.renders_alike(&req.input) {
+        let mut held = if req.cache_prompt && self.renders_alike(&req.input) {
             lock(&self.learned).conversations.find(&req.input)
         } else {
             None
         };
-        if let Some(held) = held {
+        // The prefill node goes first when told to, or when it holds the conversation too
+        // and is measured sooner per token: only the new part's KV then crosses.
+        let prefill_node_first = held.is_some()
+            && match self.config.continue_on {
+                ContinueOn::PrefillNode => true,
+                ContinueOn::Measured => {
+                    let kv = lock_info(&self.last_decode_info)
+                        .as_ref()
+                        .map_or(0, |i| i.kv_bytes_per_token);
+                    let l = lock(&self.learned);
+                    l.conversations.replayed_for(&req.input) && l.rates.prefill_node_sooner(kv)
+                }
+            };
+        if let (Some(h), false) = (held, prefill_node_first) {
             match self
-                .continue_on_decode_node(req, transport, request_id, held)
+                .continue_on_decode_node(req, transport, request_id, h)
                 .await
             {
                 Ok(started) => return Ok(started),
                 Err(e) => {
+                    // Held, but the new part is long: the split ships only that part's KV
+                    // when it can (`Handoff.base_max`).
+                    if e.code.as_deref() != Some("uncached_part_too_long") {
+                        held = None;
+                    }
                     if e.code.as_deref() == Some("not_cached") {
                         lock(&self.learned).conversations.forget(&req.input);
                     }
@@ -714,6 +838,7 @@ impl Backend {
                 }
             }
         }
+        let base_max = held.unwrap_or(0);
         let mode = match (transport, req.handoff) {
             (Transport::V1, Some(HandoffMode::Live)) => {
                 return Err(ApiError::invalid(
@@ -731,7 +856,14 @@ impl Backend {
         let (decode_info, early) = match last {
             Some(last) if tried_early => {
                 let info = self.decode_info();
-                let early = self.split_prefill(req, request_id, request_id, transport, mode, &last);
+                let early = self.split_prefill(
+                    req,
+                    request_id,
+                    request_id,
+                    (transport, mode),
+                    &last,
+                    base_max,
+                );
                 tokio::pin!(info, early);
                 let mut done = None;
                 let info = loop {
@@ -785,8 +917,15 @@ impl Backend {
         let (pstream, first) = match early {
             Some(e) => e?,
             None => {
-                self.split_prefill(req, request_id, &handoff_id, transport, mode, &decode_info)
-                    .await?
+                self.split_prefill(
+                    req,
+                    request_id,
+                    &handoff_id,
+                    (transport, mode),
+                    &decode_info,
+                    base_max,
+                )
+                .await?
             }
         };
         lock(&self.learned).rates.prefilled(
@@ -810,6 +949,8 @@ impl Backend {
             max_new_tokens: first.max_tokens.saturating_sub(1),
             first_token: Some(first.token),
             answered: 1,
+            base_tokens: Vec::new(),
+            base_digest: Vec::new(),
         };
         let fallback = self.fallback(req, request_id);
         let transcript = Transcript {
@@ -817,7 +958,9 @@ impl Backend {
             input: req.input.clone(),
             prompt_tokens: first.prompt_tokens,
             text: Vec::new(),
-            tokens: 0,
+            tokens: Vec::new(),
+            replay: self.replay(req, request_id),
+            written_on_prefill_node: false,
         };
         let split = SplitAnswer {
             transcript: Some(transcript),
@@ -948,7 +1091,7 @@ impl SplitAnswer {
             logprobs: self.first.logprobs.clone(),
         };
         if let Some(t) = &mut self.transcript {
-            t.token(&self.first.piece);
+            t.token(self.first.token, &self.first.piece);
         }
         if self.tx.send(Event::Mode(self.mode)).await.is_err() || self.tx.send(first).await.is_err()
         {
@@ -1002,7 +1145,7 @@ impl SplitAnswer {
                 Some(P::Token(t)) => {
                     self.sent.push(t.id);
                     if let Some(tr) = &mut self.transcript {
-                        tr.token(&t.piece);
+                        tr.token(t.id, &t.piece);
                     }
                     Event::Token {
                         id: t.id,
@@ -1061,12 +1204,15 @@ impl SplitAnswer {
     /// next turn goes on there with nothing crossing. In the background, after the
     /// client's answer ended; a turn that comes first is split as before.
     fn keep_on_decode_node(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) {
-        let Some(transcript) = self.transcript.take() else {
+        let Some(mut transcript) = self.transcript.take() else {
             return;
         };
+        // The answer was written on the prefill node, which holds it already.
+        transcript.replay = None;
+        transcript.written_on_prefill_node = true;
         let (mut decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
-        let generate = pb::GenerateRequest {
+        let mut generate = pb::GenerateRequest {
             first_token: self.sent.last().copied(),
             answered,
             max_new_tokens: 0,
@@ -1084,6 +1230,8 @@ impl SplitAnswer {
                 tracing::warn!(%request_id, kept = kept.answered, answered, "the kept state ends elsewhere than the answer; not kept");
                 return;
             }
+            generate.base_tokens = kept.base_tokens;
+            generate.base_digest = kept.base_digest;
             lock(&learned)
                 .rates
                 .handed_off(kept.bytes, kept.transfer_ms);
@@ -1150,6 +1298,9 @@ impl SplitAnswer {
         }
         self.generate.first_token = self.sent.last().copied();
         self.generate.answered = answered;
+        // A tail: the decode node joins it onto the prefix it holds.
+        self.generate.base_tokens = sw.base_tokens;
+        self.generate.base_digest = sw.base_digest;
         self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
         let mut decode = self.decode.clone();
         let idle = self.idle;
@@ -1273,7 +1424,7 @@ impl SplitAnswer {
                     if let Event::Token { id, bytes, .. } = &ev {
                         self.sent.push(*id);
                         if let Some(t) = &mut self.transcript {
-                            t.token(bytes);
+                            t.token(*id, bytes);
                         }
                     }
                     if end {
@@ -1409,7 +1560,7 @@ async fn forward_decode_node(
             Event::Error(e) => break e,
             Event::Token { id, ref bytes, .. } => {
                 sent.push(id);
-                transcript.token(bytes);
+                transcript.token(id, bytes);
             }
             Event::Finished { .. } => {
                 transcript.held_by_decode_node();

@@ -79,6 +79,13 @@ pub struct Config {
     /// an error.
     #[arg(long, value_enum, default_value_t = OnSplitFailure::Fallback)]
     pub on_split_failure: OnSplitFailure,
+    /// Where a new turn of a conversation the decode node holds is prefilled: `measured`
+    /// chooses from the nodes' measured prefill speeds and the link's goodput
+    /// (ARCHITECTURE.md, "Conversations"); `prefill-node` always sends it to the prefill
+    /// node, which then ships only the new part's KV (a tail), as a deployment whose
+    /// prefill device is much faster than its decode device would have it chosen.
+    #[arg(long, value_enum, default_value_t = backend::ContinueOn::Measured)]
+    pub continue_on: backend::ContinueOn,
     /// Longest wait, in milliseconds, for the next token of an answer before the node
     /// writing it counts as failed.
     #[arg(long, default_value_t = 15_000)]
@@ -186,6 +193,7 @@ pub async fn run(
         handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
         handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
         handoff: config.handoff,
+        continue_on: config.continue_on,
         link,
     })?;
     let max_in_flight = match config.max_in_flight {

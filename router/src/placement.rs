@@ -29,6 +29,13 @@ enum Key {
 }
 
 impl Key {
+    fn of(input: &Input, answer: &str) -> Key {
+        match input {
+            Input::Chat(m) => Key::Chat(m.clone(), answer.to_string()),
+            Input::Prompt(p) => Key::Prompt(format!("{p}{answer}")),
+        }
+    }
+
     fn chars(&self) -> usize {
         match self {
             Key::Chat(m, a) => a.len() + m.iter().map(message_chars).sum::<usize>(),
@@ -68,28 +75,49 @@ fn message_chars(m: &Message) -> usize {
 /// The conversations whose last answer the decode node wrote, most recent last.
 #[derive(Debug, Default)]
 pub struct Conversations {
-    entries: VecDeque<(Key, u32)>,
+    /// Each with the tokens the decode node holds, and whether the prefill node holds
+    /// the same (the answer replayed there, [`Conversations::replayed`]).
+    entries: VecDeque<(Key, u32, bool)>,
 }
 
 impl Conversations {
     /// The decode node ended the answer `answer` to `input`, holding `held` tokens of it.
     pub fn record(&mut self, input: &Input, answer: &str, held: u32) {
-        let key = match input {
-            Input::Chat(m) => Key::Chat(m.clone(), answer.to_string()),
-            Input::Prompt(p) => Key::Prompt(format!("{p}{answer}")),
-        };
+        let key = Key::of(input, answer);
         // Another client may hold the same conversation so far and still go on from the
         // turn this one continued: entries go by age and size, not superseded.
-        self.entries.retain(|(k, _)| *k != key);
-        self.entries.push_back((key, held));
-        let mut chars: usize = self.entries.iter().map(|(k, _)| k.chars()).sum();
+        self.entries.retain(|(k, _, _)| *k != key);
+        self.entries.push_back((key, held, false));
+        let mut chars: usize = self.entries.iter().map(|(k, _, _)| k.chars()).sum();
         while self.entries.len() > MAX_CONVERSATIONS
             || (chars > MAX_CHARS && self.entries.len() > 1)
         {
-            if let Some((k, _)) = self.entries.pop_front() {
+            if let Some((k, _, _)) = self.entries.pop_front() {
                 chars -= k.chars();
             }
         }
+    }
+
+    /// The prefill node now holds the conversation `record`ed with `input` and `answer`
+    /// as the decode node does (the answer replayed there step by step).
+    pub fn replayed(&mut self, input: &Input, answer: &str) {
+        let key = Key::of(input, answer);
+        for (k, _, r) in &mut self.entries {
+            if *k == key {
+                *r = true;
+            }
+        }
+    }
+
+    /// Whether the prefill node holds the longest remembered conversation that `input`
+    /// continues as the decode node does ([`Conversations::replayed`]).
+    #[must_use]
+    pub fn replayed_for(&self, input: &Input) -> bool {
+        self.entries
+            .iter()
+            .filter(|(k, _, _)| k.continued_by(input))
+            .max_by_key(|(_, held, _)| *held)
+            .is_some_and(|(_, _, r)| *r)
     }
 
     /// Tokens the decode node holds of the longest remembered conversation that `input`
@@ -98,14 +126,14 @@ impl Conversations {
     pub fn find(&self, input: &Input) -> Option<u32> {
         self.entries
             .iter()
-            .filter(|(k, _)| k.continued_by(input))
-            .map(|(_, held)| *held)
+            .filter(|(k, _, _)| k.continued_by(input))
+            .map(|(_, held, _)| *held)
             .max()
     }
 
     /// The decode node did not hold what `input` continues: forget it.
     pub fn forget(&mut self, input: &Input) {
-        self.entries.retain(|(k, _)| !k.continued_by(input));
+        self.entries.retain(|(k, _, _)| !k.continued_by(input));
     }
 }
 
@@ -159,6 +187,20 @@ impl Rates {
         if bytes > 0 && ms > 0.0 {
             self.link.add(bytes as f64 / ms);
         }
+    }
+
+    /// Whether the prefill node prefills a token and ships its KV sooner than the decode
+    /// node prefills it (`1/p + b/g < 1/d`, both speeds measured): then a new turn goes
+    /// to the prefill node whenever it holds the conversation too, whatever its length
+    /// (only the new part's KV crosses), and the decode node's answers are worth
+    /// replaying there.
+    #[must_use]
+    pub fn prefill_node_sooner(&self, kv_bytes_per_token: u64) -> bool {
+        let (Some(d), Some(p)) = (self.decode_node.0, self.prefill_node.0) else {
+            return false;
+        };
+        let cross = self.link.0.map_or(0.0, |g| kv_bytes_per_token as f64 / g);
+        1.0 / p + cross < 1.0 / d
     }
 
     /// The most tokens the decode node may prefill itself for a prompt that continues a
@@ -239,6 +281,47 @@ mod tests {
         ]));
         // (The decode node held nothing worth continuing for it: neither turn.)
         assert!(c.entries.is_empty());
+    }
+
+    #[test]
+    fn a_replayed_conversation_is_known_as_held_by_both_nodes_until_recorded_again() {
+        let mut c = Conversations::default();
+        let turn1 = Input::Prompt("1, 2, 3,".into());
+        let next = Input::Prompt("1, 2, 3, 4, 5, 6".into());
+        c.record(&turn1, " 4, 5", 9);
+        assert!(!c.replayed_for(&next), "not replayed yet");
+        c.replayed(&turn1, " 4, 6");
+        assert!(!c.replayed_for(&next), "another answer was replayed");
+        c.replayed(&turn1, " 4, 5");
+        assert!(c.replayed_for(&next));
+        assert!(!c.replayed_for(&Input::Prompt("1, 2, 4".into())));
+        // The same turn answered again (the decode node wrote it anew): not replayed.
+        c.record(&turn1, " 4, 5", 9);
+        assert!(!c.replayed_for(&next));
+    }
+
+    #[test]
+    fn the_prefill_node_is_sooner_only_when_measured_faster_with_the_link() {
+        let mut r = Rates::default();
+        assert!(!r.prefill_node_sooner(23_040), "nothing measured");
+        r.prefilled(false, 1000, 1000.0);
+        r.prefilled(true, 250, 1000.0);
+        // 1/1 < 1/0.25 with no link measured.
+        assert!(r.prefill_node_sooner(23_040));
+        // A link of 11,520 bytes/ms: 1 + 2 ms a token < 4 ms.
+        r.handed_off(11_520_000, 1000.0);
+        assert!(r.prefill_node_sooner(23_040));
+        // A slow link (2,304 bytes/ms: 10 ms a token) makes the decode node sooner.
+        let mut slow = Rates::default();
+        slow.prefilled(false, 1000, 1000.0);
+        slow.prefilled(true, 250, 1000.0);
+        slow.handed_off(2_304_000, 1000.0);
+        assert!(!slow.prefill_node_sooner(23_040));
+        // Equal speeds (this machine's two nodes): never.
+        let mut same = Rates::default();
+        same.prefilled(false, 1000, 1000.0);
+        same.prefilled(true, 1000, 1000.0);
+        assert!(!same.prefill_node_sooner(23_040));
     }
 
     #[test]

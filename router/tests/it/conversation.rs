@@ -435,3 +435,96 @@ async fn a_decode_node_that_does_not_answer_is_passed_over() {
     assert!(took < Duration::from_secs(9), "{took:?}: {e2}");
     assert_eq!(a2, uncached(&s, &second, &greedy()).await);
 }
+
+/// A stack whose router sends every new turn of a held conversation to the prefill node
+/// (`--continue-on prefill-node`: what the measured rule picks where the prefill device is
+/// much faster than the decode device; on this machine's two nodes it never is).
+fn prefill_node_stack() -> Stack {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.continue_on = edgesplit_router::backend::ContinueOn::PrefillNode;
+    common::start(o)
+}
+
+/// A new turn prefilled on the prefill node ships only its new part's KV (a tail): the
+/// prefill node replayed the decode node's answer after it (so it holds the
+/// conversation as the decode node does), prefills the new part from the same cut as
+/// `local` continuing its own copy, and the decode node joins the tail onto its copy
+/// after checking that copy's bytes (SHA-256). Each turn is `local`'s, greedy and seeded
+/// with log-probabilities; the references come from a stack of their own, so that
+/// nothing but the replay gives the split's prefill node the answers' KV.
+#[tokio::test]
+async fn a_new_turn_on_the_prefill_node_ships_only_its_new_part() {
+    let s = prefill_node_stack();
+    let reference = stack();
+    let per_token = common::decode_info(&s.decode_grpc).await.kv_bytes_per_token;
+    for sampling in [greedy(), seeded()] {
+        let mut messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+        for i in 1..=QUESTIONS.len() {
+            let (local, le) = turn(&reference, &messages, &sampling, "local").await;
+            let (split, se) = turn(&s, &messages, &sampling, "v2-live").await;
+            let what = format!("turn {i}, sampling {sampling}: {se}");
+            assert_eq!(split, local, "{what}");
+            assert_eq!(se["placement"], "prefill_node", "{what}");
+            common::assert_split(&se, split.completion_tokens);
+            let bytes = se["handoff_bytes"].as_u64().unwrap();
+            let whole = split.prompt_tokens * per_token;
+            if i == 1 {
+                assert!(bytes >= whole, "{what}");
+            } else {
+                // The same cut as one device continuing its own copy: the answers before
+                // were replayed, not prefilled.
+                assert_eq!(se["cached_tokens"], le["cached_tokens"], "{what}");
+                let cached = se["cached_tokens"].as_u64().unwrap();
+                assert!(cached > 0, "{what}");
+                // Only the cells from the cut on crossed: the new part and the tokens
+                // the prefill node wrote before the switch (plus the state's headers).
+                let crossed = split.prompt_tokens - cached + se["prefill_tokens"].as_u64().unwrap();
+                assert!(
+                    bytes <= crossed * per_token + 4096 && bytes < whole / 2,
+                    "{what}: {bytes} bytes for {crossed} tokens of {per_token} bytes"
+                );
+            }
+            // The answer is replayed on the prefill node before the next turn.
+            common::wait_prefill_idle(&s).await;
+            if let Some(question) = QUESTIONS.get(i) {
+                messages = next(&messages, &local.text, question);
+            }
+        }
+    }
+}
+
+/// The decode node no longer holds the conversation a tail goes on from: it refuses to
+/// join it (nothing imported), and the prefill node finishes the answer from its own
+/// copy - `local`'s answer all the same, reported as a fallback.
+#[tokio::test]
+async fn a_tail_whose_prefix_the_decode_node_lost_is_finished_on_the_prefill_node() {
+    let s = prefill_node_stack();
+    let reference = stack();
+    let sampling = greedy();
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, _) = turn(&s, &messages, &sampling, "v2-live").await;
+    common::wait_prefill_idle(&s).await;
+    // The test stack's decode node keeps two sequences: two other answers push the
+    // conversation out (least recently used first); their own replays are waited for.
+    for q in ["Count to five.", "Name a colour."] {
+        let m = json!([{"role": "user", "content": q}]);
+        turn(
+            &s,
+            &m,
+            &json!({"temperature": 0, "max_tokens": 24, "cache_prompt": false}),
+            "v2-live",
+        )
+        .await;
+    }
+    common::wait_prefill_idle(&s).await;
+    turn(&reference, &messages, &sampling, "local").await;
+    let going_on = next(&messages, &first.text, QUESTIONS[1]);
+    let (local, _) = turn(&reference, &going_on, &sampling, "local").await;
+    let (split, e) = turn(&s, &going_on, &sampling, "v2-live").await;
+    assert_eq!(split, local, "{e}");
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    assert_eq!(
+        e["fallback"], "tail_base_missing",
+        "the decode node cannot join the tail: {e}"
+    );
+}

@@ -225,6 +225,7 @@ async fn generate_from(
         sampling: None,
         max_new_tokens: 1,
         first_token: Some(1),
+        ..Default::default()
     })
     .await
 }

@@ -45,6 +45,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             handoff: Some(pb::Handoff {
                 live: false,
                 keep: false,
+                base_max: 0,
                 handoff_id: "interop-1".into(),
                 decode_addr: upload_url,
                 transport: pb::HandoffTransport::V1 as i32,
@@ -105,6 +106,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
             sampling: Some(greedy()),
             max_new_tokens: N - 1,
             first_token: Some(first.token),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -235,6 +235,7 @@ async fn duplicate_and_unloadable_files() {
             sampling: None,
             max_new_tokens: 2,
             first_token: Some(1),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -94,6 +94,8 @@ pub struct StackOptions {
     pub chat_template_file: Option<PathBuf>,
     /// The decode node's `--chat-template-file` instead (a device set up otherwise).
     pub decode_chat_template_file: Option<PathBuf>,
+    /// The router's `--continue-on`.
+    pub continue_on: edgesplit_router::backend::ContinueOn,
 }
 
 impl StackOptions {
@@ -128,6 +130,7 @@ impl StackOptions {
             stream_prefill: false,
             chat_template_file: None,
             decode_chat_template_file: None,
+            continue_on: edgesplit_router::backend::ContinueOn::Measured,
         }
     }
 }
@@ -338,6 +341,7 @@ async fn serve(opts: StackOptions) -> Stack {
     let mut rcfg = edgesplit_router::Config::new(router_prefill, router_decode);
     rcfg.max_in_flight = opts.max_in_flight;
     rcfg.handoff = opts.handoff;
+    rcfg.continue_on = opts.continue_on;
     rcfg.max_queue = opts.max_queue;
     rcfg.queue_timeout_s = opts.queue_timeout_s;
     rcfg.token_idle_timeout_ms = opts.token_idle_timeout_ms;
@@ -808,6 +812,30 @@ pub async fn decode_info(url: &str) -> edgesplit_proto::pb::NodeInfo {
         .await
         .unwrap()
         .into_inner()
+}
+
+/// The prefill node's `Info`, over gRPC.
+pub async fn prefill_info(url: &str) -> edgesplit_proto::pb::NodeInfo {
+    let mut c = edgesplit_proto::pb::prefill_client::PrefillClient::connect(url.to_string())
+        .await
+        .unwrap();
+    c.info(edgesplit_proto::pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Polls the prefill node until nothing runs there (a replay the router started in the
+/// background after an answer is done); at most 60 s.
+pub async fn wait_prefill_idle(stack: &Stack) {
+    let t0 = std::time::Instant::now();
+    while prefill_info(&stack.prefill_grpc).await.requests_in_flight > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the prefill node stays busy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 pub fn identity(info: &edgesplit_proto::pb::NodeInfo) -> edgesplit_proto::frame::Identity {
