@@ -47,6 +47,11 @@ pub struct ChatArgs {
     /// The split clients' handoff mode: `live` (the default's) or `after`.
     #[arg(long, default_value = "live")]
     pub handoff: String,
+    /// The router's `--continue-on`: `measured` (the default's), or `prefill-node` (every
+    /// new turn prefilled on the prefill node, only its new part's KV crossing, as where
+    /// the prefill device is much the faster).
+    #[arg(long, default_value = "measured")]
+    pub continue_on: String,
     /// Conversations played per client (their medians are reported).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
@@ -137,6 +142,7 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let first = args.profiles.first().context("no link profile")?.clone();
     let cfg = StackConfig {
         parallel: Some(4),
+        continue_on: args.continue_on.clone(),
         ..StackConfig::new(
             crate::model_path(&args.model),
             args.n_ctx,
@@ -255,14 +261,15 @@ fn summarise(
 ) -> String {
     let mut s = format!(
         "# Conversation: {} turns ({} then ~{} tokens a turn, {} answer tokens), {} rounds, \
-         `{}` handoff\n\n\
+         `{}` handoff, `--continue-on {}`\n\n\
          Answers of `reuse` that are not `local`'s: {differing}\n",
         args.turns,
         args.first_turn_tokens,
         args.turn_tokens,
         args.max_tokens,
         args.rounds,
-        args.handoff
+        args.handoff,
+        args.continue_on
     );
     for profile in &args.profiles {
         s.push_str(&format!(

@@ -52,6 +52,8 @@ pub struct StackConfig {
     /// The layer split (issue 17): the decode node's `--rpc-listen` and the prefill node's
     /// `--rpc-peer` through an emulated link.
     pub rpc: Option<RpcSplit>,
+    /// The router's `--continue-on` (where a held conversation's new turn is prefilled).
+    pub continue_on: String,
 }
 
 /// A layer split's settings.
@@ -81,6 +83,7 @@ impl StackConfig {
             batch: 512,
             secret: None,
             rpc: None,
+            continue_on: "measured".into(),
         }
     }
 }
@@ -321,6 +324,7 @@ impl Stack {
         if let Some(n) = cfg.parallel {
             rargs.extend(["--max-in-flight".into(), n.to_string()]);
         }
+        rargs.extend(["--continue-on".into(), cfg.continue_on.clone()]);
         stack.children.push(spawn(
             "edgesplit-router",
             &rargs,

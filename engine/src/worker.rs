@@ -994,7 +994,22 @@ impl Slots for Worker<'_> {
                 // not used).
                 let keep = self.reusable(slot, &prompt, reuse);
                 summary.cached_tokens = u32::try_from(keep).unwrap_or(u32::MAX);
-                self.prefill(slot, &prompt, keep, params)?;
+                // A slot that holds exactly this prompt as a prefill from that cut left it
+                // (the interrupted run's own slot, cut back to its prompt when the answer
+                // was handed over: past the cut, no decoded token, and either every
+                // position exact or the cut the end of the last decoded run, from which
+                // the one prefill that wrote the rest started) has nothing to recompute.
+                let s = &self.slots[slot];
+                let run_end = s.decoded.last().map_or(0, |r| r.1);
+                let held = !self.sliding_window
+                    && s.tokens == prompt
+                    && run_end <= keep
+                    && (s.exact >= prompt.len() || (run_end > 0 && keep == run_end));
+                if held {
+                    summary.cached_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+                } else {
+                    self.prefill(slot, &prompt, keep, params)?;
+                }
                 let mut history = prompt;
                 for &t in before {
                     self.decode_one(slot, t, &mut history)?;
