@@ -528,3 +528,70 @@ async fn a_tail_whose_prefix_the_decode_node_lost_is_finished_on_the_prefill_nod
         "the decode node cannot join the tail: {e}"
     );
 }
+
+/// A short answer on a slow link ends on the prefill node before its tail has crossed: the
+/// tail is kept on the decode node after the answer (joined onto its copy, whose bytes it
+/// checks), so the decode node then holds the whole conversation, and the turn after goes
+/// on from that copy; every turn is `local`'s, and from turn 2 only the cells from the cut
+/// cross.
+#[tokio::test]
+async fn a_tail_whose_answer_ended_first_is_kept_on_the_decode_node() {
+    fn slow_link(target: String) -> String {
+        common::shaping::proxy(target, || common::shaping::Shape::rate(300_000))
+    }
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.continue_on = edgesplit_router::backend::ContinueOn::PrefillNode;
+    o.handoff_proxy = Some(slow_link);
+    let s = common::start(o);
+    let reference = stack();
+    let per_token = common::decode_info(&s.decode_grpc).await.kv_bytes_per_token;
+    let decode_cached = || async {
+        let status = common::get_json(&format!("{}/dashboard/api/status", s.router)).await;
+        status["decode"]["cached_tokens"].as_u64().unwrap()
+    };
+    let kept_bytes = || async {
+        let text = common::scrape(&s.prefill_metrics).await;
+        common::value(
+            &text,
+            "edgesplit:handoff_bytes_total{transport=\"v2-kept\"}",
+        ) as u64
+    };
+    let sampling = json!({"temperature": 0, "max_tokens": 8});
+    let mut messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    for i in 1..=QUESTIONS.len() {
+        let before = kept_bytes().await;
+        let (local, le) = turn(&reference, &messages, &sampling, "local").await;
+        let (split, e) = turn(&s, &messages, &sampling, "v2-live").await;
+        let what = format!("turn {i}: {e}");
+        assert_eq!(split, local, "{what}");
+        assert!(e["fallback"].is_null(), "{what}");
+        assert!(
+            e["switch_ms"].is_null() && e["prefill_tokens"] == split.completion_tokens,
+            "the answer ended on the prefill node: {what}"
+        );
+        // Kept after the answer: the decode node holds the prompt and the answer.
+        let held = split.prompt_tokens + split.completion_tokens - 1;
+        let t0 = Instant::now();
+        while decode_cached().await < held {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{what}: the decode node never held the turn ({} of {held} tokens)",
+                decode_cached().await
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if i > 1 {
+            assert_eq!(e["cached_tokens"], le["cached_tokens"], "{what}");
+            let cut = e["cached_tokens"].as_u64().unwrap();
+            let kept = kept_bytes().await - before;
+            assert!(
+                kept > 0 && kept <= (held - cut) * per_token + 4096,
+                "{what}: {kept} bytes kept for {} tokens from the cut",
+                held - cut
+            );
+        }
+        if let Some(question) = QUESTIONS.get(i) {
+            messages = next(&messages, &local.text, question);
+        }
+    }
+}
