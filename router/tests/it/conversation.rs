@@ -595,3 +595,33 @@ async fn a_tail_whose_answer_ended_first_is_kept_on_the_decode_node() {
         }
     }
 }
+
+/// A sliding-window model's state is not cut into tails: with every new turn sent to the
+/// prefill node, Gemma-3's turn is split whole (its whole state crosses), the prefill node
+/// having kept nothing of the handed-over ring and replayed nothing, so the answer is the
+/// uncached one.
+#[tokio::test]
+async fn a_sliding_window_models_new_turn_on_the_prefill_node_is_split_whole() {
+    let mut o = common::StackOptions::new(common::GEMMA3);
+    o.continue_on = edgesplit_router::backend::ContinueOn::PrefillNode;
+    let s = common::start(o);
+    let per_token = common::decode_info(&s.decode_grpc).await.kv_bytes_per_token;
+    let sampling = json!({"temperature": 0, "max_tokens": 24});
+    let messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (first, e) = turn(&s, &messages, &sampling, "v2-live").await;
+    common::assert_split(&e, first.completion_tokens);
+    common::wait_prefill_idle(&s).await;
+    let going_on = next(&messages, &first.text, QUESTIONS[1]);
+    let (split, e) = turn(&s, &going_on, &sampling, "v2-live").await;
+    assert_eq!(e["placement"], "prefill_node", "{e}");
+    common::assert_split(&e, split.completion_tokens);
+    assert_eq!(e["cached_tokens"], 0, "{e}");
+    // The whole prompt's state crossed (a sliding window exports only its window, so
+    // less than prompt x KV bytes per token, but more than any tail of the new part).
+    let new_part = split.prompt_tokens - first.prompt_tokens - first.completion_tokens;
+    assert!(
+        e["handoff_bytes"].as_u64().unwrap() > (new_part + 24) * per_token,
+        "{e}"
+    );
+    assert_eq!(split, uncached(&s, &going_on, &sampling).await);
+}
