@@ -791,17 +791,26 @@ impl Worker<'_> {
             )));
         }
         Self::export_into(&self.slots[slot].ctx, &mut self.export_buf)?;
-        let head = splice::head(&self.export_buf, n).map_err(|e| refuse(e.to_string()))?;
-        let mine: [u8; 32] = {
-            use sha2::Digest;
-            sha2::Sha256::digest(&head).into()
-        };
+        // The prefix is hashed where it lies, on another thread, while the joined state is
+        // written (into a kept buffer, whose pages are warm): the join is at the switch,
+        // where the answer waits for it.
+        let exported = &self.export_buf;
+        let (mine, joined) = std::thread::scope(|scope| {
+            let hashing = scope.spawn(|| splice::head_digest(exported, n));
+            let out = edgesplit_proto::buffers::take(exported.len() + state.len());
+            let joined = splice::graft(exported, state, out);
+            (hashing.join(), joined)
+        });
+        let mine = mine
+            .map_err(|_| refuse("the prefix's hash failed".into()))?
+            .map_err(|e| refuse(e.to_string()))?;
+        let joined = joined.map_err(|e| refuse(e.to_string()))?;
         if &mine != digest {
+            edgesplit_proto::buffers::give(joined);
             return Err(missing(format!(
                 "the cached state of its first {n} tokens differs from the sender's"
             )));
         }
-        let joined = splice::append(&head, state).map_err(|e| refuse(e.to_string()))?;
         let (exact, mut decoded) = {
             let s = &self.slots[slot];
             (s.exact.min(n), s.decoded.clone())
@@ -810,7 +819,9 @@ impl Worker<'_> {
         if let Some(last) = decoded.last_mut() {
             last.1 = last.1.min(n);
         }
-        self.import(slot, &joined, tokens, 0)?;
+        let imported = self.import(slot, &joined, tokens, 0);
+        edgesplit_proto::buffers::give(joined);
+        imported?;
         let s = &mut self.slots[slot];
         s.exact = exact;
         if prompt < tokens.len() {

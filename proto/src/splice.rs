@@ -283,17 +283,40 @@ fn cells_of(s: &Stream, from: usize, to: usize) -> (usize, usize) {
     (at(from), at(to))
 }
 
+/// Where [`write`] puts a state's bytes: a buffer, or a hash that never holds them.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Sink for sha2::Sha256 {
+    fn put(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(self, bytes);
+    }
+}
+
 /// The positions `[from, to)` of each of `parts`' streams, written as one state into `out`
 /// (cleared first): in each stream, each part's cells follow the previous part's.
 fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) -> Vec<u8> {
     let total: usize = buf_of.iter().map(|b| b.len()).sum();
     out.clear();
     out.reserve(total);
+    write_into(buf_of, parts, &mut out);
+    out
+}
+
+/// [`write`] into any [`Sink`].
+fn write_into(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], out: &mut impl Sink) {
     let p0 = parts[0].0;
-    out.extend_from_slice(&STATE_MAGIC.to_le_bytes());
-    out.extend_from_slice(&p0.seq_id.to_le_bytes());
+    out.put(&STATE_MAGIC.to_le_bytes());
+    out.put(&p0.seq_id.to_le_bytes());
     for (si, streams) in p0.sections.iter().enumerate() {
-        out.extend_from_slice(&(streams.len() as u32).to_le_bytes());
+        out.put(&(streams.len() as u32).to_le_bytes());
         for ti in 0..streams.len() {
             // Each part's stream with the cell range it gives.
             let present: Vec<(&[u8], &Stream, usize, usize)> = parts
@@ -307,29 +330,28 @@ fn write(buf_of: &[&[u8]], parts: &[(&Parsed, usize, usize)], mut out: Vec<u8>) 
                 .filter(|(_, s, a, b)| s.cells > 0 && b > a)
                 .collect();
             let cells: usize = present.iter().map(|(_, _, a, b)| b - a).sum();
-            out.extend_from_slice(&(cells as u32).to_le_bytes());
+            out.put(&(cells as u32).to_le_bytes());
             let Some(&(_, s, _, _)) = present.first() else {
                 continue;
             };
             for (buf, st, a, b) in &present {
-                out.extend_from_slice(&buf[st.meta_at + a * META..st.meta_at + b * META]);
+                out.put(&buf[st.meta_at + a * META..st.meta_at + b * META]);
             }
-            out.extend_from_slice(&s.v_trans.to_le_bytes());
-            out.extend_from_slice(&s.n_layer.to_le_bytes());
-            out.extend_from_slice(&s.rot);
+            out.put(&s.v_trans.to_le_bytes());
+            out.put(&s.n_layer.to_le_bytes());
+            out.put(&s.rot);
             for l in 0..s.n_layer as usize {
-                write_rows(&mut out, &present, |st| st.k[l]);
+                write_rows(out, &present, |st| st.k[l]);
             }
             for l in 0..s.n_layer as usize {
-                write_rows(&mut out, &present, |st| st.v[l]);
+                write_rows(out, &present, |st| st.v[l]);
             }
         }
     }
-    out
 }
 
 fn write_rows(
-    out: &mut Vec<u8>,
+    out: &mut impl Sink,
     present: &[(&[u8], &Stream, usize, usize)],
     rows_of: impl Fn(&Stream) -> Rows,
 ) {
@@ -338,22 +360,22 @@ fn write_rows(
     };
     match rows_of(s) {
         Rows::Plain { ty, row, .. } => {
-            out.extend_from_slice(&ty.to_le_bytes());
-            out.extend_from_slice(&row.to_le_bytes());
+            out.put(&ty.to_le_bytes());
+            out.put(&row.to_le_bytes());
             for (buf, st, a, b) in present {
                 let Rows::Plain { row, at, .. } = rows_of(st) else {
                     continue;
                 };
                 let row = row as usize;
-                out.extend_from_slice(&buf[at + a * row..at + b * row]);
+                out.put(&buf[at + a * row..at + b * row]);
             }
         }
         Rows::Transposed {
             ty, elem, n_embd, ..
         } => {
-            out.extend_from_slice(&ty.to_le_bytes());
-            out.extend_from_slice(&elem.to_le_bytes());
-            out.extend_from_slice(&n_embd.to_le_bytes());
+            out.put(&ty.to_le_bytes());
+            out.put(&elem.to_le_bytes());
+            out.put(&n_embd.to_le_bytes());
             for e in 0..n_embd as usize {
                 for (buf, st, a, b) in present {
                     let Rows::Transposed { elem, at, .. } = rows_of(st) else {
@@ -361,7 +383,7 @@ fn write_rows(
                     };
                     let el = elem as usize;
                     let base = at + e * st.cells * el;
-                    out.extend_from_slice(&buf[base + a * el..base + b * el]);
+                    out.put(&buf[base + a * el..base + b * el]);
                 }
             }
         }
@@ -407,6 +429,12 @@ pub fn tail(state: &[u8], from: usize) -> Result<Vec<u8>, SpliceError> {
 /// every stream (a sliding window), or that does not hold `to` positions (`to` 0 is
 /// refused too: a state holds at least one cell).
 pub fn head(state: &[u8], to: usize) -> Result<Vec<u8>, SpliceError> {
+    let p = parse_head(state, to)?;
+    Ok(write(&[state], &[(&p, 0, to)], Vec::new()))
+}
+
+/// `state` parsed, checked to have a head of `to` positions.
+fn parse_head(state: &[u8], to: usize) -> Result<Parsed, SpliceError> {
     let p = parse(state)?;
     if p.streams().any(|s| s.first != 0) {
         return Err(SpliceError::NotLinear(
@@ -419,16 +447,36 @@ pub fn head(state: &[u8], to: usize) -> Result<Vec<u8>, SpliceError> {
             p.end
         )));
     }
-    Ok(write(&[state], &[(&p, 0, to)], Vec::new()))
+    Ok(p)
 }
 
-/// SHA-256 of [`head`]`(state, to)`.
+/// SHA-256 of [`head`]`(state, to)`, hashed where the bytes lie (no copy of the head).
 ///
 /// # Errors
 /// As [`head`].
 pub fn head_digest(state: &[u8], to: usize) -> Result<[u8; 32], SpliceError> {
     use sha2::Digest;
-    Ok(sha2::Sha256::digest(head(state, to)?).into())
+    let p = parse_head(state, to)?;
+    let mut h = sha2::Sha256::new();
+    write_into(&[state], &[(&p, 0, to)], &mut h);
+    Ok(h.finalize().into())
+}
+
+/// The positions `0..n` of `state` followed by `tail` (positions `n..m`), written into
+/// `out` (cleared first): `append(head(state, n), tail)` without the head's copy.
+///
+/// # Errors
+/// As [`head`] and [`append`].
+pub fn graft(state: &[u8], tail: &[u8], out: Vec<u8>) -> Result<Vec<u8>, SpliceError> {
+    let t = parse(tail)?;
+    let mut h = parse_head(state, t.first)?;
+    h.end = t.first;
+    fits(&h, &t)?;
+    Ok(write(
+        &[state, tail],
+        &[(&h, 0, t.first), (&t, t.first, t.end)],
+        out,
+    ))
 }
 
 /// Joins `head` (positions `0..n`) and `tail` (positions `n..m`) into the state of
@@ -653,6 +701,18 @@ mod tests {
                     );
                 }
                 assert_eq!(head(&whole, 7).unwrap(), whole);
+                // The head grafted onto a tail without its copy: the whole state again.
+                for n in 1..7 {
+                    let t = tail(&whole, n).unwrap();
+                    assert_eq!(graft(&whole, &t, Vec::new()).unwrap(), whole, "n={n}");
+                    let longer = synthetic(0, 9, v_trans, sections);
+                    assert_eq!(graft(&longer, &t, Vec::new()).unwrap(), whole, "n={n}");
+                }
+                let hashed: [u8; 32] = {
+                    use sha2::Digest;
+                    sha2::Sha256::digest(head(&whole, 4).unwrap()).into()
+                };
+                assert_eq!(head_digest(&whole, 4).unwrap(), hashed);
                 assert!(head(&whole, 8).is_err(), "past the end");
                 assert!(head(&whole, 0).is_err(), "an empty head");
                 assert_eq!(
