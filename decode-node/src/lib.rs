@@ -150,6 +150,7 @@ fn start_of(
             tokens: f.tokens,
             first,
             answered,
+            base_digest: None,
         });
     }
     let base_digest: [u8; 32] = base_digest.try_into().map_err(|_| {
@@ -160,12 +161,12 @@ fn start_of(
     })?;
     let mut tokens = base_tokens;
     tokens.extend_from_slice(&f.tokens);
-    Ok(Start::Tail {
+    Ok(Start::Imported {
         state: f.payload,
         tokens,
         first,
         answered,
-        base_digest,
+        base_digest: Some(base_digest),
     })
 }
 

@@ -405,7 +405,11 @@ fn wanted(cmd: &Command) -> Option<(&[i32], Reuse)> {
             Start::Cached { tokens, reuse, .. } => Some((tokens, *reuse)),
             Start::Resume { prompt, reuse, .. } => Some((prompt, *reuse)),
             // A tail goes on from a conversation a slot holds: the one that holds most of it.
-            Start::Tail { tokens, .. } => Some((tokens, Reuse::Conversation)),
+            Start::Imported {
+                tokens,
+                base_digest: Some(_),
+                ..
+            } => Some((tokens, Reuse::Conversation)),
             Start::Imported { .. } => None,
         },
         Command::Score { .. } | Command::Tokenize { .. } => None,
@@ -893,6 +897,7 @@ mod tests {
                 tokens: vec![1, 2],
                 first: 7,
                 answered: 1,
+                base_digest: None,
             },
             3,
         );

@@ -25,7 +25,7 @@ pub enum EngineError {
     Export(String),
     #[error("state import failed: {0}")]
     Import(String),
-    /// A [`Start::Tail`] whose prefix no cached sequence here holds (its tokens, or a
+    /// A tail ([`Start::Imported`] with a `base_digest`) whose prefix no cached sequence here holds (its tokens, or a
     /// state whose bytes hash to the sender's). Nothing was changed.
     #[error("tail handoff: {0}")]
     TailBase(String),
@@ -273,19 +273,13 @@ pub enum Start {
         tokens: Vec<i32>,
         first: i32,
         answered: u32,
-    },
-    /// [`Start::Imported`] for a tail (PROTOCOL.md, "Tails"): `state` holds the positions
-    /// `n..` of `tokens`, and a cached slot here holds `tokens[..n]` with a state whose
-    /// SHA-256 (`edgesplit_proto::splice::head_digest`) is `base_digest`. The slot's
-    /// prefix and the tail are joined and imported into it; refused with
-    /// [`EngineError::Import`] (the cached prefix left as it was) when no slot holds that
-    /// prefix or its state hashes otherwise.
-    Tail {
-        state: bytes::Bytes,
-        tokens: Vec<i32>,
-        first: i32,
-        answered: u32,
-        base_digest: [u8; 32],
+        /// A tail (PROTOCOL.md, "Tails"): `state` holds the positions `n..` of `tokens`,
+        /// and a cached slot here holds `tokens[..n]` with a state whose SHA-256
+        /// (`edgesplit_proto::splice::head_digest`) is this. The slot's prefix and the
+        /// tail are joined and imported into it; refused with [`EngineError::TailBase`]
+        /// (the cached prefix left as it was) when no slot holds that prefix or its state
+        /// hashes otherwise.
+        base_digest: Option<[u8; 32]>,
     },
     /// Take over an answer another node was writing (it failed): rebuild the KV of
     /// `prompt` + `answer` the way the uninterrupted run built it - the prompt in batches,

@@ -958,32 +958,23 @@ impl Slots for Worker<'_> {
                 tokens,
                 first,
                 answered,
+                base_digest,
             } => {
                 // The first token was emitted by the prefill node; it counts there.
                 self.check_fits(tokens.len(), max_tokens + 1)?;
                 summary.prompt_tokens = tokens.len() as u32;
                 let t0 = Instant::now();
                 step = answered.max(1);
-                // The prompt's KV came from a prefill from 0; the answer's from decode steps.
+                // The prompt's KV came from a prefill (from 0, or for a tail from the cut);
+                // the answer's from decode steps.
                 let prompt = tokens.len() + 1 - (step as usize).min(tokens.len() + 1);
-                self.import(slot, &state, &tokens, prompt)?;
-                summary.import_ms = ms(t0);
-                (tokens, self.token_out(LlamaToken(first)), max_tokens)
-            }
-            Start::Tail {
-                state,
-                tokens,
-                first,
-                answered,
-                base_digest,
-            } => {
-                self.check_fits(tokens.len(), max_tokens + 1)?;
-                summary.prompt_tokens = tokens.len() as u32;
-                let t0 = Instant::now();
-                step = answered.max(1);
-                let prompt = tokens.len() + 1 - (step as usize).min(tokens.len() + 1);
-                let base = self.import_tail(slot, &state, &tokens, prompt, &base_digest)?;
-                summary.cached_tokens = u32::try_from(base).unwrap_or(u32::MAX);
+                match base_digest {
+                    None => self.import(slot, &state, &tokens, prompt)?,
+                    Some(digest) => {
+                        let base = self.import_tail(slot, &state, &tokens, prompt, &digest)?;
+                        summary.cached_tokens = u32::try_from(base).unwrap_or(u32::MAX);
+                    }
+                }
                 summary.import_ms = ms(t0);
                 (tokens, self.token_out(LlamaToken(first)), max_tokens)
             }

@@ -126,6 +126,7 @@ async fn garbage_state_is_refused_and_the_engine_keeps_working() {
                 tokens: vec![1, 2, 3, 4, 5],
                 first: 1,
                 answered: 1,
+                base_digest: None,
             },
             SamplingParams::default(),
             4,

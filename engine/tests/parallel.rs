@@ -113,6 +113,7 @@ async fn parallel_answers_equal_the_answers_written_alone() {
                 tokens: prompts[2].clone(),
                 first: pre.first.id,
                 answered: 1,
+                base_digest: None,
             },
             params[2].clone(),
             n - 1,

@@ -1,4 +1,4 @@
-//! A tail handoff on the real model (`Start::Tail`, PROTOCOL.md "Tails"): the prefill
+//! A tail handoff on the real model (`Start::Imported` with a `base_digest`, PROTOCOL.md "Tails"): the prefill
 //! engine replays an answer the decode engine wrote (`Start::Resume` with no token to
 //! write), prefills the next turn from the same cut and sends only the state after it;
 //! the decode engine joins that onto its own copy once the copy's bytes hash to the
@@ -138,12 +138,12 @@ async fn a_tail_joined_onto_the_decode_engines_copy_goes_on_as_one_device() {
     assert_eq!(ids.len() as u32, last.answered);
     let tail = splice::join_from(&[&first.state, &last.state], cut, Vec::new()).unwrap();
     let tail = bytes::Bytes::from(tail);
-    let start = |digest: [u8; 32], tokens: Vec<i32>| Start::Tail {
+    let start = |digest: [u8; 32], tokens: Vec<i32>| Start::Imported {
         state: tail.clone(),
         tokens,
         first: last.last,
         answered: last.answered,
-        base_digest: digest,
+        base_digest: Some(digest),
     };
     let refused = |r: Result<Vec<i32>, EngineError>, why: &str| match r {
         Err(EngineError::TailBase(m)) => assert!(m.contains(why), "{m}"),

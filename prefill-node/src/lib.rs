@@ -377,7 +377,6 @@ impl PrefillService {
             handoff,
             request_id: req.request_id.clone(),
             prompt_tokens: n_prompt,
-            base: std::sync::atomic::AtomicUsize::new(0),
         });
         // The prompt's state starts crossing while it is prefilled; aborted (its
         // connection closed, the decode node dropping what it got) if the answer does not
@@ -405,11 +404,11 @@ impl PrefillService {
             _ => return Err(protocol()),
         };
         // Only what follows the reused prefix crosses, when the decode node holds it.
-        if tail && cached_tokens > 0 && cached_tokens as usize <= base_max {
-            handoff
-                .base
-                .store(cached_tokens as usize, std::sync::atomic::Ordering::Relaxed);
-        }
+        let base = if tail && cached_tokens as usize <= base_max {
+            cached_tokens as usize
+        } else {
+            0
+        };
         let first = match events.recv().await {
             Some(GenEvent::Token(t)) => t,
             Some(GenEvent::Error(e)) => return Err(status(&e)),
@@ -441,7 +440,7 @@ impl PrefillService {
             }))
             .await;
         if !last {
-            tokio::spawn(handoff.run(events, live, early, tx));
+            tokio::spawn(handoff.run(events, live, early, tx, base));
         }
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

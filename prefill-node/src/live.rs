@@ -50,10 +50,6 @@ pub(crate) struct LiveHandoff {
     pub handoff: pb::Handoff,
     pub request_id: String,
     pub prompt_tokens: usize,
-    /// A tail (PROTOCOL.md, "Tails"): the decode node holds the conversation's first
-    /// `base` positions, so the pieces start there (0: at the start). Set after the
-    /// prefill (the prefix it reused), before the first piece.
-    pub base: std::sync::atomic::AtomicUsize,
 }
 
 /// Why a live handoff did not complete: the reason for the router, the bytes sent.
@@ -78,13 +74,16 @@ type AtEnd = std::pin::Pin<
 
 impl LiveHandoff {
     /// Forwards the answer's tokens to the router while the handoff runs; ends with
-    /// `Switched`, `Finished` or an error.
+    /// `Switched`, `Finished` or an error. With `base` > 0, a tail (PROTOCOL.md, "Tails"):
+    /// the decode node holds the conversation's first `base` positions (the prefix the
+    /// prefill reused), so the pieces start there.
     pub(crate) async fn run(
         self: std::sync::Arc<Self>,
         mut events: mpsc::UnboundedReceiver<GenEvent>,
         live: Live,
         mut early: AbortOnDrop<Result<Early, String>>,
         tx: Events,
+        base: usize,
     ) {
         let (written_tx, written) = watch::channel(1usize);
         let handoff = async {
@@ -99,7 +98,7 @@ impl LiveHandoff {
                     None
                 }
             };
-            self.rounds(&live, early, written).await
+            self.rounds(&live, early, written, base).await
         };
         tokio::pin!(handoff);
         let mut outcome: Option<Result<Done, Cancelled>> = None;
@@ -295,11 +294,12 @@ impl LiveHandoff {
         live: &Live,
         early: Option<Sent>,
         mut written: watch::Receiver<usize>,
+        base: usize,
     ) -> Result<Done, Cancelled> {
         let t0 = Instant::now();
         let mut bytes = early.as_ref().map_or(0, |s| s.sw.bytes);
         match self
-            .rounds_inner(live, early, &mut written, &mut bytes)
+            .rounds_inner(live, early, &mut written, &mut bytes, base)
             .await
         {
             Ok((out, false)) => Ok(Done::Switched(self.acked_later(out, t0))),
@@ -327,6 +327,7 @@ impl LiveHandoff {
         early: Option<Sent>,
         written: &mut watch::Receiver<usize>,
         bytes: &mut u64,
+        base: usize,
     ) -> Result<(Sent, bool), String> {
         let per_token = self.sender.info.kv_bytes_per_token.max(1);
         // With `keep`, the state at the answer's end from where the decode node will hold
@@ -340,7 +341,6 @@ impl LiveHandoff {
         let mut out = match early {
             Some(s) => s,
             None => {
-                let base = self.base.load(std::sync::atomic::Ordering::Relaxed);
                 let snap = if base > 0 {
                     live.first_tail(base).await.transpose()
                 } else {

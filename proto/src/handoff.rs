@@ -445,19 +445,17 @@ impl Pieces<'_> {
                 .map_err(|e| refuse(NackCode::Malformed, e.to_string()))?;
             // A first piece past 0 is a tail (PROTOCOL.md, "Tails"): every stream of it
             // starts there; its `Generate` names the prefix it goes on from.
-            if span.start != 0 {
-                crate::splice::join_from(&[&piece.payload], span.start, Vec::new()).map_err(
-                    |e| {
-                        refuse(
-                            NackCode::UnexpectedFrame,
-                            format!(
-                                "the first piece of handoff {id} starts at position {}, and is \
-                                 not a tail: {e}",
-                                span.start
-                            ),
-                        )
-                    },
-                )?;
+            if span.start != 0
+                && crate::splice::common_start(&piece.payload).ok().flatten() != Some(span.start)
+            {
+                return Err(refuse(
+                    NackCode::UnexpectedFrame,
+                    format!(
+                        "the first piece of handoff {id} starts at position {}, and not every \
+                         stream of it does: not a tail",
+                        span.start
+                    ),
+                ));
             }
             self.sink.reserve(&id, size)?;
             let held = Held {

@@ -271,6 +271,17 @@ pub fn narrowest(state: &[u8]) -> Result<usize, SpliceError> {
     Ok(parse(state)?.streams().map(|s| s.cells).min().unwrap_or(0))
 }
 
+/// Whether every non-empty stream of `state` starts at its first position (a whole state
+/// without a sliding window, or a tail), and that position.
+///
+/// # Errors
+/// A state that is malformed or not contiguous.
+pub fn common_start(state: &[u8]) -> Result<Option<usize>, SpliceError> {
+    let p = parse(state)?;
+    let common = p.streams().all(|s| s.first == p.first);
+    Ok(common.then_some(p.first))
+}
+
 /// Whether `state` can be cut and joined (see the module docs).
 #[must_use]
 pub fn is_linear(state: &[u8]) -> bool {
@@ -725,6 +736,11 @@ mod tests {
                 );
             }
         }
+        assert_eq!(common_start(&synthetic(3, 4, true, 2)).unwrap(), Some(3));
+        assert_eq!(
+            common_start(&windowed(&[(0, 9), (5, 4)], false)).unwrap(),
+            None
+        );
         // A sliding window's stream does not start at 0: no head.
         assert!(matches!(
             head(&windowed(&[(0, 9), (5, 4)], false), 5),

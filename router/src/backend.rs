@@ -245,15 +245,7 @@ impl Transcript {
         let (learned, input) = (self.learned, self.input);
         tokio::spawn(async move {
             let request_id = request.request_id.clone();
-            let replayed = async {
-                let mut stream = prefill.generate(request).await?.into_inner();
-                while let Some(ev) = stream.message().await? {
-                    if let Some(pb::token_event::Event::Finished(_)) = ev.event {
-                        return Ok(true);
-                    }
-                }
-                Ok::<_, tonic::Status>(false)
-            };
+            let replayed = async { finishes(prefill.generate(request).await?.into_inner()).await };
             match tokio::time::timeout(bound, replayed).await {
                 Ok(Ok(true)) => {
                     tracing::info!(%request_id, held, "the prefill node replayed the answer: it holds the conversation too");
@@ -271,6 +263,17 @@ impl Transcript {
             }
         });
     }
+}
+
+/// Reads a node's token stream (of an answer that writes nothing the client sees) to its
+/// end: whether it reported `Finished`.
+async fn finishes(mut stream: tonic::Streaming<pb::TokenEvent>) -> Result<bool, tonic::Status> {
+    while let Some(ev) = stream.message().await? {
+        if let Some(pb::token_event::Event::Finished(_)) = ev.event {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Keeps a node's `Info` answer as its last known one; passes the call's result on.
@@ -1235,15 +1238,7 @@ impl SplitAnswer {
             lock(&learned)
                 .rates
                 .handed_off(kept.bytes, kept.transfer_ms);
-            let took = async {
-                let mut stream = decode.generate(generate).await?.into_inner();
-                while let Some(ev) = stream.message().await? {
-                    if let Some(pb::token_event::Event::Finished(_)) = ev.event {
-                        return Ok(true);
-                    }
-                }
-                Ok::<_, tonic::Status>(false)
-            };
+            let took = async { finishes(decode.generate(generate).await?.into_inner()).await };
             match tokio::time::timeout(idle, took).await {
                 Ok(Ok(true)) => {
                     tracing::info!(%request_id, bytes = kept.bytes, "the decode node keeps the conversation");

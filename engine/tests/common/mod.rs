@@ -51,6 +51,7 @@ pub async fn continue_imported(
         tokens: tokens.to_vec(),
         first,
         answered: 1,
+        base_digest: None,
     };
     collect(
         engine
@@ -97,6 +98,7 @@ pub async fn take_over(
         tokens: last.tokens.clone(),
         first: last.last,
         answered: last.answered,
+        base_digest: None,
     };
     let mut rx = engine
         .generate(start, params.clone(), max_tokens - last.answered)
