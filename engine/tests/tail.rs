@@ -128,6 +128,12 @@ async fn a_tail_joined_onto_the_decode_engines_copy_goes_on_as_one_device() {
     let digest = first.head_digest.expect("a digest of the prefix");
     assert_eq!(splice::span(&first.state).unwrap().start, cut);
     let held = first.tokens.len();
+    // At least one step after the first piece, so that the last one holds a cell.
+    assert!(
+        read_until(&mut live.events, &mut ids, first.answered as usize + 1)
+            .await
+            .is_none()
+    );
     let last = live.live.snapshot(true, held).await.unwrap().unwrap();
     // The tokens written before the stop (the stop ends the answer at that boundary).
     while let Some(ev) = live.events.recv().await {
