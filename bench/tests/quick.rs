@@ -82,6 +82,26 @@ fn quick_run_writes_every_output() {
             );
         }
     }
+    // ... but a bench whose split answers all stayed on the prefill node measured no split:
+    // on loopback, every measured v2 answer reached the decode node (it switched, and the
+    // prefill node wrote fewer tokens than the answer has).
+    let reached = |s: &&Value| {
+        s["switch_ms"].as_f64().is_some()
+            && s["prefill_tokens"]
+                .as_i64()
+                .is_some_and(|p| p < s["completion_tokens"].as_i64().unwrap())
+    };
+    let v2_loopback: Vec<&Value> = samples
+        .iter()
+        .filter(|s| s["transport"] == "v2" && s["profile"] == "loopback" && s["excluded"] == 0)
+        .collect();
+    assert!(!v2_loopback.is_empty());
+    for s in &v2_loopback {
+        assert!(
+            reached(s),
+            "a v2 answer on loopback ended on the prefill node: {s}"
+        );
+    }
     let profiles: HashSet<&str> = samples
         .iter()
         .map(|s| s["profile"].as_str().unwrap())

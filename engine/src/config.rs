@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// The layer split (issue 17): the model's last layers on a ggml RPC device
     /// ([`crate::rpc::add_server`]); the rest, and the output layer, here.
     pub remote_layers: Option<RemoteLayers>,
+    /// Test hook (`--test-pace-live`): a live answer writes a token after its first only
+    /// for each snapshot its handoff takes, until the handoff stops it or lets go of it, so
+    /// that the switch comes within its first few tokens whatever the machine's speed. It
+    /// changes when tokens are written, never which (tests/it `common::StackOptions`).
+    pub pace_live: bool,
 }
 
 /// The model's last `layers` repeating layers (weights and KV), and its output layer, on
@@ -66,6 +71,7 @@ impl EngineConfig {
             cache_type_v: KvType::F16,
             chat_template_file: None,
             remote_layers: None,
+            pace_live: false,
         }
     }
 }
@@ -201,6 +207,10 @@ pub struct EngineArgs {
     /// requests with a 400 naming the error.
     #[arg(long)]
     pub chat_template_file: Option<PathBuf>,
+    /// Test hook, not for use: live answers write a token per handoff snapshot
+    /// ([`EngineConfig::pace_live`]).
+    #[arg(long, hide = true)]
+    pub test_pace_live: bool,
 }
 
 impl EngineArgs {
@@ -216,6 +226,7 @@ impl EngineArgs {
             cache_type_k: KvType::F16,
             cache_type_v: KvType::F16,
             chat_template_file: None,
+            test_pace_live: false,
         }
     }
 
@@ -230,6 +241,7 @@ impl EngineArgs {
         e.cache_type_k = self.cache_type_k;
         e.cache_type_v = self.cache_type_v;
         e.chat_template_file.clone_from(&self.chat_template_file);
+        e.pace_live = self.test_pace_live;
         if let Some(t) = self.threads {
             e.n_threads = t;
         }

@@ -3,7 +3,7 @@
 //! unit-tested with a scripted fake and no model file.
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
@@ -85,6 +85,10 @@ struct Running<A> {
     at_end: Option<SnapshotAsk>,
     summary: GenSummary,
     decoding_since: Instant,
+    /// Test hook ([`crate::EngineConfig::pace_live`]): the steps this live answer may
+    /// take before its handoff's next snapshot; `None` when it is not paced (or no longer:
+    /// its handoff let go of it).
+    paced: Option<u32>,
     /// Dropped before the final event is sent, so a reader that saw it sees the count
     /// without this answer.
     in_flight: InFlight,
@@ -101,6 +105,10 @@ pub(crate) struct Scheduler<S: Slots> {
     running: Vec<Running<S::Answer>>,
     /// Every `Engine` handle is gone: finish what was accepted, then stop.
     closed: bool,
+    /// Test hook: live answers are paced ([`crate::EngineConfig::pace_live`]).
+    pace_live: bool,
+    /// A running answer took a step in the last round (else, paced answers only wait).
+    stepped: bool,
 }
 
 impl<S: Slots> Scheduler<S> {
@@ -111,7 +119,16 @@ impl<S: Slots> Scheduler<S> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             closed: false,
+            pace_live: false,
+            stepped: false,
         }
+    }
+
+    /// With `on`, live answers are paced by their snapshots (the test hook
+    /// [`crate::EngineConfig::pace_live`]).
+    pub(crate) fn pacing_live(mut self, on: bool) -> Self {
+        self.pace_live = on;
+        self
     }
 
     /// Runs until every handle is gone and nothing is left, then frees the slots. Every
@@ -140,8 +157,14 @@ impl<S: Slots> Scheduler<S> {
             }
             self.accept_queued();
             self.start_waiting();
+            self.stepped = false;
             self.step_all();
             register_exit_guard();
+            if !self.running.is_empty() && !self.stepped && self.waiting.is_empty() {
+                // Only paced answers (the test hook) run, each waiting for its handoff's
+                // next snapshot: poll for it without spinning a core.
+                std::thread::sleep(Duration::from_micros(500));
+            }
         }
     }
 
@@ -267,6 +290,7 @@ impl<S: Slots> Scheduler<S> {
         let mut summary = GenSummary::default();
         self.publish_active(1);
         let live = job.live.take();
+        let paced = (self.pace_live && live.is_some()).then_some(0);
         match self.slots.begin(slot, job, &events, &mut summary) {
             Ok(Some(answer)) => self.running.push(Running {
                 slot,
@@ -276,6 +300,7 @@ impl<S: Slots> Scheduler<S> {
                 at_end: None,
                 summary,
                 decoding_since: Instant::now(),
+                paced,
                 in_flight,
             }),
             Ok(None) => {
@@ -313,6 +338,7 @@ impl<S: Slots> Scheduler<S> {
                         mut summary,
                         decoding_since,
                         in_flight,
+                        ..
                     } = self.running.remove(i);
                     if summary.finish == Finish::Handover {
                         self.slots.handed_over(slot);
@@ -365,7 +391,16 @@ impl<S: Slots> Scheduler<S> {
             return Ok(true);
         }
         if let Some(live) = &mut r.live {
-            while let Ok(ask) = live.try_recv() {
+            loop {
+                let ask = match live.try_recv() {
+                    Ok(ask) => ask,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        // The handoff let go of the answer (it gave up): no more pacing.
+                        r.paced = None;
+                        break;
+                    }
+                };
                 if ask.at_end {
                     r.at_end = Some(ask);
                     continue;
@@ -379,8 +414,17 @@ impl<S: Slots> Scheduler<S> {
                     r.summary.finish = Finish::Handover;
                     return Ok(true);
                 }
+                if let Some(steps) = &mut r.paced {
+                    *steps += 1;
+                }
             }
         }
+        match &mut r.paced {
+            Some(0) => return Ok(false),
+            Some(steps) => *steps -= 1,
+            None => {}
+        }
+        self.stepped = true;
         let (out, spent) = self.slots.step(r.slot, &mut r.answer)?;
         r.summary.generated += 1;
         let eog = out.eog;
@@ -607,6 +651,7 @@ mod tests {
         /// One round of the run loop, without the channel.
         fn round(&mut self) {
             self.sched.start_waiting();
+            self.sched.stepped = false;
             self.sched.step_all();
         }
 
@@ -639,6 +684,64 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The test hook `pace_live`: a paced live answer takes no step after its first token
+    /// until its handoff takes a snapshot, then one step per snapshot; once the handoff
+    /// lets go of it (its asker dropped), it writes freely. An unpaced answer beside it is
+    /// not held up.
+    #[test]
+    fn a_paced_live_answer_steps_once_per_snapshot_until_its_handoff_lets_go() {
+        let mut h = harness(2);
+        h.sched.pace_live = true;
+        let (events, mut rx) = mpsc::unbounded_channel();
+        let (asks, live) = mpsc::unbounded_channel();
+        h.sched.accept(Command::Generate {
+            job: GenerateJob {
+                start: Start::Prompt(vec![1]),
+                params: SamplingParams::default(),
+                max_tokens: 10,
+                live: Some(live),
+                pieces: None,
+            },
+            events,
+            in_flight: InFlight::new(&h.in_flight),
+        });
+        let mut plain = h.generate(3);
+        for _ in 0..4 {
+            h.round();
+        }
+        // Only the unpaced answer (slot 1) stepped.
+        assert_eq!(h.steps(), ["step 1", "step 1", "step 1"]);
+        assert!(!h.sched.stepped, "the last round stepped nothing");
+        assert_eq!(ids(&drain(&mut plain)).len(), 3);
+        let ask = || {
+            let (reply, rx) = oneshot::channel();
+            asks.send(SnapshotAsk {
+                stop: false,
+                at_end: false,
+                from: 0,
+                digest: false,
+                reply,
+            })
+            .unwrap();
+            rx
+        };
+        let mut snap = ask();
+        h.round();
+        h.round();
+        assert!(snap.try_recv().unwrap().is_ok());
+        assert_eq!(
+            h.steps(),
+            ["step 1", "step 1", "step 1", "step 0"],
+            "one step per snapshot"
+        );
+        drop(asks);
+        for _ in 0..3 {
+            h.round();
+        }
+        assert_eq!(h.steps().len(), 3 + 1 + 3, "let go: it writes freely");
+        assert_eq!(ids(&drain(&mut rx)).len(), 1 + 3);
     }
 
     /// A live answer's snapshot is taken between two steps and the answer goes on; a

@@ -169,7 +169,9 @@ pub(crate) fn owner_thread(
     if ready.send(Ok(info)).is_err() {
         return;
     }
-    Scheduler::new(worker, rx).run();
+    Scheduler::new(worker, rx)
+        .pacing_live(config.pace_live)
+        .run();
     let Some(_busy) = Busy::enter() else {
         park_forever()
     };

@@ -98,7 +98,9 @@ impl LiveHandoff {
                     None
                 }
             };
-            self.rounds(&live, early, written, base).await
+            // `live` goes with the rounds: once they are over (switched, kept or given up),
+            // the engine's answer is no longer asked for snapshots.
+            self.rounds(live, early, written, base).await
         };
         tokio::pin!(handoff);
         let mut outcome: Option<Result<Done, Cancelled>> = None;
@@ -291,7 +293,7 @@ impl LiveHandoff {
     /// answer stops here at that boundary). `written`: answer tokens sent so far.
     async fn rounds(
         &self,
-        live: &Live,
+        live: Live,
         early: Option<Sent>,
         mut written: watch::Receiver<usize>,
         base: usize,
@@ -299,7 +301,7 @@ impl LiveHandoff {
         let t0 = Instant::now();
         let mut bytes = early.as_ref().map_or(0, |s| s.sw.bytes);
         match self
-            .rounds_inner(live, early, &mut written, &mut bytes, base)
+            .rounds_inner(&live, early, &mut written, &mut bytes, base)
             .await
         {
             Ok((out, false)) => Ok(Done::Switched(self.acked_later(out, t0))),

@@ -103,6 +103,8 @@ pub enum Event {
         id: i32,
         bytes: Vec<u8>,
         logprobs: Option<pb::TokenLogprobs>,
+        /// The node that wrote it.
+        from: Node,
     },
     /// A split answer's handoff mode (sent first).
     Mode(HandoffMode),
@@ -147,6 +149,24 @@ pub enum Event {
         cause: String,
     },
     Error(ApiError),
+}
+
+/// The node a token stream comes from (which wrote a token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Node {
+    Prefill,
+    Decode,
+}
+
+impl Node {
+    /// The name the `edgesplit` object gives it (`first_token_from`).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Node::Prefill => "prefill",
+            Node::Decode => "decode",
+        }
+    }
 }
 
 /// Which node prefilled a request's prompt.
@@ -986,12 +1006,14 @@ impl Backend {
     }
 }
 
-fn token_event(ev: pb::TokenEvent, with_prompt: bool) -> Event {
+/// `ev` of a stream from node `from`.
+fn token_event(ev: pb::TokenEvent, with_prompt: bool, from: Node) -> Event {
     match ev.event {
         Some(pb::token_event::Event::Token(t)) => Event::Token {
             id: t.id,
             bytes: t.piece,
             logprobs: t.logprobs,
+            from,
         },
         Some(pb::token_event::Event::Prefilled(p)) => Event::Prefilled {
             prompt_tokens: p.prompt_tokens,
@@ -1092,6 +1114,7 @@ impl SplitAnswer {
             id: self.first.token,
             bytes: self.first.piece.clone(),
             logprobs: self.first.logprobs.clone(),
+            from: Node::Prefill,
         };
         if let Some(t) = &mut self.transcript {
             t.token(self.first.token, &self.first.piece);
@@ -1154,6 +1177,7 @@ impl SplitAnswer {
                         id: t.id,
                         bytes: t.piece,
                         logprobs: t.logprobs,
+                        from: Node::Prefill,
                     }
                 }
                 Some(P::Finished(f)) => {
@@ -1163,6 +1187,7 @@ impl SplitAnswer {
                             event: Some(pb::token_event::Event::Finished(f)),
                         },
                         false,
+                        Node::Prefill,
                     );
                     if let Event::Finished {
                         decode_tokens,
@@ -1499,16 +1524,6 @@ impl Fallback {
     }
 }
 
-/// Forwards the decode node's `Local` stream (a conversation it continues) to the client;
-/// remembers the conversation when the decode node ends the answer, and finishes it on the
-/// prefill node (`fallback`) when the decode node fails after its first token.
-/// The node a token stream comes from.
-#[derive(Debug, Clone, Copy)]
-enum Node {
-    Prefill,
-    Decode,
-}
-
 /// The next event of a node's token stream (`with_prompt`: a `Finished` reports the
 /// prompt's figures), or the error that ends it: the stream ended before `Finished`, the
 /// node's gRPC error, or no event within `idle`.
@@ -1524,7 +1539,7 @@ async fn next_event(
         Node::Decode => "the decode node",
     };
     match tokio::time::timeout(idle, stream.message()).await {
-        Ok(Ok(Some(m))) => token_event(m, with_prompt),
+        Ok(Ok(Some(m))) => token_event(m, with_prompt, node),
         Ok(Ok(None)) => Event::Error(ApiError::upstream(
             "stream_ended",
             format!("{name} ended the answer without finishing"),
@@ -1540,6 +1555,9 @@ async fn next_event(
     }
 }
 
+/// Forwards the decode node's `Local` stream (a conversation it continues) to the client;
+/// remembers the conversation when the decode node ends the answer, and finishes it on the
+/// prefill node (`fallback`) when the decode node fails after its first token.
 async fn forward_decode_node(
     mut stream: tonic::Streaming<pb::TokenEvent>,
     tx: mpsc::Sender<Event>,

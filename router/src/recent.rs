@@ -83,6 +83,12 @@ pub struct Timing {
     pub placement: Option<&'static str>,
     /// Of the prompt, the tokens whose cached KV was reused (not prefilled).
     pub cached_tokens: Option<u32>,
+    /// The node that wrote the answer's first token: `prefill`, or `decode` (it continued
+    /// a conversation it held).
+    pub first_token_from: Option<&'static str>,
+    /// Answer tokens the decode node wrote, as the router received them (whatever ended
+    /// the answer: its length, an end of generation, a stop string the router saw).
+    pub decode_node_tokens: u32,
 }
 
 impl RecentAnswer {

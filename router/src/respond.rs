@@ -8,7 +8,7 @@ use edgesplit_proto::pb;
 use serde_json::{json, Value};
 
 use crate::api::{Endpoint, Transport};
-use crate::backend::{Event, FinishReason};
+use crate::backend::{Event, FinishReason, Node};
 use crate::error::ApiError;
 use crate::metrics::RequestObserver;
 pub use crate::recent::Timing;
@@ -205,7 +205,14 @@ impl Answer {
                 id,
                 bytes,
                 logprobs,
+                from,
             } => {
+                if self.completion_tokens == 0 {
+                    self.timing.first_token_from = Some(from.as_str());
+                }
+                if from == Node::Decode {
+                    self.timing.decode_node_tokens += 1;
+                }
                 self.completion_tokens += 1;
                 self.token_ids.push(id);
                 if let (Some(lp), true) = (logprobs, self.meta.logprobs) {
@@ -310,7 +317,6 @@ impl Answer {
         let mut v = serde_json::to_value(&self.timing).unwrap_or_else(|_| json!({}));
         v["request_id"] = json!(self.meta.request_id);
         v["transport"] = json!(self.meta.transport.as_str());
-        v["first_token_from"] = json!("prefill");
         v["seed"] = json!(self.meta.seed);
         v["decode_tokens_per_s"] = json!(self.decode_tps());
         if self.meta.return_token_ids {
@@ -549,6 +555,7 @@ mod tests {
                 id: 0,
                 bytes: b"Hi".to_vec(),
                 logprobs: None,
+                from: Node::Prefill,
             }),
             Step::Text("Hi".into())
         );
@@ -567,6 +574,7 @@ mod tests {
                 id: 0,
                 bytes: b" there".to_vec(),
                 logprobs: None,
+                from: Node::Prefill,
             }),
             Step::Text(" there".into())
         );
@@ -575,6 +583,7 @@ mod tests {
                 id: 0,
                 bytes: vec![],
                 logprobs: None,
+                from: Node::Prefill,
             }),
             Step::Nothing
         );
@@ -601,6 +610,34 @@ mod tests {
         );
     }
 
+    /// Who wrote what: the first token's node, and the decode node's tokens counted as
+    /// they arrive, up to a stop string the router saw (no `Finished` from the node).
+    #[test]
+    fn the_answer_says_which_node_wrote_its_tokens() {
+        let tok = |bytes: &[u8], from| Event::Token {
+            id: 0,
+            bytes: bytes.to_vec(),
+            logprobs: None,
+            from,
+        };
+        let mut a = answer(Endpoint::Completion, false, vec!["STOP".into()]);
+        a.on_event(tok(b"a", Node::Prefill));
+        a.on_event(tok(b"b", Node::Decode));
+        assert!(matches!(
+            a.on_event(tok(b"STOP", Node::Decode)),
+            Step::Done(_)
+        ));
+        let t = a.timing_json();
+        assert_eq!(t["first_token_from"], "prefill");
+        assert_eq!(t["decode_node_tokens"], 2);
+        let mut b = answer(Endpoint::Completion, false, vec![]);
+        b.on_event(tok(b"a", Node::Decode));
+        b.on_event(tok(b"b", Node::Decode));
+        let t = b.timing_json();
+        assert_eq!(t["first_token_from"], "decode");
+        assert_eq!(t["decode_node_tokens"], 2);
+    }
+
     #[test]
     fn stop_string_ends_the_answer_with_stop() {
         let mut a = answer(Endpoint::Completion, false, vec!["\n\n".into()]);
@@ -609,6 +646,7 @@ mod tests {
                 id: 0,
                 bytes: b"a\n".to_vec(),
                 logprobs: None,
+                from: Node::Prefill,
             }),
             Step::Text("a".into())
         );
@@ -617,6 +655,7 @@ mod tests {
                 id: 0,
                 bytes: b"\nb".to_vec(),
                 logprobs: None,
+                from: Node::Prefill,
             }),
             Step::Done(String::new())
         );
@@ -650,6 +689,7 @@ mod tests {
             id: 1,
             bytes: bytes.to_vec(),
             logprobs: lp(l, &[("A", -0.1), ("B", -2.5)]),
+            from: Node::Prefill,
         };
         assert_eq!(a.on_event(tok(b"A", -0.1)), Step::Text("A".into()));
         let c = a.text_chunk("A");
@@ -675,6 +715,7 @@ mod tests {
             id: 2,
             bytes: vec![],
             logprobs: None,
+            from: Node::Prefill,
         };
         assert_eq!(a.on_event(eog), Step::Nothing);
         assert_eq!(
@@ -702,6 +743,7 @@ mod tests {
             id: 1,
             bytes: b" Paris".to_vec(),
             logprobs: lp(-0.25, &[(" Paris", -0.25), (" Lyon", -3.0)]),
+            from: Node::Prefill,
         });
         let v = a.full_response(" Paris")["choices"][0]["logprobs"].clone();
         assert_eq!(v["tokens"], json!([" Paris"]));
@@ -712,6 +754,7 @@ mod tests {
             id: 1,
             bytes: b"x".to_vec(),
             logprobs: lp(-0.25, &[]),
+            from: Node::Prefill,
         });
         assert!(b.full_response("x")["choices"][0]["logprobs"].is_null());
         assert!(b.text_chunk("x")["choices"][0]["logprobs"].is_null());
@@ -722,6 +765,7 @@ mod tests {
             id: 0,
             bytes: text.as_bytes().to_vec(),
             logprobs: None,
+            from: Node::Prefill,
         }
     }
 

@@ -17,7 +17,9 @@ async fn chat_completion_shape_and_usage() {
     let url = format!("{}/v1/chat/completions", s.router);
     let body = chat_body(
         hi(),
-        json!({"temperature": 0, "max_tokens": 5, "edgesplit": {"return_token_ids": true},
+        // `after`: the handoff report below is that mode's (its connect and hashing).
+        json!({"temperature": 0, "max_tokens": 5,
+               "edgesplit": {"return_token_ids": true, "handoff": "after"},
                "user": "tester", "logprobs": false}),
     );
     let (status, _, v) = post(&url, &body).await;
@@ -40,6 +42,7 @@ async fn chat_completion_shape_and_usage() {
     assert!(t["handoff_ms"].as_f64().unwrap() > 0.0);
     assert!(t["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(t["decode_tokens"], 4);
+    assert_eq!(t["decode_node_tokens"], 4);
     // Where the handoff's time went, each part measured and inside the span it belongs to:
     // the sender's connect and hashing inside its connect-to-ACK, the receiver's receipt
     // too (it starts after the connect and ends before the ACK), its check inside that.

@@ -39,6 +39,13 @@ async fn the_transport_header_picks_the_transport_and_the_body_wins() {
             t == "local",
             "{v}"
         );
+        if t != "local" {
+            // ... and the decode node wrote the answer after the prefill node's part.
+            common::assert_split(
+                &v["edgesplit"],
+                v["usage"]["completion_tokens"].as_u64().unwrap(),
+            );
+        }
     }
     // The request body's own choice wins over the header.
     let mut local = body.clone();

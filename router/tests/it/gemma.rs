@@ -14,7 +14,8 @@ fn gemma() -> &'static Stack {
     static S: OnceLock<Stack> = OnceLock::new();
     S.get_or_init(|| {
         // Room for the sweep's longest prompt (2,100 tokens) and its answer.
-        let mut o = StackOptions::new(common::GEMMA3);
+        // Its live answers are 20 tokens: paced, so that they reach the decode node.
+        let mut o = StackOptions::new(common::GEMMA3).paced();
         o.n_ctx = 4096;
         common::start(o)
     })
@@ -89,6 +90,14 @@ async fn assert_identical_in(
                 "{transport}, sampling {sampling}, streamed {streamed}"
             );
         }
+        // As a client sends it: no `edgesplit` field, the router's defaults.
+        let plain = common::run_plain(s, "/v1/completions", &body, streamed[0]).await;
+        assert_eq!(
+            plain,
+            reference.without_ids(),
+            "plain request, sampling {sampling}, streamed {}",
+            streamed[0]
+        );
         references.push(reference);
     }
     references

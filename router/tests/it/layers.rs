@@ -228,6 +228,9 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
         let (st, _, split) = common::post(&format!("{base}/v1/completions"), &body).await;
         assert_eq!(st, 200, "{split}");
         assert_eq!(split["edgesplit"]["transport"], "layers", "{split}");
+        // The prefill node writes the whole answer (some of its layers on the peer).
+        assert_eq!(split["edgesplit"]["first_token_from"], "prefill", "{split}");
+        assert_eq!(split["edgesplit"]["decode_node_tokens"], 0, "{split}");
         let (st, _, one) = common::post(
             &format!("{}/v1/completions", reference.router),
             &completion_on("local", &sampling),

@@ -22,7 +22,9 @@ async fn a_request_moves_the_series() {
     let url = format!("{}/v1/chat/completions", s.router);
     let (st, _, v) = common::post(
         &url,
-        &json!({"messages":[{"role":"user","content":"Count to five."}],"max_tokens":6,"temperature":0}),
+        // `after`: the series below are that handoff's (the live one's are `v2-live`).
+        &json!({"messages":[{"role":"user","content":"Count to five."}],"max_tokens":6,"temperature":0,
+                "edgesplit": {"handoff": "after"}}),
     )
     .await;
     assert_eq!(st, 200, "{v}");

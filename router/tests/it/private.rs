@@ -110,13 +110,18 @@ fn recorded_stack(secret: Option<&str>) -> common::Stack {
 }
 
 /// The answer's token texts and the response, for `transport`.
+/// `transport`: as the API names it (`v2` in the router's default mode), or `v2-after`.
 async fn ask(s: &common::Stack, transport: &str) -> (Vec<String>, Value) {
+    let edgesplit = match transport {
+        "v2-after" => json!({"transport": "v2", "handoff": "after"}),
+        t => json!({"transport": t}),
+    };
     let (st, _, v) = common::post(
         &format!("{}/v1/chat/completions", s.router),
         &common::chat_body(
             json!([{"role":"user","content": PROMPT}]),
             json!({"temperature": 0, "max_tokens": 24, "logprobs": true,
-                   "edgesplit": {"transport": transport}}),
+                   "edgesplit": edgesplit}),
         ),
     )
     .await;
@@ -278,8 +283,17 @@ fn flipping_answers(target: String) -> String {
     proxy(target, false, usize::MAX, 1500)
 }
 
-async fn flipped_channel_falls_back(configure: fn(&mut common::StackOptions), transport: &str) {
-    let mut o = common::StackOptions::new(common::SMOLLM2);
+/// A request over `transport` on a private stack whose channel `configure` corrupts: the
+/// answer is the one-device answer, and the corruption was refused, as `refusal` names:
+/// `fallback` (the split failed and the prefill node finished the answer) or
+/// `handoff_cancelled` (a live handoff gave up; the answer never left the prefill node).
+/// Paced, so that a live answer reaches its handoff's refusal on any machine.
+async fn flipped_channel_is_refused(
+    configure: fn(&mut common::StackOptions),
+    transport: &str,
+    refusal: &str,
+) {
+    let mut o = common::StackOptions::new(common::SMOLLM2).paced();
     o.secret = Some(SECRET.into());
     configure(&mut o);
     let s = common::start(o);
@@ -295,16 +309,28 @@ async fn flipped_channel_falls_back(configure: fn(&mut common::StackOptions), tr
         "{transport}: {split}"
     );
     assert!(
-        split["edgesplit"]["fallback"].is_string(),
-        "{transport}: the corrupted channel was not refused: {split}"
+        split["edgesplit"][refusal].is_string(),
+        "{transport}: the corrupted channel was not refused ({refusal}): {split}"
     );
 }
 
 #[tokio::test]
 async fn a_flipped_byte_on_any_private_channel_is_refused_and_the_answer_completes() {
-    flipped_channel_falls_back(|o| o.handoff_proxy = Some(flipping), "v2").await;
-    flipped_channel_falls_back(|o| o.v1_proxy = Some(flipping), "v1").await;
-    flipped_channel_falls_back(|o| o.decode_proxy = Some(flipping_answers), "v2").await;
+    // The default live handoff: its connection breaks, it gives up.
+    flipped_channel_is_refused(
+        |o| o.handoff_proxy = Some(flipping),
+        "v2",
+        "handoff_cancelled",
+    )
+    .await;
+    flipped_channel_is_refused(|o| o.handoff_proxy = Some(flipping), "v2-after", "fallback").await;
+    flipped_channel_is_refused(|o| o.v1_proxy = Some(flipping), "v1", "fallback").await;
+    flipped_channel_is_refused(
+        |o| o.decode_proxy = Some(flipping_answers),
+        "v2",
+        "fallback",
+    )
+    .await;
 }
 
 /// The prefill node has no stand-in: a flipped byte on its channel (every connection's,

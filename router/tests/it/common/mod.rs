@@ -82,10 +82,15 @@ pub struct StackOptions {
     pub decode_plain: bool,
     /// The router's API key.
     pub api_key: Option<String>,
-    /// The router's default handoff mode. `after` here (the product's default is `live`):
-    /// a test names the live handoff when it checks it (`v2-live`, `live.rs`), so the
-    /// tests of the `after` handoff's retries and fallbacks keep checking what they say.
+    /// The router's default handoff mode: the product's (`live`); a test that checks
+    /// another mode names it in its requests (`v2` in [`run`] is `after`).
     pub handoff: edgesplit_router::api::HandoffMode,
+    /// The test hook `--test-pace-live` on the prefill node: a live answer writes a token
+    /// per piece its handoff cuts, so the switch comes within its first few tokens on
+    /// any machine. For stacks whose live answers are short (a few tokens): without it,
+    /// whether such an answer reaches the decode node depends on this machine's speed.
+    /// It changes when tokens are written, never which.
+    pub pace_live: bool,
     /// The prefill node's `--stream-prefill`.
     pub stream_prefill: bool,
     /// Both nodes' `--batch` (prefill batch).
@@ -126,7 +131,9 @@ impl StackOptions {
             decode_secret: None,
             decode_plain: false,
             api_key: None,
-            handoff: edgesplit_router::api::HandoffMode::After,
+            // The router's own default, whatever it is.
+            handoff: edgesplit_router::Config::new(String::new(), String::new()).handoff,
+            pace_live: false,
             stream_prefill: false,
             chat_template_file: None,
             decode_chat_template_file: None,
@@ -277,7 +284,10 @@ async fn serve(opts: StackOptions) -> Stack {
         rpc_listen: None,
     };
     let pcfg = edgesplit_prefill::Config {
-        engine: engine_args,
+        engine: edgesplit_engine::EngineArgs {
+            test_pace_live: opts.pace_live,
+            ..engine_args
+        },
         node: edgesplit_proto::service::NodeArgs {
             secret_file: secret_file.clone(),
             handoff_frame_timeout_s: 30,
@@ -387,10 +397,22 @@ pub fn delaying_proxy(target: String) -> String {
     addr
 }
 
-/// The default-model stack shared by a test binary.
+/// The default-model stack shared by a test binary: the product's defaults, with live
+/// answers paced ([`StackOptions::pace_live`]: its tests' answers are short).
 pub fn smollm2() -> &'static Stack {
     static S: OnceLock<Stack> = OnceLock::new();
-    S.get_or_init(|| start(StackOptions::new(SMOLLM2)))
+    S.get_or_init(|| start(StackOptions::new(SMOLLM2).paced()))
+}
+
+impl StackOptions {
+    /// With [`StackOptions::pace_live`].
+    #[must_use]
+    pub fn paced(self) -> Self {
+        Self {
+            pace_live: true,
+            ..self
+        }
+    }
 }
 
 /// The text a GET of `url` returns (a `/metrics` page).
@@ -619,14 +641,18 @@ pub async fn run(
     streamed: bool,
 ) -> Outcome {
     let (outcome, edgesplit) = run_reporting(stack, path, body, transport, streamed).await;
-    if transport != "local" {
+    if transport == "local" {
+        assert_eq!(edgesplit["first_token_from"], "prefill", "{edgesplit}");
+        assert_eq!(edgesplit["decode_node_tokens"], 0, "{edgesplit}");
+    } else {
         assert_split(&edgesplit, outcome.completion_tokens);
     }
     outcome
 }
 
 /// `body` on `stack` through `path`: `local` (the reference, returned), then `local`
-/// streamed and every split transport (`v2` streamed, `v1`, `v2-live`): the same answer.
+/// streamed, every split transport (`v2` streamed, `v1`, `v2-live`) and the plain request
+/// (no `edgesplit` field: the defaults), streamed and not: the same answer.
 pub async fn same_on_every_transport(stack: &Stack, path: &str, body: &Value) -> Outcome {
     let reference = run(stack, path, body, "local", false).await;
     for (transport, streamed) in [
@@ -638,44 +664,112 @@ pub async fn same_on_every_transport(stack: &Stack, path: &str, body: &Value) ->
         let o = run(stack, path, body, transport, streamed).await;
         assert_eq!(o, reference, "{transport}, streamed {streamed}: {body}");
     }
+    // As a client sends it: the router's defaults split it live.
+    for streamed in [false, true] {
+        let o = run_plain(stack, path, body, streamed).await;
+        assert_eq!(
+            o,
+            reference.without_ids(),
+            "plain request, streamed {streamed}: {body}"
+        );
+    }
     reference
 }
 
-/// The decode node wrote the answer: no fallback, a handoff of some bytes, and every token
-/// after the first (`after` handoff) or after the switch (`live`) decoded there, when the
-/// answer went past its first token. A live answer must have switched before its end.
-pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
-    assert!(
-        edgesplit["fallback"].is_null(),
-        "the split fell back: {edgesplit}"
-    );
-    let mut written_before = 1;
-    if edgesplit["handoff_mode"] == "live" && completion_tokens > 1 {
-        assert!(
-            edgesplit["handoff_cancelled"].is_null(),
-            "the live handoff gave up: {edgesplit}"
-        );
-        written_before = edgesplit["prefill_tokens"].as_u64().unwrap();
-        assert!(
-            written_before < completion_tokens && edgesplit["switch_ms"].as_f64().is_some(),
-            "the answer ended before the live switch: {edgesplit}"
-        );
-    }
-    if completion_tokens > 1 {
-        assert!(
-            edgesplit["handoff_bytes"].as_u64().is_some_and(|b| b > 0),
-            "no handoff bytes: {edgesplit}"
-        );
-        // A stop string ends the answer at the router before the decode node reports.
-        if !edgesplit["decode_ms"].is_null() {
-            assert_eq!(
-                edgesplit["decode_tokens"].as_u64(),
-                Some(completion_tokens - written_before),
-                "the decode node did not write every token after the first ({written_before} \
-                 written before the handoff): {edgesplit}"
-            );
+impl Outcome {
+    /// This outcome as a request that did not ask for token ids sees it.
+    #[must_use]
+    pub fn without_ids(&self) -> Outcome {
+        Outcome {
+            token_ids: Vec::new(),
+            ..self.clone()
         }
     }
+}
+
+/// The decode node wrote the answer, whatever ended it (its length, an end of generation,
+/// a stop string): no fallback; the first token written where it should be (the prefill
+/// node, or the decode node when it continued a conversation it held); and every token
+/// after the first (`after`, V1) or after the switch (`live`) written by the decode node,
+/// as the router received them. A live answer of two tokens or more must have switched
+/// before its end.
+pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
+    let e = edgesplit;
+    assert!(e["fallback"].is_null(), "the split fell back: {e}");
+    let by_decode = e["decode_node_tokens"]
+        .as_u64()
+        .expect("decode_node_tokens");
+    if e["placement"] == "decode_node" {
+        // The decode node continued the conversation: it wrote every token.
+        assert_eq!(e["first_token_from"], "decode", "{e}");
+        assert_eq!(by_decode, completion_tokens, "{e}");
+        return;
+    }
+    assert_eq!(e["first_token_from"], "prefill", "{e}");
+    if completion_tokens < 2 {
+        assert_eq!(by_decode, 0, "{e}");
+        return;
+    }
+    let mut written_before = 1;
+    if e["handoff_mode"] == "live" {
+        assert!(
+            e["handoff_cancelled"].is_null(),
+            "the live handoff gave up: {e}"
+        );
+        written_before = e["prefill_tokens"].as_u64().expect("prefill_tokens");
+        assert!(
+            written_before < completion_tokens && e["switch_ms"].as_f64().is_some(),
+            "the answer ended before the live switch: {e}"
+        );
+    }
+    assert!(
+        e["handoff_bytes"].as_u64().is_some_and(|b| b > 0),
+        "no handoff bytes: {e}"
+    );
+    assert_eq!(
+        by_decode,
+        completion_tokens - written_before,
+        "the decode node did not write every token after the first {written_before}: {e}"
+    );
+    // The decode node's own count, when it reported one (a stop string ends the answer at
+    // the router before the decode node reports).
+    if !e["decode_ms"].is_null() {
+        assert_eq!(e["decode_tokens"].as_u64(), Some(by_decode), "{e}");
+    }
+}
+
+/// `body` as a client sends it: no `edgesplit` field, streamed or not; the router's
+/// defaults choose the transport and the handoff mode. Returns the outcome (no token ids)
+/// and the answer's `edgesplit` object, after checking that the default (a live V2 split)
+/// ran and the decode node wrote the answer after the switch ([`assert_split`]).
+pub async fn run_plain(stack: &Stack, path: &str, body: &Value, streamed: bool) -> Outcome {
+    let mut body = body.clone();
+    assert!(body.get("edgesplit").is_none(), "{body}");
+    body["stream"] = json!(streamed);
+    if streamed {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    let url = format!("{}{}", stack.router, path);
+    let (outcome, e) = if streamed {
+        let (status, datas) = stream(&url, &body).await;
+        assert_eq!(status, 200, "{datas:?}");
+        outcome_of_chunks(&chunks(&datas))
+    } else {
+        let (status, _, v) = post(&url, &body).await;
+        assert_eq!(status, 200, "{v}");
+        (outcome_of_body(&v), v["edgesplit"].clone())
+    };
+    assert_eq!(e["transport"], "v2", "{e}");
+    assert_eq!(e["handoff_mode"], "live", "{e}");
+    assert!(e.get("token_ids").is_none(), "{e}");
+    assert_split(&e, outcome.completion_tokens);
+    outcome
+}
+
+/// A conversation the decode node continued, or a request answered without a reachable
+/// decode node, had no handoff (and so no handoff mode).
+fn no_handoff(edgesplit: &Value) -> bool {
+    edgesplit["placement"] == "decode_node" || edgesplit["fallback"] == "decode_unavailable"
 }
 
 /// [`run`] without the split assertion (for answers that are meant to fall back), with the
@@ -702,51 +796,60 @@ pub async fn run_reporting(
         let (status, _, v) = post(&url, &body).await;
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["edgesplit"]["transport"], wire);
-        // (A conversation the decode node continued, or a request answered without a
-        // reachable decode node, had no handoff.)
-        let no_handoff = v["edgesplit"]["placement"] == "decode_node"
-            || v["edgesplit"]["fallback"] == "decode_unavailable";
-        if let (Some(m), false) = (mode, no_handoff) {
+        if let (Some(m), false) = (mode, no_handoff(&v["edgesplit"])) {
             assert_eq!(v["edgesplit"]["handoff_mode"], m, "{v}");
         }
-        let choice = &v["choices"][0];
-        let message = &choice["message"];
-        // (Null when an answer is only tool calls.)
-        let text = match (&message["content"], &choice["text"]) {
-            (Value::String(t), _) | (_, Value::String(t)) => t.clone(),
-            _ if message["tool_calls"].is_array() => String::new(),
-            _ => panic!("no text in {v}"),
-        };
-        let tool_calls = message["tool_calls"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|c| {
-                assert!(
-                    c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
-                    "{c}"
-                );
-                assert_eq!(c["type"], "function", "{c}");
-                (
-                    c["function"]["name"].as_str().unwrap().to_string(),
-                    c["function"]["arguments"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect();
-        let outcome = Outcome {
-            text,
-            token_ids: ids(&v),
-            finish_reason: choice["finish_reason"].as_str().unwrap().to_string(),
-            prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
-            completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
-            logprobs: choice["logprobs"].clone(),
-            tool_calls,
-        };
-        return (outcome, v["edgesplit"].clone());
+        return (outcome_of_body(&v), v["edgesplit"].clone());
     }
     let (status, datas) = stream(&url, &body).await;
     assert_eq!(status, 200);
-    let cs = chunks(&datas);
+    let (outcome, edgesplit) = outcome_of_chunks(&chunks(&datas));
+    assert_eq!(edgesplit["transport"], wire, "{edgesplit}");
+    if let (Some(m), false) = (mode, no_handoff(&edgesplit)) {
+        assert_eq!(edgesplit["handoff_mode"], m, "{edgesplit}");
+    }
+    (outcome, edgesplit)
+}
+
+/// The outcome of a whole (not streamed) response.
+fn outcome_of_body(v: &Value) -> Outcome {
+    let choice = &v["choices"][0];
+    let message = &choice["message"];
+    // (Null when an answer is only tool calls.)
+    let text = match (&message["content"], &choice["text"]) {
+        (Value::String(t), _) | (_, Value::String(t)) => t.clone(),
+        _ if message["tool_calls"].is_array() => String::new(),
+        _ => panic!("no text in {v}"),
+    };
+    let tool_calls = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            assert!(
+                c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
+                "{c}"
+            );
+            assert_eq!(c["type"], "function", "{c}");
+            (
+                c["function"]["name"].as_str().unwrap().to_string(),
+                c["function"]["arguments"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    Outcome {
+        text,
+        token_ids: ids(v),
+        finish_reason: choice["finish_reason"].as_str().unwrap().to_string(),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap(),
+        logprobs: choice["logprobs"].clone(),
+        tool_calls,
+    }
+}
+
+/// The outcome of a streamed response's chunks, and its `edgesplit` object.
+fn outcome_of_chunks(cs: &[Value]) -> (Outcome, Value) {
     let mut text = String::new();
     let mut finish = None;
     let mut usage = None;
@@ -754,7 +857,7 @@ pub async fn run_reporting(
     let mut edgesplit = Value::Null;
     let mut logprobs = Value::Null;
     let mut tool_calls: Vec<(String, String)> = Vec::new();
-    for c in &cs {
+    for c in cs {
         assert!(c.get("error").is_none(), "in-band error: {c}");
         if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
             usage = Some(u.clone());
