@@ -632,6 +632,30 @@ mod tests {
             self.generate_from(Start::Prompt(vec![1]), max_tokens)
         }
 
+        /// A live answer: its events, and where its snapshots are asked for.
+        fn generate_live(
+            &mut self,
+            max_tokens: u32,
+        ) -> (
+            mpsc::UnboundedReceiver<GenEvent>,
+            mpsc::UnboundedSender<SnapshotAsk>,
+        ) {
+            let (events, rx) = mpsc::unbounded_channel();
+            let (asks, live) = mpsc::unbounded_channel();
+            self.sched.accept(Command::Generate {
+                job: GenerateJob {
+                    start: Start::Prompt(vec![1]),
+                    params: SamplingParams::default(),
+                    max_tokens,
+                    live: Some(live),
+                    pieces: None,
+                },
+                events,
+                in_flight: InFlight::new(&self.in_flight),
+            });
+            (rx, asks)
+        }
+
         fn prefill(&mut self) -> oneshot::Receiver<Result<PrefillOutput, EngineError>> {
             let (reply, rx) = oneshot::channel();
             self.sched.accept(Command::Prefill {
@@ -668,6 +692,33 @@ mod tests {
         }
     }
 
+    /// Asks a live answer for its whole state (with `stop`, handing it over).
+    fn ask(
+        asks: &mpsc::UnboundedSender<SnapshotAsk>,
+        stop: bool,
+    ) -> oneshot::Receiver<Result<Snapshot, EngineError>> {
+        ask_from(asks, stop, false, 0)
+    }
+
+    /// Asks a live answer for its state from `from` on, now or (`at_end`) at its end.
+    fn ask_from(
+        asks: &mpsc::UnboundedSender<SnapshotAsk>,
+        stop: bool,
+        at_end: bool,
+        from: usize,
+    ) -> oneshot::Receiver<Result<Snapshot, EngineError>> {
+        let (reply, rx) = oneshot::channel();
+        asks.send(SnapshotAsk {
+            stop,
+            at_end,
+            from,
+            digest: false,
+            reply,
+        })
+        .unwrap();
+        rx
+    }
+
     fn drain(rx: &mut mpsc::UnboundedReceiver<GenEvent>) -> Vec<GenEvent> {
         let mut out = Vec::new();
         while let Ok(e) = rx.try_recv() {
@@ -694,19 +745,7 @@ mod tests {
     fn a_paced_live_answer_steps_once_per_snapshot_until_its_handoff_lets_go() {
         let mut h = harness(2);
         h.sched.pace_live = true;
-        let (events, mut rx) = mpsc::unbounded_channel();
-        let (asks, live) = mpsc::unbounded_channel();
-        h.sched.accept(Command::Generate {
-            job: GenerateJob {
-                start: Start::Prompt(vec![1]),
-                params: SamplingParams::default(),
-                max_tokens: 10,
-                live: Some(live),
-                pieces: None,
-            },
-            events,
-            in_flight: InFlight::new(&h.in_flight),
-        });
+        let (mut rx, asks) = h.generate_live(10);
         let mut plain = h.generate(3);
         for _ in 0..4 {
             h.round();
@@ -715,19 +754,7 @@ mod tests {
         assert_eq!(h.steps(), ["step 1", "step 1", "step 1"]);
         assert!(!h.sched.stepped, "the last round stepped nothing");
         assert_eq!(ids(&drain(&mut plain)).len(), 3);
-        let ask = || {
-            let (reply, rx) = oneshot::channel();
-            asks.send(SnapshotAsk {
-                stop: false,
-                at_end: false,
-                from: 0,
-                digest: false,
-                reply,
-            })
-            .unwrap();
-            rx
-        };
-        let mut snap = ask();
+        let mut snap = ask(&asks, false);
         h.round();
         h.round();
         assert!(snap.try_recv().unwrap().is_ok());
@@ -750,38 +777,14 @@ mod tests {
     #[test]
     fn snapshots_come_between_steps_and_a_stopping_one_hands_over() {
         let mut h = harness(1);
-        let (events, mut rx) = mpsc::unbounded_channel();
-        let (asks, live) = mpsc::unbounded_channel();
-        h.sched.accept(Command::Generate {
-            job: GenerateJob {
-                start: Start::Prompt(vec![1]),
-                params: SamplingParams::default(),
-                max_tokens: 10,
-                live: Some(live),
-                pieces: None,
-            },
-            events,
-            in_flight: InFlight::new(&h.in_flight),
-        });
+        let (mut rx, asks) = h.generate_live(10);
         h.round();
         h.round();
-        let ask = |stop| {
-            let (reply, rx) = oneshot::channel();
-            asks.send(SnapshotAsk {
-                stop,
-                at_end: false,
-                from: 0,
-                digest: false,
-                reply,
-            })
-            .unwrap();
-            rx
-        };
-        let mut first = ask(false);
+        let mut first = ask(&asks, false);
         h.round();
         let snap = first.try_recv().unwrap().unwrap();
         assert_eq!((snap.last, snap.answered), (2, 2));
-        let mut last = ask(true);
+        let mut last = ask(&asks, true);
         h.round();
         let snap = last.try_recv().unwrap().unwrap();
         assert_eq!((snap.last, snap.answered), (3, 3));
@@ -823,42 +826,16 @@ mod tests {
     /// handed over or cancelled answers none (the asker sees `None`).
     #[test]
     fn a_snapshot_asked_for_at_the_end_comes_when_the_answer_ends() {
-        let ask = |asks: &mpsc::UnboundedSender<SnapshotAsk>, from| {
-            let (reply, rx) = oneshot::channel();
-            asks.send(SnapshotAsk {
-                stop: false,
-                at_end: true,
-                from,
-                digest: false,
-                reply,
-            })
-            .unwrap();
-            rx
-        };
-        let start = |h: &mut Harness, max_tokens| {
-            let (events, rx) = mpsc::unbounded_channel();
-            let (asks, live) = mpsc::unbounded_channel();
-            h.sched.accept(Command::Generate {
-                job: GenerateJob {
-                    start: Start::Prompt(vec![1]),
-                    params: SamplingParams::default(),
-                    max_tokens,
-                    live: Some(live),
-                    pieces: None,
-                },
-                events,
-                in_flight: InFlight::new(&h.in_flight),
-            });
-            (rx, asks)
-        };
+        let at_end =
+            |asks: &mpsc::UnboundedSender<SnapshotAsk>, from| ask_from(asks, false, true, from);
         // Ends by its length: the newer ask is answered with the state after the last
         // step, the older one sees None.
         let mut h = harness(1);
-        let (mut rx, asks) = start(&mut h, 3);
+        let (mut rx, asks) = h.generate_live(3);
         h.round();
-        let mut older = ask(&asks, 1);
+        let mut older = at_end(&asks, 1);
         h.round();
-        let mut newer = ask(&asks, 2);
+        let mut newer = at_end(&asks, 2);
         assert!(newer.try_recv().is_err(), "not before the end");
         h.round();
         h.round();
@@ -876,18 +853,10 @@ mod tests {
         );
         // Handed over: the ask made for the end is not answered.
         let mut h = harness(1);
-        let (_rx, asks) = start(&mut h, 10);
+        let (_rx, asks) = h.generate_live(10);
         h.round();
-        let mut end = ask(&asks, 1);
-        let (reply, mut stop) = oneshot::channel();
-        asks.send(SnapshotAsk {
-            stop: true,
-            at_end: false,
-            from: 0,
-            digest: false,
-            reply,
-        })
-        .unwrap();
+        let mut end = at_end(&asks, 1);
+        let mut stop = ask(&asks, true);
         h.round();
         assert!(stop.try_recv().unwrap().is_ok());
         assert!(matches!(
