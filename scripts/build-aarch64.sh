@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Cross-builds the decode node for aarch64 Linux (glibc) on this x86_64 Debian machine:
+# `edgesplit-decode` and its ggml RPC child `edgesplit-rpc`, with llama.cpp's ARM (NEON)
+# kernels for the baseline EDGESPLIT_ARM_ARCH (default armv8.2-a+dotprod+fp16: every
+# ARMv8.2 phone core since ~2018, Cortex-A55/A75 on; nothing tuned to the build machine),
+# into target-aarch64/. Installs what is missing (idempotent, like setup.sh). Prints the
+# decode binary's path as the last line of stdout.
+#
+# The binary runs where glibc does: Debian under proot-distro on a phone, a Raspberry Pi,
+# an ARM laptop (deploy/README.md); not Termux's own (bionic) userland. Here it runs under
+# `qemu-aarch64` (without `-L`: qemu finds the multiarch loader and libraries this script
+# installs; with a cross sysroot it hangs at the first thread).
+#
+# Toolchain: Debian's `rustc-web`/`cargo-web` (1.96, /usr/bin/rustc, /usr/bin/cargo) with
+# its aarch64 standard library; rustup's toolchain stays the default for everything else.
+# The same pinned crates (Cargo.lock, --locked). One patch, on a copy of the pinned
+# llama-cpp-sys-2 (patches/llama-cpp-sys-2-aarch64-arch.patch): its build script pins
+# ggml's ARM baseline to armv8-a for aarch64 Linux, after the caller's settings.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TARGET=aarch64-unknown-linux-gnu
+ARCH="${EDGESPLIT_ARM_ARCH:-armv8.2-a+dotprod+fp16}"
+OUT="$ROOT/target-aarch64"
+log() { printf '\033[1;34m[aarch64]\033[0m %s\n' "$*" >&2; }
+
+SUDO=""
+[[ $(id -u) -ne 0 ]] && SUDO="sudo"
+# --- packages ----------------------------------------------------------------------------
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    log "adding the arm64 package architecture"
+    $SUDO dpkg --add-architecture arm64
+    $SUDO apt-get update -qq
+fi
+want=(rustc-web cargo-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
+    qemu-user libgomp1:arm64 libstdc++6:arm64 protobuf-compiler cmake clang libclang-dev patch)
+missing=()
+for p in "${want[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    log "installing: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- the patched copy of the pinned llama-cpp-sys-2 ----------------------------------------
+cd "$ROOT"
+VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
+PATCHED="$OUT/llama-cpp-sys-2-$VERSION"
+if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
+    log "patching a copy of llama-cpp-sys-2 $VERSION (its ARM baseline)"
+    /usr/bin/cargo fetch --locked >/dev/null
+    # shellcheck disable=SC2206 # the glob picks the registry folder
+    src=(${CARGO_HOME:-$HOME/.cargo}/registry/src/*/llama-cpp-sys-2-"$VERSION")
+    rm -rf "$PATCHED"
+    mkdir -p "$OUT"
+    cp -r "${src[0]}" "$PATCHED"
+    patch -s -p1 -d "$PATCHED" -i "$ROOT/patches/llama-cpp-sys-2-aarch64-arch.patch"
+    touch "$PATCHED/.edgesplit-patched"
+fi
+
+# --- the build ----------------------------------------------------------------------------
+log "building edgesplit-decode and edgesplit-rpc for $TARGET ($ARCH) into $OUT"
+# The patch makes cargo write the patched crate's source into Cargo.lock: the repository's
+# lock file is put back as it was (every other crate is the locked one, as `cargo fetch
+# --locked` above checked).
+cp Cargo.lock "$OUT/Cargo.lock.orig"
+trap 'cp "$OUT/Cargo.lock.orig" "$ROOT/Cargo.lock"' EXIT
+RUSTC=/usr/bin/rustc \
+    CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc \
+    CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++ \
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+    BINDGEN_EXTRA_CLANG_ARGS="--sysroot=/usr/aarch64-linux-gnu" \
+    GGML_CPU_ARM_ARCH="$ARCH" \
+    /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" \
+    -p edgesplit-decode --bins \
+    --config "patch.crates-io.llama-cpp-sys-2.path=\"$PATCHED\"" >&2
+BIN="$OUT/$TARGET/release/edgesplit-decode"
+file "$BIN" >&2 || true
+echo "$BIN"
