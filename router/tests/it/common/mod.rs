@@ -743,14 +743,25 @@ pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
 /// and the answer's `edgesplit` object, after checking that the default (a live V2 split)
 /// ran and the decode node wrote the answer after the switch ([`assert_split`]).
 pub async fn run_plain(stack: &Stack, path: &str, body: &Value, streamed: bool) -> Outcome {
-    let mut body = body.clone();
     assert!(body.get("edgesplit").is_none(), "{body}");
+    let (outcome, e) = send(stack, path, body, streamed).await;
+    assert_eq!(e["transport"], "v2", "{e}");
+    assert_eq!(e["handoff_mode"], "live", "{e}");
+    assert!(e.get("token_ids").is_none(), "{e}");
+    assert_split(&e, outcome.completion_tokens);
+    outcome
+}
+
+/// Sends `body` to `path`, streamed (with the usage chunk) or not; the answer must be a
+/// 200. Returns its outcome and its `edgesplit` object.
+async fn send(stack: &Stack, path: &str, body: &Value, streamed: bool) -> (Outcome, Value) {
+    let mut body = body.clone();
     body["stream"] = json!(streamed);
     if streamed {
         body["stream_options"] = json!({"include_usage": true});
     }
     let url = format!("{}{}", stack.router, path);
-    let (outcome, e) = if streamed {
+    if streamed {
         let (status, datas) = stream(&url, &body).await;
         assert_eq!(status, 200, "{datas:?}");
         outcome_of_chunks(&chunks(&datas))
@@ -758,12 +769,7 @@ pub async fn run_plain(stack: &Stack, path: &str, body: &Value, streamed: bool) 
         let (status, _, v) = post(&url, &body).await;
         assert_eq!(status, 200, "{v}");
         (outcome_of_body(&v), v["edgesplit"].clone())
-    };
-    assert_eq!(e["transport"], "v2", "{e}");
-    assert_eq!(e["handoff_mode"], "live", "{e}");
-    assert!(e.get("token_ids").is_none(), "{e}");
-    assert_split(&e, outcome.completion_tokens);
-    outcome
+    }
 }
 
 /// A conversation the decode node continued, or a request answered without a reachable
@@ -787,23 +793,8 @@ pub async fn run_reporting(
     if let Some(m) = mode {
         body["edgesplit"]["handoff"] = json!(m);
     }
-    body["stream"] = json!(streamed);
-    if streamed {
-        body["stream_options"] = json!({"include_usage": true});
-    }
-    let url = format!("{}{}", stack.router, path);
-    if !streamed {
-        let (status, _, v) = post(&url, &body).await;
-        assert_eq!(status, 200, "{v}");
-        assert_eq!(v["edgesplit"]["transport"], wire);
-        if let (Some(m), false) = (mode, no_handoff(&v["edgesplit"])) {
-            assert_eq!(v["edgesplit"]["handoff_mode"], m, "{v}");
-        }
-        return (outcome_of_body(&v), v["edgesplit"].clone());
-    }
-    let (status, datas) = stream(&url, &body).await;
-    assert_eq!(status, 200);
-    let (outcome, edgesplit) = outcome_of_chunks(&chunks(&datas));
+    let (outcome, edgesplit) = send(stack, path, &body, streamed).await;
+    // Streamed or not, the transport and the handoff mode used are the ones asked for.
     assert_eq!(edgesplit["transport"], wire, "{edgesplit}");
     if let (Some(m), false) = (mode, no_handoff(&edgesplit)) {
         assert_eq!(edgesplit["handoff_mode"], m, "{edgesplit}");
