@@ -6,6 +6,9 @@
 # into target-aarch64/. Installs what is missing (idempotent, like setup.sh). Prints the
 # decode binary's path as the last line of stdout.
 #
+# `--measure` also builds what `edgesplit-bench agreement` runs on the aarch64 side: the
+# prefill node (`edgesplit-prefill`) and the engine's `score` example.
+#
 # The binary runs where glibc does: Debian under proot-distro on a phone, a Raspberry Pi,
 # an ARM laptop (deploy/README.md); not Termux's own (bionic) userland. Here it runs under
 # `qemu-aarch64` (without `-L`: qemu finds the multiarch loader and libraries this script
@@ -13,7 +16,7 @@
 #
 # Toolchain: Debian's `rustc-web`/`cargo-web` (1.96, /usr/bin/rustc, /usr/bin/cargo) with
 # its aarch64 standard library; rustup's toolchain stays the default for everything else.
-# The same pinned crates (Cargo.lock, --locked). One patch, on a copy of the pinned
+# The same pinned crates (Cargo.lock). One patch, on a copy of the pinned
 # llama-cpp-sys-2 (patches/llama-cpp-sys-2-aarch64-arch.patch): its build script pins
 # ggml's ARM baseline to armv8-a for aarch64 Linux, after the caller's settings.
 set -euo pipefail
@@ -59,21 +62,35 @@ if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
     touch "$PATCHED/.edgesplit-patched"
 fi
 
-# --- the build ----------------------------------------------------------------------------
-log "building edgesplit-decode and edgesplit-rpc for $TARGET ($ARCH) into $OUT"
-# The patch makes cargo write the patched crate's source into Cargo.lock: the repository's
-# lock file is put back as it was (every other crate is the locked one, as `cargo fetch
-# --locked` above checked).
-cp Cargo.lock "$OUT/Cargo.lock.orig"
-trap 'cp "$OUT/Cargo.lock.orig" "$ROOT/Cargo.lock"' EXIT
+# --- the build ---------------------------------------------------------------------------
+# In a copy of the workspace's sources (target-aarch64/src): the patch makes cargo write the
+# patched crate's source into that copy's Cargo.lock, never the repository's, which a build
+# for this machine may be reading at the same time (scripts/test.sh runs both at once).
+# Cargo changes only the patched crate's entry: every other crate is the locked one. tar
+# keeps the files' times, so an unchanged file is not rebuilt.
+SRC="$OUT/src"
+mkdir -p "$SRC"
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
+        tar -C "$ROOT" --null -T - -cf - | tar -C "$SRC" -xf -
+else
+    tar -C "$ROOT" --exclude=./target --exclude=./target-aarch64 --exclude=./.build \
+        --exclude=./models -cf - . | tar -C "$SRC" -xf -
+fi
+rm -f "$OUT/Cargo.lock.orig" # the repository's lock, put back by an earlier version of this script
+packages=(-p edgesplit-decode --bins)
+if [[ "${1:-}" == "--measure" ]]; then
+    packages+=(-p edgesplit-prefill -p edgesplit-engine --example score)
+fi
+log "building ${packages[*]} for $TARGET ($ARCH) into $OUT"
+cd "$SRC"
 RUSTC=/usr/bin/rustc \
     CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc \
     CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++ \
     CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
     BINDGEN_EXTRA_CLANG_ARGS="--sysroot=/usr/aarch64-linux-gnu" \
     GGML_CPU_ARM_ARCH="$ARCH" \
-    /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" \
-    -p edgesplit-decode --bins \
+    /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" "${packages[@]}" \
     --config "patch.crates-io.llama-cpp-sys-2.path=\"$PATCHED\"" >&2
 BIN="$OUT/$TARGET/release/edgesplit-decode"
 file "$BIN" >&2 || true

@@ -27,6 +27,13 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The phone build: the decode node cross-built for aarch64 (scripts/build-aarch64.sh), run
+# under qemu-aarch64 by router/tests/it/cross_arch.rs. In the background too, after the
+# package installs above (its own apt step must not race theirs).
+A64_LOG="$ROOT/.build/build-aarch64.log"
+echo "[test] the aarch64 decode node (scripts/build-aarch64.sh), in the background" >&2
+bash scripts/build-aarch64.sh >"$A64_LOG" 2>&1 &
+A64_PID=$!
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
 echo "[test] the phone build (scripts/check-phone.sh)" >&2
@@ -54,6 +61,12 @@ echo "[test] waiting for the stock llama.cpp build" >&2
 if ! wait "$STOCK_PID"; then
     echo "[test] the stock llama.cpp build failed; the end of its log ($STOCK_LOG):" >&2
     tail -n 40 "$STOCK_LOG" >&2
+    exit 1
+fi
+echo "[test] waiting for the aarch64 build" >&2
+if ! wait "$A64_PID"; then
+    echo "[test] the aarch64 build failed; the end of its log ($A64_LOG):" >&2
+    tail -n 40 "$A64_LOG" >&2
     exit 1
 fi
 cargo test --release --workspace

@@ -27,7 +27,7 @@ pub struct QualityArgs {
 }
 
 /// The fixed text: varied English prose, long enough for any `--tokens` here.
-fn text() -> String {
+pub(crate) fn text() -> String {
     let sentences = [
         "The harbour wakes before the town does, and the first boats leave in the dark.",
         "A ledger kept by the lighthouse keeper lists every ship that passed in 1887.",
@@ -105,8 +105,8 @@ pub async fn run(args: &QualityArgs) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|");
     for kv in &args.types {
         let test = engine(&args.model, n_ctx, args.threads, *kv).await?;
-        let mut a = reference.score(tokens.clone()).await?;
-        let mut b = test.score(tokens.clone()).await?;
+        let mut a = reference.score(tokens.clone(), 0, None).await?;
+        let mut b = test.score(tokens.clone(), 0, None).await?;
         let mut q = Quality::default();
         loop {
             let (p, t) = match (a.recv().await, b.recv().await) {

@@ -2,6 +2,7 @@
 //! - `run`: the harness. Starts the whole stack itself (or uses `--url`), behind an
 //!   emulated link profile, and drives the router's public streaming API exactly as a
 //!   client does, beside a stock llama.cpp `llama-server` baseline in the same run.
+//! - `agreement`: how far answers agree across architectures (x86 here, aarch64 under qemu).
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
 //! - `handoff`: where a handoff's time goes, beside the original EdgeSplit's V1 path.
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod agreement;
 mod chat_bench;
 mod client;
 mod engine_bench;
@@ -67,6 +69,9 @@ enum Cli {
     /// The layer split (ggml RPC to the decode node) against one device, per link
     /// profile, and a run with both nodes' memory capped (issue 17).
     Layers(layers_bench::LayersArgs),
+    /// How far answers and next-token distributions agree across architectures: x86 here,
+    /// the aarch64 build under qemu (issue 35). Not a speed figure.
+    Agreement(agreement::AgreementArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -212,6 +217,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::Handoff(args) => handoff_bench::run(&args).await,
         Cli::Chat(args) => chat_bench::run(&args).await,
         Cli::Layers(args) => layers_bench::run(&args).await,
+        Cli::Agreement(args) => agreement::run(&args).await,
     }
 }
 

@@ -54,6 +54,10 @@ pub struct StackConfig {
     pub rpc: Option<RpcSplit>,
     /// The router's `--continue-on` (where a held conversation's new turn is prefilled).
     pub continue_on: String,
+    /// A node's program other than its binary next to this one: a launcher and a binary
+    /// (`qemu-aarch64 target-aarch64/.../edgesplit-decode`, `edgesplit-bench agreement`).
+    pub decode_program: Option<Vec<PathBuf>>,
+    pub prefill_program: Option<Vec<PathBuf>>,
 }
 
 /// A layer split's settings.
@@ -84,6 +88,8 @@ impl StackConfig {
             secret: None,
             rpc: None,
             continue_on: "measured".into(),
+            decode_program: None,
+            prefill_program: None,
         }
     }
 }
@@ -134,17 +140,25 @@ fn binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-/// Starts service `name` with `args`, its log in `log`, the stack's `secret` and a
-/// memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
+/// Starts service `name` (or `program`, a launcher and its binary) with `args`, its log in
+/// `log`, the stack's `secret` and a memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
 fn spawn(
     name: &str,
+    program: Option<&Vec<PathBuf>>,
     args: &[String],
     log: &Path,
     secret: Option<&str>,
     budget: Option<u64>,
 ) -> anyhow::Result<Child> {
     let log = std::fs::File::create(log)?;
-    let mut cmd = Command::new(binary(name)?);
+    let mut cmd = match program {
+        Some(p) => {
+            let mut c = Command::new(&p[0]);
+            c.args(&p[1..]);
+            c
+        }
+        None => Command::new(binary(name)?),
+    };
     match secret {
         Some(s) => cmd.env("EDGESPLIT_SECRET", s),
         None => cmd.env_remove("EDGESPLIT_SECRET"),
@@ -283,6 +297,7 @@ impl Stack {
         }
         stack.children.push(spawn(
             "edgesplit-decode",
+            cfg.decode_program.as_ref(),
             &dargs,
             &cfg.dir.join("decode.log"),
             cfg.secret.as_deref(),
@@ -306,6 +321,7 @@ impl Stack {
         }
         stack.children.push(spawn(
             "edgesplit-prefill",
+            cfg.prefill_program.as_ref(),
             &pargs,
             &cfg.dir.join("prefill.log"),
             cfg.secret.as_deref(),
@@ -327,6 +343,7 @@ impl Stack {
         rargs.extend(["--continue-on".into(), cfg.continue_on.clone()]);
         stack.children.push(spawn(
             "edgesplit-router",
+            None,
             &rargs,
             &cfg.dir.join("router.log"),
             cfg.secret.as_deref(),

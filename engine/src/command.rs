@@ -25,6 +25,11 @@ pub(crate) enum Command {
     /// position's next-token log-probabilities (blocking while `out` is full).
     Score {
         tokens: Vec<i32>,
+        /// Positions before this one are context, not scored: prefilled as a prompt, or,
+        /// with `prefix`, imported from that state (`Export::Raw` of the same prefill,
+        /// maybe on another machine).
+        from: usize,
+        prefix: Option<Vec<u8>>,
         out: mpsc::Sender<Result<Vec<f32>, EngineError>>,
         in_flight: InFlight,
     },

@@ -209,19 +209,27 @@ impl Engine {
     }
 
     /// Reads `tokens` and streams, for each position, the log-probabilities of the next
-    /// token over the whole vocabulary (for measuring what a KV cache type costs against
-    /// another; not an answer). Waits for a free sequence slot; at most 8 positions wait
-    /// unread.
+    /// token over the whole vocabulary (for measuring what a KV cache type or another
+    /// device costs against a reference; not an answer), from position `from` on. The
+    /// positions before it are context: prefilled as a prompt is, or, with `prefix`,
+    /// imported from that state (the [`Export::Raw`](crate::Export) of such a prefill,
+    /// maybe on another machine). Either way the scored positions are read in the same
+    /// batches, so on one machine both give the same numbers. Waits for a free sequence
+    /// slot; at most 8 positions wait unread.
     ///
     /// # Errors
     /// [`EngineError::Closed`] if the owner thread is gone.
     pub async fn score(
         &self,
         tokens: Vec<i32>,
+        from: usize,
+        prefix: Option<Vec<u8>>,
     ) -> Result<mpsc::Receiver<Result<Vec<f32>, EngineError>>, EngineError> {
         let (out, rx) = mpsc::channel(8);
         self.send(Command::Score {
             tokens,
+            from,
+            prefix,
             out,
             in_flight: InFlight::new(&self.in_flight),
         })

@@ -8,10 +8,6 @@ use sha2::{Digest, Sha256};
 
 use crate::EngineConfig;
 
-/// llama.cpp build identity: the bindings crate pins one llama.cpp commit. Kept in step with
-/// the workspace's `=` pin of `llama-cpp-sys-2` (a unit test checks Cargo.lock).
-pub const BUILD_ID: &str = "llama-cpp-sys-2 0.1.161";
-
 /// What a node tells the router and its handoff peer about its model and context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelInfo {
@@ -22,7 +18,12 @@ pub struct ModelInfo {
     pub n_ctx: u32,
     /// Bytes of K+V per token, from the GGUF's layer count, KV heads and head sizes.
     pub kv_bytes_per_token: u64,
+    /// What a handoff peer must share (`platform::Platform::build_id`).
     pub build_id: String,
+    /// The CPU architecture and the kernels this build computes with (may differ between
+    /// the nodes; `platform::Platform`).
+    pub arch: String,
+    pub kernels: String,
     pub type_k: u32,
     pub type_v: u32,
     pub flash_attn: bool,
@@ -81,12 +82,15 @@ impl ModelInfo {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into());
+        let platform = crate::platform::read();
         ModelInfo {
             model_id,
             fingerprint,
             n_ctx,
             kv_bytes_per_token,
-            build_id: BUILD_ID.to_string(),
+            build_id: platform.build_id,
+            arch: platform.arch,
+            kernels: platform.kernels,
             type_k: config.cache_type_k.ggml_type(),
             type_v: config.cache_type_v.ggml_type(),
             flash_attn,
@@ -231,13 +235,5 @@ mod tests {
         // With 24 GB the 10% margin wins; with less memory than the model, nothing fits.
         assert_eq!(MemoryPlan::new(24_000_000_000, 0, 1).margin, 2_400_000_000);
         assert_eq!(MemoryPlan::new(50_000_000, 98_362_432, 23_040).tokens, 0);
-    }
-
-    #[test]
-    fn build_id_matches_the_locked_bindings() {
-        let lock = include_str!("../../Cargo.lock");
-        let version = BUILD_ID.rsplit(' ').next().unwrap();
-        let needle = format!("name = \"llama-cpp-sys-2\"\nversion = \"{version}\"");
-        assert!(lock.contains(&needle), "Cargo.lock does not pin {BUILD_ID}");
     }
 }

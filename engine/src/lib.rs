@@ -7,7 +7,8 @@
 //! Modules: `types` (what goes in and out), `command` (what the handle sends the owner
 //! thread), `handle` ([`Engine`]), `scheduler` (slots, waiting work, turns; tested without a
 //! model), `worker` (the llama.cpp calls), `exit_guard` (no llama.cpp call once the process
-//! exits), `config` (the engine's and both nodes' shared settings).
+//! exits), `config` (the engine's and both nodes' shared settings), `platform` (the build id
+//! and the device: architecture, kernels).
 
 mod cache;
 mod command;
@@ -16,6 +17,7 @@ mod exit_guard;
 mod handle;
 mod info;
 pub mod layer_plan;
+pub mod platform;
 pub mod rpc;
 pub mod sampling;
 mod scheduler;
@@ -29,7 +31,7 @@ pub use config::{
     default_threads, EngineArgs, EngineConfig, FlashAttn, KvType, RemoteLayers, GGML_TYPE_F16,
 };
 pub use handle::{Engine, Live, LiveAnswer};
-pub use info::{mem_available_bytes, mem_budget_bytes, MemoryPlan, ModelInfo, BUILD_ID};
+pub use info::{mem_available_bytes, mem_budget_bytes, MemoryPlan, ModelInfo};
 pub use sampling::SamplingParams;
 pub use scheduler::MAX_WAITING;
 pub use template::ToolCallFormat;

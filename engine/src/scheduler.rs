@@ -38,6 +38,8 @@ pub(crate) trait Slots {
         &mut self,
         slot: usize,
         tokens: &[i32],
+        from: usize,
+        prefix: Option<&[u8]>,
         out: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
     ) -> Result<(), EngineError>;
     /// Sets an answer up in `slot` (prefill, import or rebuild) and emits what comes before
@@ -263,11 +265,16 @@ impl<S: Slots> Scheduler<S> {
                 }
                 Command::Score {
                     tokens,
+                    from,
+                    prefix,
                     out,
                     in_flight,
                 } => {
                     self.publish_active(1);
-                    if let Err(e) = self.slots.score(slot, &tokens, &out) {
+                    if let Err(e) = self
+                        .slots
+                        .score(slot, &tokens, from, prefix.as_deref(), &out)
+                    {
                         let _ = out.blocking_send(Err(e));
                     }
                     // Scored in batches of their own: no prefix worth keeping.
@@ -536,6 +543,8 @@ mod tests {
             &mut self,
             slot: usize,
             _: &[i32],
+            _: usize,
+            _: Option<&[u8]>,
             _: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
         ) -> Result<(), EngineError> {
             self.log.lock().unwrap().push(format!("score {slot}"));

@@ -40,6 +40,8 @@ impl ModelInfo {
             kv_bytes_per_token: self.kv_bytes_per_token,
             mem_available_bytes: crate::mem_available_bytes().unwrap_or(0),
             build_id: self.build_id.clone(),
+            arch: self.arch.clone(),
+            kernels: self.kernels.clone(),
             has_chat_template: self.has_chat_template,
             flash_attn: self.flash_attn,
             type_k: self.type_k,

@@ -1076,17 +1076,39 @@ impl Slots for Worker<'_> {
         &mut self,
         slot: usize,
         tokens: &[i32],
+        from: usize,
+        prefix: Option<&[u8]>,
         out: &mpsc::Sender<Result<Vec<f32>, EngineError>>,
     ) -> Result<(), EngineError> {
         self.check_fits(tokens.len(), 0)?;
+        if from >= tokens.len() || (from == 0 && prefix.is_some()) {
+            return Err(EngineError::Import(format!(
+                "score from position {from} of {} tokens",
+                tokens.len()
+            )));
+        }
         self.clear(slot);
+        // The context: imported, or prefilled as a prompt is (so an exported prefill's
+        // state, imported, holds the same numbers on the same machine).
+        match prefix {
+            Some(state) => {
+                edgesplit_proto::layout::describe_state(state).ok_or_else(|| {
+                    EngineError::Import("the prefix is not a sequence state".into())
+                })?;
+                self.import(slot, state, &tokens[..from], from)?;
+            }
+            None if from > 0 => {
+                self.prefill(slot, &tokens[..from], 0, &SamplingParams::default())?;
+            }
+            None => {}
+        }
         // Batches of at most 64 positions, each with its logits: llama.cpp keeps one row
         // of n_vocab floats per position asked for.
-        const SCORED: usize = 64;
-        for (c, chunk) in tokens.chunks(SCORED.min(self.n_batch)).enumerate() {
+        let step = 64.min(self.n_batch);
+        for (c, chunk) in tokens[from..].chunks(step).enumerate() {
             self.batch.clear();
             for (i, t) in chunk.iter().enumerate() {
-                let pos = (c * SCORED.min(self.n_batch) + i) as i32;
+                let pos = (from + c * step + i) as i32;
                 self.batch
                     .add(LlamaToken(*t), pos, &[0], true)
                     .map_err(|e| EngineError::Decode(e.to_string()))?;

@@ -192,3 +192,64 @@ async fn sliding_window_state_is_walked_into_two_sections() {
     let swa_cells = layout.descriptors.last().unwrap().dims[1];
     assert!(swa_cells < tokens.len() as u64, "{swa_cells}");
 }
+
+/// All the positions `score` streams from `from` on, with `prefix` imported.
+async fn scored(e: &Engine, tokens: &[i32], from: usize, prefix: Option<Vec<u8>>) -> Vec<Vec<f32>> {
+    let mut rx = e.score(tokens.to_vec(), from, prefix).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(lp) = rx.recv().await {
+        out.push(lp.unwrap());
+    }
+    out
+}
+
+/// `score` with the context's exported state imported (how `edgesplit-bench agreement`
+/// measures a split across machines) gives the numbers of `score` prefilling the context
+/// itself, on one machine: the measurement adds no difference of its own. SmolLM2, and
+/// Gemma-3 with a context past its 512-token window. A prefix that is no state, or one
+/// that covers every token, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scoring_an_imported_context_equals_scoring_a_prefilled_one() {
+    let text: String = (0..160)
+        .map(|i| format!("Entry {i}: the harbour log notes a ship, the wind and the tide. "))
+        .collect();
+    for (path, from) in [(model_path(), 40), (common::gemma_path(), 600)] {
+        let mut cfg = EngineConfig::new(path);
+        cfg.n_ctx = 1024;
+        cfg.flash_attn = FlashAttn::On;
+        let e = Engine::start(cfg).await.unwrap();
+        let all = e.tokenize(Input::Raw(text.clone())).await.unwrap();
+        let tokens = all[..from + 70].to_vec();
+        let pre = e
+            .prefill(
+                tokens[..from].to_vec(),
+                SamplingParams::default(),
+                2,
+                Export::Raw,
+            )
+            .await
+            .unwrap();
+        let Some(Exported::Raw(state)) = pre.state else {
+            panic!("state exported")
+        };
+        let read = scored(&e, &tokens, from, None).await;
+        let imported = scored(&e, &tokens, from, Some(state.clone())).await;
+        assert_eq!(read.len(), 70);
+        assert!(
+            read == imported,
+            "the imported context scored other numbers"
+        );
+        // Bytes that are no state; a state covering every token scored.
+        for (tokens, prefix) in [
+            (tokens.clone(), vec![1u8, 2, 3]),
+            (tokens[..from].to_vec(), state),
+        ] {
+            let mut rx = e.score(tokens, from, Some(prefix)).await.unwrap();
+            let got = rx.recv().await;
+            assert!(
+                matches!(got, Some(Err(edgesplit_engine::EngineError::Import(_)))),
+                "{got:?}"
+            );
+        }
+    }
+}

@@ -180,6 +180,13 @@ pub fn describe_sections(body: &[u8]) -> Option<Layout> {
     walk_sections(body, 0).map(|(l, _)| l)
 }
 
+/// Describes `state` (a raw sequence state: magic, source sequence, sections) as tensors;
+/// `None` when it cannot be walked exactly.
+#[must_use]
+pub fn describe_state(state: &[u8]) -> Option<Layout> {
+    walk(state)
+}
+
 /// Describes `state` as tensors; falls back to one opaque tensor if the layout is unknown.
 #[must_use]
 pub fn describe(state: &[u8]) -> Layout {

@@ -428,6 +428,32 @@ impl Backend {
         remember(&self.last_prefill_info, info)
     }
 
+    /// The CPU architectures of the nodes that took part in an answer, from their last
+    /// `Info` (`Timing::prefill_arch`, `decode_arch`): the prefill node's unless the
+    /// decode node prefilled; the decode node's when the state crosses to it or it
+    /// prefilled. Unknown (never answered `Info`) or not taking part: `None`.
+    #[must_use]
+    pub fn archs(
+        &self,
+        transport: Transport,
+        placement: PrefilledOn,
+    ) -> (Option<String>, Option<String>) {
+        let arch = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
+            lock_info(l)
+                .as_ref()
+                .map(|i| i.arch.clone())
+                .filter(|a| !a.is_empty())
+        };
+        let on_decode = placement == PrefilledOn::DecodeNode;
+        let prefill = (!on_decode)
+            .then(|| arch(&self.last_prefill_info))
+            .flatten();
+        let decode = (on_decode || matches!(transport, Transport::V1 | Transport::V2))
+            .then(|| arch(&self.last_decode_info))
+            .flatten();
+        (prefill, decode)
+    }
+
     /// Whether the decode node renders `input` as the prefill node does: a raw prompt
     /// always; a chat when both nodes' last `Info` name the same chat template (another
     /// template is another prompt, and the decode node renders the chats it continues).

@@ -76,6 +76,8 @@ fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, u
             "model_id": i.model_id,
             "model_fingerprint": i.model_fingerprint,
             "build_id": i.build_id,
+            "arch": i.arch,
+            "kernels": i.kernels,
             "n_ctx": i.n_ctx,
             "flash_attn": i.flash_attn,
             "mem_available_bytes": i.mem_available_bytes,

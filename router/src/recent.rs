@@ -89,6 +89,13 @@ pub struct Timing {
     /// Answer tokens the decode node wrote, as the router received them (whatever ended
     /// the answer: its length, an end of generation, a stop string the router saw).
     pub decode_node_tokens: u32,
+    /// The CPU architecture of each node that took part (`x86_64`, `aarch64`), from its
+    /// last `Info`: the prefill node's unless the decode node prefilled; the decode node's
+    /// when the state crossed, its layers computed or it continued a conversation. They
+    /// may differ (PROTOCOL.md, "Compatibility"); then the answer is not bit-identical to
+    /// one device's.
+    pub prefill_arch: Option<String>,
+    pub decode_arch: Option<String>,
 }
 
 impl RecentAnswer {

@@ -214,6 +214,8 @@ async fn serve_inner(
     )
     .observed(observer);
     answer.timing.placement = Some(started.placement.as_str());
+    (answer.timing.prefill_arch, answer.timing.decode_arch) =
+        s.backend.archs(started.transport, started.placement);
     answer.timing.cached_tokens = started.cached_tokens;
     if req.stream {
         Ok(stream_response(answer, started.events).into_response())
@@ -375,6 +377,8 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
             "model_id": i.model_id,
             "model_fingerprint": i.model_fingerprint,
             "build_id": i.build_id,
+            "arch": i.arch,
+            "kernels": i.kernels,
             "n_ctx": i.n_ctx,
             "flash_attn": i.flash_attn,
             "kv_bytes_per_token": i.kv_bytes_per_token,

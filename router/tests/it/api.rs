@@ -267,6 +267,18 @@ async fn models_and_health() {
     );
     assert_eq!(h["prefill"]["kv_bytes_per_token"], 23040);
     assert!(h["decode"]["mem_available_bytes"].as_u64().unwrap() > 0);
+    // Each node's build (the llama.cpp version and the options that change numerics) and
+    // its device: this machine's architecture and the CPU kernels it computes with.
+    for node in ["prefill", "decode"] {
+        let n = &h[node];
+        let build = n["build_id"].as_str().unwrap();
+        assert!(
+            build.starts_with("llama-cpp-sys-2 0.1.161, ggml ") && build.ends_with("REPACK off"),
+            "{n}"
+        );
+        assert_eq!(n["arch"], std::env::consts::ARCH, "{n}");
+        assert!(n["kernels"].as_str().unwrap().starts_with("CPU: "), "{n}");
+    }
     // How a live handoff sends the prompt's state (`live.rs` and `gemma.rs` check the
     // other two values); a decode node says nothing of it.
     assert_eq!(h["prefill"]["stream_prefill"], "off");

@@ -16,6 +16,7 @@ mod cancel;
 mod chat_template;
 mod concurrency;
 mod conversation;
+mod cross_arch;
 mod dashboard;
 mod documented;
 mod fallback;

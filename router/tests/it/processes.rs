@@ -91,9 +91,16 @@ impl LateTarget {
 }
 
 pub(crate) fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
+    spawn_program(&[bin(name)], args, log)
+}
+
+/// `program` (a binary, or a launcher and its binary: `qemu-aarch64 edgesplit-decode`) with
+/// `args`, logging JSON lines to `log`.
+pub(crate) fn spawn_program(program: &[PathBuf], args: &[String], log: &std::path::Path) -> Proc {
     let file = std::fs::File::create(log).unwrap();
     Proc(
-        Command::new(bin(name))
+        Command::new(&program[0])
+            .args(&program[1..])
             .args(args)
             .env("EDGESPLIT_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
@@ -109,16 +116,41 @@ pub(crate) fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc 
 pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The three services, started and healthy.
-struct Three {
-    decode: Proc,
+pub(crate) struct Three {
+    pub(crate) decode: Proc,
     /// The decode node's gRPC address.
-    decode_grpc: String,
+    pub(crate) decode_grpc: String,
     /// The decode node's `/metrics`.
     decode_metrics: String,
     _prefill: Proc,
     router: Proc,
-    base: String,
-    dir: PathBuf,
+    pub(crate) base: String,
+    pub(crate) dir: PathBuf,
+}
+
+/// How [`start_three_with`] starts the services.
+pub(crate) struct ThreeOptions<'a> {
+    pub(crate) tag: &'a str,
+    /// The decode node's program: `edgesplit-decode` from target/release by default.
+    pub(crate) decode_program: Vec<PathBuf>,
+    pub(crate) decode_extra: &'a [&'a str],
+    pub(crate) prefill_extra: &'a [&'a str],
+    pub(crate) router_extra: &'a [&'a str],
+    /// A proxy between the nodes: given the decode node's handoff address, returns its own.
+    pub(crate) handoff_via: Option<fn(String) -> String>,
+}
+
+impl<'a> ThreeOptions<'a> {
+    pub(crate) fn new(tag: &'a str) -> Self {
+        ThreeOptions {
+            tag,
+            decode_program: vec![bin("edgesplit-decode")],
+            decode_extra: &[],
+            prefill_extra: &[],
+            router_extra: &[],
+            handoff_via: None,
+        }
+    }
 }
 
 /// Starts the three binaries; `handoff_via` puts a proxy (given the decode node's handoff
@@ -129,6 +161,25 @@ async fn start_three(
     router_extra: &[&str],
     handoff_via: Option<fn(String) -> String>,
 ) -> Three {
+    start_three_with(ThreeOptions {
+        decode_extra,
+        router_extra,
+        handoff_via,
+        ..ThreeOptions::new(tag)
+    })
+    .await
+}
+
+/// Starts the three binaries as `o` says.
+pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Three {
+    let ThreeOptions {
+        tag,
+        decode_program,
+        decode_extra,
+        prefill_extra,
+        router_extra,
+        handoff_via,
+    } = o;
     let dir = std::env::temp_dir().join(format!("edgesplit-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -152,21 +203,19 @@ async fn start_three(
     if let Some(via) = handoff_via {
         dargs.extend([a("--handoff-advertise"), via(late.addr.clone())]);
     }
-    let decode = spawn("edgesplit-decode", &dargs, &dir.join("decode.log"));
-    let prefill = spawn(
-        "edgesplit-prefill",
-        &[
-            a("--model"),
-            model,
-            a("--n-ctx"),
-            a("1024"),
-            a("--listen"),
-            any(),
-            a("--metrics-listen"),
-            any(),
-        ],
-        &dir.join("prefill.log"),
-    );
+    let decode = spawn_program(&decode_program, &dargs, &dir.join("decode.log"));
+    let mut pargs = vec![
+        a("--model"),
+        model,
+        a("--n-ctx"),
+        a("1024"),
+        a("--listen"),
+        any(),
+        a("--metrics-listen"),
+        any(),
+    ];
+    pargs.extend(prefill_extra.iter().map(|s| s.to_string()));
+    let prefill = spawn("edgesplit-prefill", &pargs, &dir.join("prefill.log"));
     let d = reported(&dir.join("decode.log"), "decode node listening").await;
     let handoff = d["handoff"].as_str().unwrap().to_string();
     let _ = late.target.set(handoff);

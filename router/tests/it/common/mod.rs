@@ -699,12 +699,23 @@ pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
     let by_decode = e["decode_node_tokens"]
         .as_u64()
         .expect("decode_node_tokens");
+    // The architecture of each node that took part is reported (the cross-architecture
+    // test checks the values).
+    assert!(
+        e["decode_arch"].as_str().is_some_and(|a| !a.is_empty()),
+        "{e}"
+    );
     if e["placement"] == "decode_node" {
         // The decode node continued the conversation: it wrote every token.
+        assert!(e["prefill_arch"].is_null(), "{e}");
         assert_eq!(e["first_token_from"], "decode", "{e}");
         assert_eq!(by_decode, completion_tokens, "{e}");
         return;
     }
+    assert!(
+        e["prefill_arch"].as_str().is_some_and(|a| !a.is_empty()),
+        "{e}"
+    );
     assert_eq!(e["first_token_from"], "prefill", "{e}");
     if completion_tokens < 2 {
         assert_eq!(by_decode, 0, "{e}");
