@@ -7,7 +7,8 @@
 # decode binary's path as the last line of stdout.
 #
 # `--measure` also builds what `edgesplit-bench agreement` runs on the aarch64 side: the
-# prefill node (`edgesplit-prefill`) and the engine's `score` example.
+# prefill node (`edgesplit-prefill`) and the engine's `score` example. `--packages` only
+# installs what the build needs.
 #
 # The binary runs where glibc does: Debian under proot-distro on a phone, a Raspberry Pi,
 # an ARM laptop (deploy/README.md); not Termux's own (bionic) userland. Here it runs under
@@ -45,6 +46,10 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+
+# `--packages`: only the above (scripts/test.sh installs them before it starts the build in
+# the background, so that no apt run of its own races this one).
+[[ "${1:-}" == "--packages" ]] && exit 0
 
 # --- the patched copy of the pinned llama-cpp-sys-2 ----------------------------------------
 cd "$ROOT"

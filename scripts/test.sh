@@ -4,6 +4,17 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# The phone build: the decode node cross-built for aarch64 (scripts/build-aarch64.sh), run
+# under qemu-aarch64 by router/tests/it/cross_arch.rs. Its packages first (no other apt run
+# may race them), then the build in the background from the start: it compiles while the
+# models and the other packages download.
+mkdir -p .build
+A64_LOG="$ROOT/.build/build-aarch64.log"
+echo "[test] the aarch64 build's packages (scripts/build-aarch64.sh --packages)" >&2
+bash scripts/build-aarch64.sh --packages
+echo "[test] the aarch64 decode node (scripts/build-aarch64.sh), in the background" >&2
+bash scripts/build-aarch64.sh >"$A64_LOG" 2>&1 &
+A64_PID=$!
 bash scripts/setup.sh --gemma
 # The stock llama-server that the bench and the interoperability tests compare against:
 # built here, once, so that no test waits on (or races) its build. In the background: its
@@ -27,13 +38,6 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-# The phone build: the decode node cross-built for aarch64 (scripts/build-aarch64.sh), run
-# under qemu-aarch64 by router/tests/it/cross_arch.rs. In the background too, after the
-# package installs above (its own apt step must not race theirs).
-A64_LOG="$ROOT/.build/build-aarch64.log"
-echo "[test] the aarch64 decode node (scripts/build-aarch64.sh), in the background" >&2
-bash scripts/build-aarch64.sh >"$A64_LOG" 2>&1 &
-A64_PID=$!
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
 echo "[test] the phone build (scripts/check-phone.sh)" >&2

@@ -24,6 +24,7 @@ use std::process::Command;
 use anyhow::Context;
 use serde_json::{json, Value};
 
+use crate::kv_quality::argmax;
 use crate::link::Profile;
 use crate::stack::{Stack, StackConfig};
 
@@ -222,16 +223,6 @@ fn read_u32(r: &mut impl Read) -> anyhow::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best
-}
-
 /// Compares two score outputs: KL(first || second), top-1 agreement.
 fn compare(a: &Path, b: &Path) -> anyhow::Result<Dists> {
     let (ta, mut sa) = ScoreStream::open(a)?;
@@ -355,6 +346,8 @@ pub async fn run(args: &AgreementArgs) -> anyhow::Result<()> {
                 c.cache_type = kv.clone();
                 c.decode_program = Some(decode.to_vec());
                 c.prefill_program = prefill.map(<[PathBuf]>::to_vec);
+                // An emulated node prefills a long prompt in minutes, not seconds.
+                c.router_extra = vec!["--first-token-timeout-s".into(), "3600".into()];
                 c
             };
             // Answers: x86 alone and split on one stack, aarch64 alone on another.

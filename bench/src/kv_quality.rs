@@ -57,7 +57,7 @@ struct Quality {
     top1_same: usize,
 }
 
-fn argmax(v: &[f32]) -> usize {
+pub(crate) fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
         if *x > v[best] {

@@ -58,6 +58,9 @@ pub struct StackConfig {
     /// (`qemu-aarch64 target-aarch64/.../edgesplit-decode`, `edgesplit-bench agreement`).
     pub decode_program: Option<Vec<PathBuf>>,
     pub prefill_program: Option<Vec<PathBuf>>,
+    /// More router flags (`edgesplit-bench agreement`: a first-token timeout for nodes
+    /// under emulation).
+    pub router_extra: Vec<String>,
 }
 
 /// A layer split's settings.
@@ -90,6 +93,7 @@ impl StackConfig {
             continue_on: "measured".into(),
             decode_program: None,
             prefill_program: None,
+            router_extra: Vec::new(),
         }
     }
 }
@@ -341,6 +345,7 @@ impl Stack {
             rargs.extend(["--max-in-flight".into(), n.to_string()]);
         }
         rargs.extend(["--continue-on".into(), cfg.continue_on.clone()]);
+        rargs.extend(cfg.router_extra.iter().cloned());
         stack.children.push(spawn(
             "edgesplit-router",
             None,

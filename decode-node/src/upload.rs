@@ -307,10 +307,11 @@ async fn receive(
             "the digest at the end of the body does not match the file".into(),
         ));
     }
-    // Header of a verified body: magic, version, and a token count that fits the context
-    // and the file. (llama.cpp's own reader bounds-checks the rest when it imports.)
+    // A verified body's header (magic, version, a token count that fits the context and
+    // the file) and its state's layout, walked to the end with a cell per token, as a V2
+    // state's is: no byte llama.cpp reads is unchecked (it bounds-checks again at import).
     let header =
-        v1::parse_header(&file, cfg.n_ctx).map_err(|e| bad("invalid_state_file", e.to_string()))?;
+        v1::validate(&file, cfg.n_ctx).map_err(|e| bad("invalid_state_file", e.to_string()))?;
     let (start, tokens) = v1::raw_in_place(&mut file, &header);
     let state = StateFrame {
         handoff_id: id.to_string(),

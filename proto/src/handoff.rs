@@ -534,7 +534,16 @@ fn nack(code: NackCode, handoff_id: &str, reason: impl Into<String>) -> Nack {
 
 /// Checks a state's declared descriptors against the verified payload.
 fn check_descriptors(state: &StateFrame) -> Result<(), Nack> {
-    let derived = layout::describe(&state.payload);
+    let Ok(derived) = layout::describe_within(&state.payload, state.descriptors.len()) else {
+        return Err(nack(
+            NackCode::DescriptorMismatch,
+            &state.handoff_id,
+            format!(
+                "the payload derives more tensor descriptors than the {} declared",
+                state.descriptors.len()
+            ),
+        ));
+    };
     if derived.descriptors != state.descriptors {
         return Err(nack(
             NackCode::DescriptorMismatch,

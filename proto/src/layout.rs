@@ -64,7 +64,13 @@ impl Reader<'_> {
 
 /// Walks the memory sections from `start` to the end of `buf`. Also returns the offset of
 /// each stream's `n_rot_k, n_rot_v` pair (fields that sequence-file version 3 lacks).
-fn walk_sections(buf: &[u8], start: usize) -> Option<(Layout, Vec<usize>)> {
+/// Gives up, setting `too_many`, before it would hold more than `limit` descriptors.
+fn walk_sections(
+    buf: &[u8],
+    start: usize,
+    limit: usize,
+    too_many: &mut bool,
+) -> Option<(Layout, Vec<usize>)> {
     let mut r = Reader { buf, pos: start };
     let mut descriptors = Vec::new();
     let mut rot_fields = Vec::new();
@@ -102,6 +108,10 @@ fn walk_sections(buf: &[u8], start: usize) -> Option<(Layout, Vec<usize>)> {
                 let row = r.u64()?;
                 let nbytes = cells.checked_mul(row)?;
                 let offset = r.take(nbytes)? as u64;
+                if descriptors.len() >= limit {
+                    *too_many = true;
+                    return None;
+                }
                 descriptors.push(TensorDescriptor {
                     name: format!("m{section}.s{s}.l{l}.k"),
                     dtype: ty,
@@ -112,6 +122,10 @@ fn walk_sections(buf: &[u8], start: usize) -> Option<(Layout, Vec<usize>)> {
             }
             for l in 0..n_layer {
                 let ty = r.u32()?;
+                if descriptors.len() >= limit {
+                    *too_many = true;
+                    return None;
+                }
                 if v_trans == 0 {
                     let row = r.u64()?;
                     let nbytes = cells.checked_mul(row)?;
@@ -149,13 +163,13 @@ fn walk_sections(buf: &[u8], start: usize) -> Option<(Layout, Vec<usize>)> {
     ))
 }
 
-fn walk(buf: &[u8]) -> Option<Layout> {
+fn walk(buf: &[u8], limit: usize, too_many: &mut bool) -> Option<Layout> {
     let mut r = Reader { buf, pos: 0 };
     if r.u32()? != STATE_MAGIC {
         return None;
     }
     let _source_seq = r.u32()?;
-    walk_sections(buf, r.pos).map(|(l, _)| l)
+    walk_sections(buf, r.pos, limit, too_many).map(|(l, _)| l)
 }
 
 /// Rewrites the memory sections of a sequence-state *file* body (no io header) from
@@ -163,7 +177,7 @@ fn walk(buf: &[u8]) -> Option<Layout> {
 /// `n_rot_k, n_rot_v` fields. `None` if the body cannot be walked exactly.
 #[must_use]
 pub fn sections_v4_to_v3(body: &[u8]) -> Option<Vec<u8>> {
-    let (_, rot) = walk_sections(body, 0)?;
+    let (_, rot) = walk_sections(body, 0, usize::MAX, &mut false)?;
     let mut out = Vec::with_capacity(body.len());
     let mut from = 0;
     for at in rot {
@@ -177,20 +191,44 @@ pub fn sections_v4_to_v3(body: &[u8]) -> Option<Vec<u8>> {
 /// Describes the memory sections of a sequence-state file body (no io header).
 #[must_use]
 pub fn describe_sections(body: &[u8]) -> Option<Layout> {
-    walk_sections(body, 0).map(|(l, _)| l)
+    walk_sections(body, 0, usize::MAX, &mut false).map(|(l, _)| l)
 }
 
 /// Describes `state` (a raw sequence state: magic, source sequence, sections) as tensors;
 /// `None` when it cannot be walked exactly.
 #[must_use]
 pub fn describe_state(state: &[u8]) -> Option<Layout> {
-    walk(state)
+    walk(state, usize::MAX, &mut false)
+}
+
+/// A state that derives more tensor descriptors than a limit ([`describe_within`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooMany;
+
+/// [`describe`], holding at most `limit` descriptors: a receiver compares a payload with
+/// the descriptors its sender declared, so it needs no more than their count to find a
+/// difference, and a hostile payload of 12-byte layer records does not make it allocate a
+/// descriptor for each.
+///
+/// # Errors
+/// [`TooMany`] when the payload derives more than `limit` descriptors.
+pub fn describe_within(state: &[u8], limit: usize) -> Result<Layout, TooMany> {
+    let mut too_many = false;
+    match walk(state, limit, &mut too_many) {
+        Some(l) => Ok(l),
+        None if too_many => Err(TooMany),
+        None => Ok(opaque(state)),
+    }
 }
 
 /// Describes `state` as tensors; falls back to one opaque tensor if the layout is unknown.
 #[must_use]
 pub fn describe(state: &[u8]) -> Layout {
-    walk(state).unwrap_or_else(|| Layout {
+    walk(state, usize::MAX, &mut false).unwrap_or_else(|| opaque(state))
+}
+
+fn opaque(state: &[u8]) -> Layout {
+    Layout {
         descriptors: vec![TensorDescriptor {
             name: "state".into(),
             dtype: DTYPE_OPAQUE,
@@ -199,7 +237,7 @@ pub fn describe(state: &[u8]) -> Layout {
             nbytes: state.len() as u64,
         }],
         max_cells: None,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -291,5 +329,26 @@ mod tests {
         let mut wrong_magic = synthetic(false);
         wrong_magic[0] ^= 1;
         assert_eq!(describe(&wrong_magic).max_cells, None);
+    }
+
+    #[test]
+    fn a_walk_holds_no_more_descriptors_than_its_limit() {
+        let s = synthetic(false);
+        assert_eq!(describe_within(&s, 4), Ok(describe(&s)));
+        assert_eq!(describe_within(&s, 3), Err(TooMany));
+        assert_eq!(describe_within(&s, 0), Err(TooMany));
+        // An unreadable state is opaque, whatever the limit.
+        assert_eq!(describe_within(&[0xff; 3], 1), Ok(describe(&[0xff; 3])));
+        // 4,096 layers of 12-byte K records over one cell of 0-byte rows: past the limit
+        // after `limit` of them, not 4,096 descriptors later.
+        let mut many = Vec::new();
+        for x in [STATE_MAGIC, 0, 1, 1, 0, 1, 0, 0, 4096, 0, 0] {
+            push32(&mut many, x);
+        }
+        for _ in 0..4096 {
+            push32(&mut many, 1);
+            many.extend_from_slice(&0u64.to_le_bytes());
+        }
+        assert_eq!(describe_within(&many, 60), Err(TooMany));
     }
 }

@@ -232,8 +232,7 @@ async fn a_v1_upload_without_a_valid_credential_is_refused_before_its_body() {
     // held state would make it a duplicate. (Its body passes every check.)
     // (Its link is TLS: the digest is 32 zero bytes, checked; a plain SHA-256 would not
     // pass.)
-    let mut file = edgesplit_proto::v1::file_head(&[1]);
-    file.extend_from_slice(&[0u8; 8]);
+    let file = common::synthetic_v1_file(1);
     let mut digest = edgesplit_proto::v1::digest(Some(&secret(SECRET)), "auth-test", true);
     digest.update(&file);
     let mut plain = file.clone();

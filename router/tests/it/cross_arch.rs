@@ -12,7 +12,7 @@ use crate::processes::{start_three_with, ThreeOptions, ONE_AT_A_TIME};
 
 use std::path::PathBuf;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The aarch64 decode node under qemu-user (without `-L`: qemu finds the multiarch loader
 /// and libraries the build script installs).
@@ -27,17 +27,6 @@ fn aarch64_decode() -> Vec<PathBuf> {
     vec![PathBuf::from("qemu-aarch64"), bin]
 }
 
-async fn health(base: &str) -> Value {
-    common::client()
-        .get(format!("{base}/health"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn an_aarch64_decode_node_writes_split_answers() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -49,7 +38,7 @@ async fn an_aarch64_decode_node_writes_split_answers() {
         ..ThreeOptions::new("cross-arch")
     })
     .await;
-    let h = health(&t.base).await;
+    let h = common::get_json(&format!("{}/health", t.base)).await;
     assert_eq!(h["prefill"]["arch"], std::env::consts::ARCH, "{h}");
     assert_eq!(h["decode"]["arch"], "aarch64", "{h}");
     assert!(

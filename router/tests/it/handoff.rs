@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use edgesplit_proto::frame::{self, Frame, Identity, NackCode, StateFrame};
+use edgesplit_proto::frame::{self, Frame, Identity, NackCode, StateFrame, TensorDescriptor};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
 use edgesplit_proto::pb;
 use futures::{SinkExt, StreamExt};
@@ -117,26 +117,9 @@ async fn wrong_model_fingerprint_is_refused_with_a_reason() {
 /// well-formed synthetic state (one cell, one layer, K and V) is enough to reach the checksum check.
 fn synthetic_state() -> Vec<u8> {
     let mut v = Vec::new();
-    for x in [
-        edgesplit_proto::layout::STATE_MAGIC,
-        0,
-        1,
-        1,
-        0,
-        1,
-        0,
-        0,
-        1,
-        0,
-        0,
-    ] {
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    for _kv in 0..2 {
-        v.extend_from_slice(&1u32.to_le_bytes());
-        v.extend_from_slice(&4u64.to_le_bytes());
-        v.extend_from_slice(&[1, 2, 3, 4]);
-    }
+    v.extend_from_slice(&edgesplit_proto::layout::STATE_MAGIC.to_le_bytes());
+    v.extend_from_slice(&0u32.to_le_bytes());
+    v.extend_from_slice(&common::synthetic_sections(1));
     v
 }
 
@@ -200,22 +183,38 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
 async fn declared_descriptors_must_match_the_payload() {
     let s = common::smollm2();
     let id = common::identity(&common::decode_info(&s.decode_grpc).await);
-    let payload = synthetic_state();
-    let mut descriptors = edgesplit_proto::layout::describe(&payload).descriptors;
-    descriptors[0].dtype = 0; // claims f32 where the payload says f16
     let mut f = raw_session(&s.handoff_addr, &id).await;
-    f.send(Frame::State(StateFrame {
-        handoff_id: "desc-1".into(),
-        request_id: "t".into(),
-        tokens: vec![7],
-        descriptors,
-        payload: Bytes::from(payload),
-    }))
-    .await
-    .unwrap();
-    match f.next().await {
-        Some(Ok(Frame::Nack(n))) => assert_eq!(n.code, NackCode::DescriptorMismatch),
-        other => panic!("expected NACK, got {other:?}"),
+    // A descriptor that claims f32 where the payload says f16; fewer descriptors than the
+    // payload derives (refused once the walk passes their count).
+    type Edit = fn(&mut Vec<TensorDescriptor>);
+    let edits: [(&str, Edit, &str); 2] = [
+        ("desc-1", |d| d[0].dtype = 0, "do not match"),
+        (
+            "desc-3",
+            |d| d.truncate(1),
+            "more tensor descriptors than the 1 declared",
+        ),
+    ];
+    for (handoff_id, edit, why) in edits {
+        let payload = synthetic_state();
+        let mut descriptors = edgesplit_proto::layout::describe(&payload).descriptors;
+        edit(&mut descriptors);
+        f.send(Frame::State(StateFrame {
+            handoff_id: handoff_id.into(),
+            request_id: "t".into(),
+            tokens: vec![7],
+            descriptors,
+            payload: Bytes::from(payload),
+        }))
+        .await
+        .unwrap();
+        match f.next().await {
+            Some(Ok(Frame::Nack(n))) => {
+                assert_eq!(n.code, NackCode::DescriptorMismatch);
+                assert!(n.reason.contains(why), "{n}");
+            }
+            other => panic!("expected NACK, got {other:?}"),
+        }
     }
     // The connection stays usable: a good state on it is ACKed.
     send_good_state(&mut f, "desc-2").await;

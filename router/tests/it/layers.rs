@@ -145,14 +145,7 @@ fn completion_on(transport: &str, sampling: &Value) -> Value {
 
 /// The router's `/health` (its status code aside: a lost decode node makes it 503).
 async fn health_of(base: &str) -> Value {
-    common::client()
-        .get(format!("{base}/health"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    common::get_json(&format!("{base}/health")).await
 }
 
 /// Polls `/health` until the prefill node's layer split satisfies `want`, within 90 s.

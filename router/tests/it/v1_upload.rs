@@ -1,5 +1,6 @@
 //! V1 uploads the decode node must refuse: each gets a 4xx with a machine code and a reason,
-//! and leaves nothing held under its id. A file that passes the upload checks but that
+//! and leaves nothing held under its id; a state whose layout does not walk to the end with a
+//! cell per token is one of them. A file that passes the upload checks but that
 //! llama.cpp refuses at import is a clean error too, and is gone afterwards.
 
 use crate::common;
@@ -13,17 +14,9 @@ async fn fingerprint(s: &common::Stack) -> (String, String) {
     (i.model_fingerprint, i.build_id)
 }
 
-/// A well-formed sequence-state file header with `n` tokens and a small body.
+/// A well-formed sequence-state file of `n` tokens (its layout walks; no real state).
 fn ggsq(n: u32) -> Vec<u8> {
-    let mut f = Vec::new();
-    f.extend_from_slice(&v1::GGSQ_MAGIC.to_le_bytes());
-    f.extend_from_slice(&v1::FILE_VERSION.to_le_bytes());
-    f.extend_from_slice(&n.to_le_bytes());
-    for t in 0..n {
-        f.extend_from_slice(&(t as i32).to_le_bytes());
-    }
-    f.extend_from_slice(&[0u8; 64]);
-    f
+    common::synthetic_v1_file(n)
 }
 
 /// `file` as an upload's body: the file, then its SHA-256 (no secret on these stacks).
@@ -130,6 +123,25 @@ async fn refusals_leave_nothing_held() {
     .await;
     assert_refused(&got, 400, "invalid_state_file");
     assert!(nothing_held(s, "v1-garbage").await);
+    // A good header over a state that does not walk, or that walks but holds fewer cells
+    // than the file has tokens: refused before it is stored (llama.cpp never sees it).
+    let mut torn = ggsq(3);
+    torn.truncate(torn.len() - 1);
+    let mut short = v1::file_head(&[1, 2, 3]);
+    short.extend_from_slice(&common::synthetic_sections(2));
+    for (id, file) in [("v1-torn", torn), ("v1-short", short)] {
+        let got = put(s, id, file, |_| {}).await;
+        assert_refused(&got, 400, "invalid_state_file");
+        assert!(
+            got.1["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("could not be read"),
+            "{}",
+            got.1
+        );
+        assert!(nothing_held(s, id).await);
+    }
     // More tokens than the context.
     let got = put(s, "v1-long", ggsq(2048), |_| {}).await;
     assert_refused(&got, 400, "invalid_state_file");

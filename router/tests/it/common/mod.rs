@@ -984,3 +984,36 @@ impl Sse {
         }
     }
 }
+
+/// The memory sections of a well-formed synthetic sequence state: one stream of `cells`
+/// cells (positions 0.., sequence 0), one layer, K and V rows of 4 bytes. Its layout walks
+/// (`edgesplit_proto::layout`) to the end, but no real model has one layer: llama.cpp
+/// refuses it at import.
+pub fn synthetic_sections(cells: u32) -> Vec<u8> {
+    let mut v = Vec::new();
+    let mut put = |x: u32| v.extend_from_slice(&x.to_le_bytes());
+    put(1); // streams
+    put(cells);
+    for pos in 0..cells {
+        put(pos);
+        put(1); // sequences of the cell
+        put(0); // sequence 0
+    }
+    for x in [0, 1, 0, 0] {
+        put(x); // V not transposed, one layer, n_rot_k, n_rot_v
+    }
+    for _kv in 0..2 {
+        v.extend_from_slice(&1u32.to_le_bytes()); // f16
+        v.extend_from_slice(&4u64.to_le_bytes()); // row bytes
+        v.extend(std::iter::repeat_n(7u8, 4 * cells as usize));
+    }
+    v
+}
+
+/// A V1 sequence-state file of `n` tokens whose state walks ([`synthetic_sections`]).
+pub fn synthetic_v1_file(n: u32) -> Vec<u8> {
+    let tokens: Vec<i32> = (0..n as i32).collect();
+    let mut f = edgesplit_proto::v1::file_head(&tokens);
+    f.extend_from_slice(&synthetic_sections(n));
+    f
+}
