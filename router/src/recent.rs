@@ -91,7 +91,8 @@ pub struct Timing {
     pub decode_node_tokens: u32,
     /// The CPU architecture of each node that took part (`x86_64`, `aarch64`), from its
     /// last `Info`: the prefill node's unless the decode node prefilled; the decode node's
-    /// when the state crossed, its layers computed or it continued a conversation. They
+    /// when the state crossed (V1, V2) or it continued a conversation (a layer split's
+    /// peer need not be the decode node: not reported). They
     /// may differ (PROTOCOL.md, "Compatibility"); then the answer is not bit-identical to
     /// one device's.
     pub prefill_arch: Option<String>,
