@@ -24,7 +24,7 @@ use std::process::Command;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use crate::kv_quality::argmax;
+use crate::kv_quality::{argmax, kl};
 use crate::link::Profile;
 use crate::stack::{Stack, StackConfig};
 
@@ -233,13 +233,8 @@ fn compare(a: &Path, b: &Path) -> anyhow::Result<Dists> {
         match (sa.next()?, sb.next()?) {
             (Some(p), Some(q)) => {
                 anyhow::ensure!(p.len() == q.len(), "vocabularies differ");
-                let kl: f64 = p
-                    .iter()
-                    .zip(&q)
-                    .map(|(lp, lq)| f64::from(lp.exp()) * f64::from(lp - lq))
-                    .sum();
                 d.positions += 1;
-                d.kl_sum += kl.max(0.0);
+                d.kl_sum += kl(&p, &q);
                 d.top1_same += usize::from(argmax(&p) == argmax(&q));
             }
             (None, None) => return Ok(d),

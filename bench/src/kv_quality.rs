@@ -57,6 +57,17 @@ struct Quality {
     top1_same: usize,
 }
 
+/// KL(P || Q) = sum p (log p - log q) of two log-probability vectors (floored at 0: a
+/// rounding below it is no divergence).
+pub(crate) fn kl(p: &[f32], q: &[f32]) -> f64 {
+    let kl: f64 = p
+        .iter()
+        .zip(q)
+        .map(|(lp, lq)| f64::from(lp.exp()) * f64::from(lp - lq))
+        .sum();
+    kl.max(0.0)
+}
+
 pub(crate) fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
@@ -114,13 +125,8 @@ pub async fn run(args: &QualityArgs) -> anyhow::Result<()> {
                 (None, None) => break,
                 _ => anyhow::bail!("the two engines scored different numbers of positions"),
             };
-            // KL(P || Q) = sum p (log p - log q), P the f16 reference.
-            let kl: f64 = p
-                .iter()
-                .zip(&t)
-                .map(|(lp, lq)| f64::from(lp.exp()) * f64::from(lp - lq))
-                .sum();
-            let kl = kl.max(0.0);
+            // P the f16 reference.
+            let kl = kl(&p, &t);
             q.positions += 1;
             q.kl_sum += kl;
             q.kl_max = q.kl_max.max(kl);
