@@ -341,8 +341,13 @@ pub async fn run(args: &AgreementArgs) -> anyhow::Result<()> {
                 c.cache_type = kv.clone();
                 c.decode_program = Some(decode.to_vec());
                 c.prefill_program = prefill.map(<[PathBuf]>::to_vec);
-                // An emulated node prefills a long prompt in minutes, not seconds.
-                c.router_extra = vec!["--first-token-timeout-s".into(), "3600".into()];
+                // An emulated node prefills a long prompt in minutes, not seconds, and may
+                // write a token a minute while other work holds the machine's cores.
+                c.router_extra = ["--first-token-timeout-s", "3600"]
+                    .into_iter()
+                    .chain(["--token-idle-timeout-ms", "3600000"])
+                    .map(String::from)
+                    .collect();
                 c
             };
             // Answers: x86 alone and split on one stack, aarch64 alone on another.

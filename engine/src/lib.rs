@@ -39,3 +39,4 @@ pub use types::{
     Chat, ChatMessage, EngineError, Export, Exported, Finish, GenEvent, GenSummary, Input,
     PrefillOutput, Reuse, Snapshot, Start, TokenLogprobs, TokenOut, ToolCall, TopLogprob,
 };
+pub use worker::backend;

@@ -30,7 +30,9 @@ use crate::types::{
     Snapshot, Start, TokenLogprobs, TokenOut, TopLogprob,
 };
 
-fn backend() -> &'static LlamaBackend {
+/// The process's one llama.cpp backend (llama.cpp is initialised once per process; a
+/// second `LlamaBackend::init` fails), with its logs sent to `tracing`.
+pub fn backend() -> &'static LlamaBackend {
     static BACKEND: OnceLock<LlamaBackend> = OnceLock::new();
     BACKEND.get_or_init(|| {
         llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default());

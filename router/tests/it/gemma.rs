@@ -300,12 +300,12 @@ fn prose(words: usize) -> String {
 /// 450 to 2,100, each under greedy decoding and three seeded samplings (the cases the issue
 /// saw diverge among them), 64 tokens, `v2` and `v1` against `local`, token ids compared.
 /// CI runs two lengths: one where the layouts of issue 14 part early on this text in
-/// llama.cpp (engine/tests/sliding_window.rs, 662 tokens) and one past two windows where
+/// llama.cpp (engine/tests/it/sliding_window.rs, 662 tokens) and one past two windows where
 /// the issue saw a seeded answer part (1,139; the longest, 2,100, took CI about two
 /// minutes more and is in the full sweep).
 /// `EDGESPLIT_FULL_SWEEP=1` runs all 34 (about 40 minutes here). Not the regression guard:
 /// with the relayout turned off, four lengths of it (450, 662, 882, 2,100) still passed on
-/// this stack (4 slots of 4,096 tokens); engine/tests/sliding_window_engine.rs fails
+/// this stack (4 slots of 4,096 tokens); engine/tests/it/sliding_window_engine.rs fails
 /// without it.
 #[tokio::test]
 async fn sampling_beyond_the_window_sweep() {

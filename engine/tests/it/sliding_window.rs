@@ -20,9 +20,7 @@ use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
-mod common;
-
-use common::gemma_path;
+use crate::common::gemma_path;
 
 const BATCH: usize = 512;
 
@@ -76,11 +74,11 @@ const STEPS: usize = 48;
 
 #[test]
 fn a_ring_laid_out_like_an_import_computes_what_the_importer_does() {
-    // llama.cpp's log to `tracing`, which nothing here prints (thousands of lines).
-    llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default());
-    let backend = LlamaBackend::init().unwrap();
+    // The process's backend (the engines of the other tests in this binary share it), its
+    // log sent to `tracing`, which nothing here prints (thousands of lines).
+    let backend = edgesplit_engine::backend();
     let model =
-        LlamaModel::load_from_file(&backend, gemma_path(), &LlamaModelParams::default()).unwrap();
+        LlamaModel::load_from_file(backend, gemma_path(), &LlamaModelParams::default()).unwrap();
     // The engine's context settings, with flash attention off and on.
     for flash in [
         llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
@@ -106,7 +104,7 @@ fn a_ring_laid_out_like_an_import_computes_what_the_importer_does() {
         };
         for &reps in lengths {
             eprintln!("flash attention {flash}:");
-            check(&backend, &model, &cparams, reps);
+            check(backend, &model, &cparams, reps);
         }
     }
 }

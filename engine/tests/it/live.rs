@@ -6,9 +6,7 @@
 //! boundary and imported by another engine from the joined pieces goes on exactly as the
 //! uninterrupted answer, seeded with a frequency penalty.
 
-mod common;
-
-use common::{hand_over, model_path, read_until, take_over};
+use crate::common::{hand_over, model_path, read_until, take_over};
 use edgesplit_engine::{
     Engine, EngineConfig, FlashAttn, GenEvent, Input, Reuse, SamplingParams, Snapshot, Start,
 };

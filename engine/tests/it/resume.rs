@@ -3,9 +3,7 @@
 //! a seed (each step's RNG depends on the step index) and a frequency penalty (which reads
 //! the answer so far).
 
-mod common;
-
-use common::model_path;
+use crate::common::model_path;
 use edgesplit_engine::{Engine, EngineConfig, GenEvent, Input, SamplingParams, Start};
 use tokio::sync::mpsc::UnboundedReceiver;
 

@@ -5,9 +5,7 @@
 //! sender's, and the answer is token for token the one an engine continuing its own copy
 //! gives. A wrong digest, or a prefix no slot holds, is refused with nothing changed.
 
-mod common;
-
-use common::{collect, model_path, read_until};
+use crate::common::{collect, model_path, read_until};
 use edgesplit_engine::{
     Engine, EngineConfig, EngineError, GenEvent, Input, Reuse, SamplingParams, Start,
 };

@@ -1,9 +1,7 @@
 //! Engine-level proof that export -> import into another engine continues exactly like the
 //! colocated run (greedy and seeded), on the real default model.
 
-mod common;
-
-use common::{collect, continue_imported, model_path};
+use crate::common::{collect, continue_imported, model_path};
 use edgesplit_engine::{
     Engine, EngineConfig, Export, Exported, FlashAttn, GenEvent, Input, KvType, SamplingParams,
     Start,
@@ -213,7 +211,7 @@ async fn scoring_an_imported_context_equals_scoring_a_prefilled_one() {
     let text: String = (0..160)
         .map(|i| format!("Entry {i}: the harbour log notes a ship, the wind and the tide. "))
         .collect();
-    for (path, from) in [(model_path(), 40), (common::gemma_path(), 600)] {
+    for (path, from) in [(model_path(), 40), (crate::common::gemma_path(), 600)] {
         let mut cfg = EngineConfig::new(path);
         cfg.n_ctx = 1024;
         cfg.flash_attn = FlashAttn::On;

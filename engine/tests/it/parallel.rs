@@ -2,9 +2,7 @@
 //! one the engine writes alone, the answers really overlap in time, a request beyond the
 //! slots waits and then runs, and a reader that leaves frees its slot.
 
-mod common;
-
-use common::model_path;
+use crate::common::model_path;
 use std::time::{Duration, Instant};
 
 use edgesplit_engine::{

@@ -1,9 +1,7 @@
 //! Issue 14 through the engine (its own test binary: llama.cpp's backend initialises once
 //! per process, and `sliding_window.rs` drives llama.cpp directly).
 
-mod common;
-
-use common::{collect, continue_imported, gemma_path};
+use crate::common::{collect, continue_imported, gemma_path};
 
 /// The engine end to end: a Gemma-3 prompt past the window, prefilled and exported by one
 /// engine and continued by another, samples the same tokens as the colocated run, for
@@ -72,7 +70,7 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
 /// refused: the live handoff is then cancelled and the answer stays where it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
-    use common::read_until;
+    use crate::common::read_until;
     use edgesplit_engine::{
         Engine, EngineConfig, FlashAttn, GenEvent, Input, LiveAnswer, Reuse, SamplingParams, Start,
     };
@@ -144,7 +142,8 @@ async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
         assert!(read_until(&mut rx, &mut ids, 30).await.is_none());
         let mid = live.snapshot(false, prompt.len()).await.unwrap().unwrap();
         assert!(read_until(&mut rx, &mut ids, 60).await.is_none());
-        let last = common::hand_over(&live, &mut rx, &mut ids, mid.tokens.len(), &whole).await;
+        let last =
+            crate::common::hand_over(&live, &mut rx, &mut ids, mid.tokens.len(), &whole).await;
         assert_eq!(
             splice::span(&mid.state).unwrap(),
             prompt.len()..mid.tokens.len()
@@ -155,7 +154,7 @@ async fn a_live_window_handed_over_from_pieces_goes_on_identically() {
             splice::narrowest(&joined).unwrap(),
             splice::narrowest(&first.state).unwrap() + last.tokens.len() - prompt.len()
         );
-        let rest = common::take_over(&b, joined, &last, &params, 96).await;
+        let rest = crate::common::take_over(&b, joined, &last, &params, 96).await;
         assert_eq!(
             [ids, rest].concat(),
             whole,

@@ -4,9 +4,7 @@
 //! path), on both model families; a bound on the uncached part refuses without touching
 //! the cache.
 
-mod common;
-
-use common::{collect, gemma_path, model_path};
+use crate::common::{collect, gemma_path, model_path};
 use edgesplit_engine::{
     Engine, EngineConfig, EngineError, Export, Exported, GenEvent, GenSummary, Input, Reuse,
     SamplingParams, Start,
@@ -111,7 +109,7 @@ async fn a_conversation_goes_on_identically(path: fn() -> std::path::PathBuf) {
         .unwrap();
     assert_eq!(out.first.id, a1[0]);
     let (rest, _) =
-        common::continue_imported(&decode, state(&out), &turn1, a1[0], &params, 23).await;
+        crate::common::continue_imported(&decode, state(&out), &turn1, a1[0], &params, 23).await;
     assert_eq!(rest, a1[1..], "turn 1 split as local");
 
     // Turn 2: turn 1, its answer, and a new question (as token ids, so that the held
