@@ -15,10 +15,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgesplit_engine::wire::{
-    prompt_of, reuse_of, sampling_of, status, status_with_code, token_events,
-};
+use edgesplit_engine::wire::{prompt_of, reuse_of, sampling_of, status, token_events};
 use edgesplit_engine::{Engine, EngineConfig, SamplingParams, Start};
+use edgesplit_proto::error::{self, ErrorCode};
 use edgesplit_proto::handoff::{self, Limits};
 use edgesplit_proto::pb;
 use edgesplit_proto::service::NodeArgs;
@@ -135,7 +134,8 @@ fn start_of(
     base_tokens: Vec<i32>,
     base_digest: &[u8],
 ) -> Result<Start, Status> {
-    let invalid = |why: String| status_with_code(tonic::Code::InvalidArgument, "invalid_tail", why);
+    let invalid =
+        |why: String| error::status(tonic::Code::InvalidArgument, ErrorCode::InvalidTail, why);
     let from = edgesplit_proto::splice::span(&f.payload).map_or(0, |s| s.start);
     if base_tokens.len() != from {
         return Err(invalid(format!(
@@ -208,9 +208,9 @@ impl pb::decode_server::Decode for DecodeService {
         let state = match self.store.take(&req.handoff_id, self.wait).await {
             Ok(s) => s,
             Err(Missing::TimedOut) => {
-                return Err(status_with_code(
+                return Err(error::status(
                     tonic::Code::DeadlineExceeded,
-                    "handoff_missing",
+                    ErrorCode::HandoffMissing,
                     format!(
                         "handoff {} did not arrive within {:?}",
                         req.handoff_id, self.wait
@@ -218,9 +218,9 @@ impl pb::decode_server::Decode for DecodeService {
                 ))
             }
             Err(Missing::Dropped(why)) => {
-                return Err(status_with_code(
+                return Err(error::status(
                     tonic::Code::Unavailable,
-                    "handoff_failed",
+                    ErrorCode::HandoffFailed,
                     format!("handoff {} will not arrive: {why}", req.handoff_id),
                 ))
             }

@@ -19,6 +19,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::put;
 use axum::{Json, Router};
+use edgesplit_proto::error::ErrorCode;
 use edgesplit_proto::frame::{Receipt, StateFrame};
 use edgesplit_proto::handoff::StateSink;
 use edgesplit_proto::{buffers, frame, v1};
@@ -49,12 +50,12 @@ pub struct UploadConfig {
 
 /// A refusal: status, machine code, human reason.
 #[derive(Debug)]
-struct Refusal(StatusCode, &'static str, String);
+struct Refusal(StatusCode, ErrorCode, String);
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
         let body = json!({"error": {
-            "message": self.2, "type": "invalid_request_error", "param": null, "code": self.1,
+            "message": self.2, "type": "invalid_request_error", "param": null, "code": self.1.as_str(),
         }});
         (self.0, Json(body)).into_response()
     }
@@ -107,7 +108,7 @@ async fn put_handoff(
             Json(json!({"handoff_id": id, "bytes": bytes})).into_response()
         }
         Err(r) => {
-            tracing::warn!(handoff_id = %id, code = r.1, reason = %r.2, "V1 upload refused");
+            tracing::warn!(handoff_id = %id, code = r.1.as_str(), reason = %r.2, "V1 upload refused");
             cfg.store
                 .counters
                 .handoffs_refused
@@ -126,7 +127,7 @@ async fn receive(
     let bad = |code, msg: String| Refusal(StatusCode::BAD_REQUEST, code, msg);
     if !frame::valid_id(id) {
         return Err(bad(
-            "invalid_handoff_id",
+            ErrorCode::InvalidHandoffId,
             "handoff id must be 1-128 of [A-Za-z0-9._-], not starting with '.'".into(),
         ));
     }
@@ -146,7 +147,11 @@ async fn receive(
                 )
             });
         if let Err(why) = checked {
-            return Err(Refusal(StatusCode::UNAUTHORIZED, "auth_failed", why));
+            return Err(Refusal(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::AuthFailed,
+                why,
+            ));
         }
     }
     // Who we are must match who sent it, before any byte of the body is read.
@@ -154,19 +159,19 @@ async fn receive(
         (
             v1::HEADER_MODEL,
             &cfg.fingerprint_hex,
-            "model_mismatch",
+            ErrorCode::ModelMismatch,
             "model fingerprint",
         ),
         (
             v1::HEADER_BUILD,
             &cfg.build_id,
-            "build_mismatch",
+            ErrorCode::BuildMismatch,
             "llama.cpp build",
         ),
         (
             v1::HEADER_KV_TYPES,
             &cfg.kv_types,
-            "kv_type_mismatch",
+            ErrorCode::KvTypeMismatch,
             "KV cache types (K,V)",
         ),
     ] {
@@ -186,7 +191,7 @@ async fn receive(
     }
     if header(headers, v1::HEADER_DIGEST) != Some(v1::DIGEST_TRAILER) {
         return Err(bad(
-            "missing_checksum",
+            ErrorCode::MissingChecksum,
             format!(
                 "{}: {} is required: the body ends with the file's {}-byte digest",
                 v1::HEADER_DIGEST,
@@ -200,13 +205,13 @@ async fn receive(
         .ok_or_else(|| {
             Refusal(
                 StatusCode::LENGTH_REQUIRED,
-                "length_required",
+                ErrorCode::LengthRequired,
                 "Content-Length is required".into(),
             )
         })?;
     if declared <= v1::TRAILER_LEN as u64 {
         return Err(bad(
-            "truncated",
+            ErrorCode::Truncated,
             format!(
                 "a body of {declared} bytes cannot hold a file and its {}-byte digest",
                 v1::TRAILER_LEN
@@ -216,29 +221,33 @@ async fn receive(
     if declared > cfg.max_bytes {
         return Err(Refusal(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
+            ErrorCode::TooLarge,
             format!("{declared} bytes exceed the cap of {} bytes", cfg.max_bytes),
         ));
     }
     if cfg.store.contains(id) {
         return Err(Refusal(
             StatusCode::CONFLICT,
-            "duplicate_handoff",
+            ErrorCode::DuplicateHandoff,
             format!("handoff {id} is already held"),
         ));
     }
     if !cfg.store.admits(id) {
         return Err(Refusal(
             StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
+            ErrorCode::Draining,
             format!("draining: no call is waiting for handoff {id}"),
         ));
     }
     // Room in the store before a byte of the body is read; given back when this returns
     // (the state, if it passed, is then stored against the same cap).
-    cfg.store
-        .room(id, declared)
-        .map_err(|n| Refusal(StatusCode::SERVICE_UNAVAILABLE, n.code.as_str(), n.reason))?;
+    cfg.store.room(id, declared).map_err(|n| {
+        Refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::from(n.code),
+            n.reason,
+        )
+    })?;
     let room = Room(&cfg.store, declared);
     // `declared` is within the cap and the store's room. The file is what comes before
     // the digest: it is hashed as it arrives, the digest kept aside.
@@ -256,7 +265,7 @@ async fn receive(
         let Ok(next) = next else {
             return Err(Refusal(
                 StatusCode::REQUEST_TIMEOUT,
-                "upload_timeout",
+                ErrorCode::UploadTimeout,
                 format!(
                     "upload took longer than {:?} ({written} of {declared} bytes arrived)",
                     cfg.timeout
@@ -268,13 +277,13 @@ async fn receive(
         };
         let chunk = chunk.map_err(|e| {
             bad(
-                "truncated",
+                ErrorCode::Truncated,
                 format!("upload ended after {written} of {declared} bytes: {e}"),
             )
         })?;
         if written + chunk.len() as u64 > declared {
             return Err(bad(
-                "length_mismatch",
+                ErrorCode::LengthMismatch,
                 format!("body is longer than the declared {declared} bytes"),
             ));
         }
@@ -291,7 +300,7 @@ async fn receive(
     }
     if written != declared {
         return Err(bad(
-            "truncated",
+            ErrorCode::Truncated,
             format!("body has {written} bytes, {declared} were declared"),
         ));
     }
@@ -303,15 +312,15 @@ async fn receive(
     };
     if !matches {
         return Err(bad(
-            "checksum_mismatch",
+            ErrorCode::ChecksumMismatch,
             "the digest at the end of the body does not match the file".into(),
         ));
     }
     // A verified body's header (magic, version, a token count that fits the context and
     // the file) and its state's layout, walked to the end with a cell per token, as a V2
     // state's is: no byte llama.cpp reads is unchecked (it bounds-checks again at import).
-    let header =
-        v1::validate(&file, cfg.n_ctx).map_err(|e| bad("invalid_state_file", e.to_string()))?;
+    let header = v1::validate(&file, cfg.n_ctx)
+        .map_err(|e| bad(ErrorCode::InvalidStateFile, e.to_string()))?;
     let (start, tokens) = v1::raw_in_place(&mut file, &header);
     let state = StateFrame {
         handoff_id: id.to_string(),
@@ -324,6 +333,6 @@ async fn receive(
     drop(room);
     cfg.store
         .put_v1(id, state, receipt)
-        .map_err(|n| Refusal(StatusCode::CONFLICT, n.code.as_str(), n.reason))?;
+        .map_err(|n| Refusal(StatusCode::CONFLICT, ErrorCode::from(n.code), n.reason))?;
     Ok(written)
 }

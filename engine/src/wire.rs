@@ -1,5 +1,6 @@
 //! Conversions between the engine's types and the wire types of `edgesplit-proto`.
 
+use edgesplit_proto::error::{self, ErrorCode};
 use edgesplit_proto::frame::Identity;
 use edgesplit_proto::pb;
 
@@ -218,9 +219,9 @@ pub async fn prompt_of(
         }
         let need = (tokens.len() as u64 + u64::from(max)) * per;
         if need > kv_budget_bytes || max == 0 {
-            return Err(status_with_code(
+            return Err(error::status(
                 tonic::Code::InvalidArgument,
-                "kv_budget_exceeded",
+                ErrorCode::KvBudgetExceeded,
                 format!(
                     "the decode node's KV memory budget is {kv_budget_bytes} bytes ({fit} tokens at {per} bytes/token); \
                      this request needs {need} bytes ({} prompt + {max} completion tokens)",
@@ -255,44 +256,31 @@ pub fn reuse_of(req: &pb::PrefillRequest) -> crate::Reuse {
     }
 }
 
-/// gRPC metadata key carrying a stable, machine-readable error code.
-pub const ERROR_CODE_KEY: &str = "x-edgesplit-error";
-
 /// Maps an engine error to a gRPC status whose metadata names the error for the router.
 #[must_use]
 pub fn status(e: &EngineError) -> tonic::Status {
-    let (code, name) = match e {
-        EngineError::ContextOverflow { .. } => {
-            (tonic::Code::InvalidArgument, "context_length_exceeded")
-        }
-        EngineError::EmptyPrompt => (tonic::Code::InvalidArgument, "empty_prompt"),
-        EngineError::Template(_) => (tonic::Code::InvalidArgument, "template_error"),
-        EngineError::Grammar(_) => (tonic::Code::InvalidArgument, "grammar_error"),
-        EngineError::Import(_) => (tonic::Code::Internal, "import_failed"),
-        EngineError::TailBase(_) => (tonic::Code::FailedPrecondition, "tail_base_missing"),
-        EngineError::Export(_) => (tonic::Code::Internal, "export_failed"),
-        EngineError::Busy { .. } => (tonic::Code::Unavailable, "engine_busy"),
+    use tonic::Code as G;
+    use ErrorCode as C;
+    let (grpc, code) = match e {
+        EngineError::ContextOverflow { .. } => (G::InvalidArgument, C::ContextLengthExceeded),
+        EngineError::EmptyPrompt => (G::InvalidArgument, C::EmptyPrompt),
+        EngineError::Template(_) => (G::InvalidArgument, C::TemplateError),
+        EngineError::Grammar(_) => (G::InvalidArgument, C::GrammarError),
+        EngineError::Import(_) => (G::Internal, C::ImportFailed),
+        EngineError::TailBase(_) => (G::FailedPrecondition, C::TailBaseMissing),
+        EngineError::Export(_) => (G::Internal, C::ExportFailed),
+        EngineError::Busy { .. } => (G::Unavailable, C::EngineBusy),
         // Held, but the new part is longer than the caller's bound: the caller may send
         // only that part's KV from elsewhere (a tail handoff).
         EngineError::NotCached { cached, .. } if *cached > 0 => {
-            (tonic::Code::FailedPrecondition, "uncached_part_too_long")
+            (G::FailedPrecondition, C::UncachedPartTooLong)
         }
-        EngineError::NotCached { .. } => (tonic::Code::FailedPrecondition, "not_cached"),
+        EngineError::NotCached { .. } => (G::FailedPrecondition, C::NotCached),
         EngineError::Closed | EngineError::Load { .. } | EngineError::Decode(_) => {
-            (tonic::Code::Internal, "engine_error")
+            (G::Internal, C::EngineError)
         }
     };
-    status_with_code(code, name, e.to_string())
-}
-
-/// A status with the EdgeSplit error name in its metadata.
-#[must_use]
-pub fn status_with_code(code: tonic::Code, name: &str, message: String) -> tonic::Status {
-    let mut st = tonic::Status::new(code, message);
-    if let Ok(v) = name.parse() {
-        st.metadata_mut().insert(ERROR_CODE_KEY, v);
-    }
-    st
+    error::status(grpc, code, e.to_string())
 }
 
 /// Turns engine events into the gRPC token stream. Dropping the stream drops the engine's

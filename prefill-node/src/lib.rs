@@ -14,10 +14,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use edgesplit_engine::wire::{
-    input_of, prompt_of, reuse_of, sampling_of, status, status_with_code, token_events,
-};
+use edgesplit_engine::wire::{input_of, prompt_of, reuse_of, sampling_of, status, token_events};
 use edgesplit_engine::{Engine, EngineConfig, Export, Exported, GenEvent, SamplingParams, Start};
+use edgesplit_proto::error::{self, ErrorCode};
 use edgesplit_proto::frame::{NackCode, StateFrame};
 use edgesplit_proto::handoff::{self, HandoffError, Limits};
 use edgesplit_proto::link::Link;
@@ -503,20 +502,20 @@ impl HandoffFailure {
 
     /// What the router sees: `Unavailable` with a stable cause name.
     fn status(&self) -> Status {
-        let (name, what) = match self {
+        let (code, what) = match self {
             HandoffFailure::V1(e) => (e.code(), "KV handoff (V1 upload) failed"),
             HandoffFailure::V2(HandoffError::Refused(n) | HandoffError::Mismatch(n)) => {
-                (n.code.as_str(), "KV handoff failed")
+                (ErrorCode::from(n.code), "KV handoff failed")
             }
             HandoffFailure::V2(HandoffError::Timeout(_)) => {
-                ("handoff_timeout", "KV handoff failed")
+                (ErrorCode::HandoffTimeout, "KV handoff failed")
             }
             HandoffFailure::V2(HandoffError::Connect { .. }) => {
-                ("handoff_unreachable", "KV handoff failed")
+                (ErrorCode::HandoffUnreachable, "KV handoff failed")
             }
-            HandoffFailure::V2(_) => ("handoff_failed", "KV handoff failed"),
+            HandoffFailure::V2(_) => (ErrorCode::HandoffFailed, "KV handoff failed"),
         };
-        status_with_code(tonic::Code::Unavailable, name, format!("{what}: {self}"))
+        error::status(tonic::Code::Unavailable, code, format!("{what}: {self}"))
     }
 }
 
@@ -557,10 +556,10 @@ impl Sender {
         let Exported::Raw(bytes) = state;
         let outgoing = if h.transport == pb::HandoffTransport::V1 as i32 {
             let Some(at) = edgesplit_proto::v1::raw_sections(&bytes) else {
-                return Err(status_with_code(
+                return Err(error::status(
                     tonic::Code::Internal,
-                    "export_failed",
-                    "the exported state does not start with llama.cpp's state header".into(),
+                    ErrorCode::ExportFailed,
+                    "the exported state does not start with llama.cpp's state header",
                 ));
             };
             Outgoing::File(upload::V1File {

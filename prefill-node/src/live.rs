@@ -119,9 +119,9 @@ impl LiveHandoff {
                                 Some(o) => o,
                                 None => (&mut handoff).await,
                             };
-                            let failed = |reason: &str| Err(edgesplit_engine::wire::status_with_code(
+                            let failed = |reason: &str| Err(edgesplit_proto::error::status(
                                 tonic::Code::Unavailable,
-                                "handoff_failed",
+                                edgesplit_proto::error::ErrorCode::HandoffFailed,
                                 format!("live handoff failed at the switch: {reason}"),
                             ));
                             let msg = match done {

@@ -6,6 +6,7 @@
 use bytes::Bytes;
 use edgesplit_engine::ModelInfo;
 use edgesplit_proto::auth::{self, Secret};
+use edgesplit_proto::error::ErrorCode;
 use edgesplit_proto::v1;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,7 +19,9 @@ pub enum UploadError {
     #[error("refused by the decode node ({status}, {code}): {message}")]
     Refused {
         status: u16,
-        code: String,
+        /// The refusal's code ([`ErrorCode::HandoffFailed`] for one this build does not
+        /// know, whose name is then in `message`).
+        code: ErrorCode,
         message: String,
     },
 }
@@ -31,20 +34,20 @@ impl UploadError {
         match self {
             UploadError::Send { .. } => true,
             UploadError::Refused { status, code, .. } => {
-                *status >= 500 || code == "checksum_mismatch" || code == "truncated"
+                *status >= 500 || matches!(code, ErrorCode::ChecksumMismatch | ErrorCode::Truncated)
             }
         }
     }
 
     /// Stable name for metrics and the router.
     #[must_use]
-    pub fn code(&self) -> &str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             UploadError::Send { source, .. } if source.is_connect() || source.is_timeout() => {
-                "handoff_unreachable"
+                ErrorCode::HandoffUnreachable
             }
-            UploadError::Send { .. } => "handoff_failed",
-            UploadError::Refused { code, .. } => code,
+            UploadError::Send { .. } => ErrorCode::HandoffFailed,
+            UploadError::Refused { code, .. } => *code,
         }
     }
 }
@@ -134,16 +137,21 @@ pub async fn upload(
         return Ok(Uploaded { bytes: len, hash });
     }
     let body: serde_json::Value = resp.json().await.unwrap_or_default();
+    let name = body["error"]["code"].as_str().unwrap_or("");
+    let message = body["error"]["message"]
+        .as_str()
+        .unwrap_or("no reason given");
+    let (code, message) = match ErrorCode::from_name(name) {
+        Some(code) => (code, message.to_string()),
+        None => (
+            ErrorCode::HandoffFailed,
+            format!("{message} (code {name:?})"),
+        ),
+    };
     Err(UploadError::Refused {
         status,
-        code: body["error"]["code"]
-            .as_str()
-            .unwrap_or("refused")
-            .to_string(),
-        message: body["error"]["message"]
-            .as_str()
-            .unwrap_or("no reason given")
-            .to_string(),
+        code,
+        message,
     })
 }
 

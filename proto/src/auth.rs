@@ -282,14 +282,11 @@ impl tonic::service::Interceptor for GrpcGuard {
             .and_then(|t| Token::check(secret, GRPC, &[], t, &self.seen));
         match token {
             Ok(()) => Ok(req),
-            Err(why) => {
-                let mut st = tonic::Status::unauthenticated(why);
-                st.metadata_mut().insert(
-                    "x-edgesplit-error",
-                    tonic::metadata::MetadataValue::from_static("auth_failed"),
-                );
-                Err(st)
-            }
+            Err(why) => Err(crate::error::status(
+                tonic::Code::Unauthenticated,
+                crate::error::ErrorCode::AuthFailed,
+                why,
+            )),
         }
     }
 }

@@ -191,6 +191,17 @@ pub enum NackCode {
 }
 
 impl NackCode {
+    /// Every known code.
+    pub const ALL: [NackCode; 18] = {
+        let mut all = [NackCode::Internal; 18];
+        let mut i = 0;
+        while i < NACK_CODES.len() {
+            all[i] = NACK_CODES[i].0;
+            i += 1;
+        }
+        all
+    };
+
     /// Wire value.
     #[must_use]
     pub fn to_u16(self) -> u16 {

@@ -2,11 +2,13 @@
 //!
 //! - [`pb`]: the gRPC control plane (router <-> nodes), generated from `proto/edgesplit.proto`.
 //! - [`frame`], [`codec`], [`handoff`]: the V2 KV handoff over raw TCP (see `PROTOCOL.md`).
+//! - [`error`]: the one error vocabulary ([`error::ErrorCode`]) every node and the router share.
 //! - [`layout`]: llama.cpp's raw sequence-state layout, read into tensor descriptors.
 
 pub mod auth;
 pub mod buffers;
 pub mod codec;
+pub mod error;
 pub mod frame;
 pub mod handoff;
 pub mod layout;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgesplit_proto::auth::GrpcCredentials;
+use edgesplit_proto::error::ErrorCode;
 use edgesplit_proto::link::{HandshakeFailed, Link};
 use edgesplit_proto::pb;
 use edgesplit_proto::pb::decode_client::DecodeClient;
@@ -877,10 +878,10 @@ impl Backend {
                 Err(e) => {
                     // Held, but the new part is long: the split ships only that part's KV
                     // when it can (`Handoff.base_max`).
-                    if e.code.as_deref() != Some("uncached_part_too_long") {
+                    if e.cause != Some(ErrorCode::UncachedPartTooLong) {
                         held = None;
                     }
-                    if e.code.as_deref() == Some("not_cached") {
+                    if e.cause == Some(ErrorCode::NotCached) {
                         lock(&self.learned).conversations.forget(&req.input);
                     }
                     tracing::info!(request_id, reason = %e.message, "split after all");
@@ -1691,10 +1692,10 @@ mod tests {
     #[tokio::test]
     async fn an_error_after_the_first_token_names_the_requests_field() {
         let refusal = || {
-            edgesplit_engine::wire::status_with_code(
+            edgesplit_proto::error::status(
                 tonic::Code::InvalidArgument,
-                "context_length_exceeded",
-                "too long".to_string(),
+                ErrorCode::ContextLengthExceeded,
+                "too long",
             )
         };
         for (input, param) in [

@@ -2,6 +2,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use edgesplit_proto::error::{code_of, ErrorCode, Named};
 use serde_json::json;
 
 /// An error as the client sees it.
@@ -13,6 +14,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<String>,
+    /// The node's code this error maps, when a node named its failure.
+    pub cause: Option<ErrorCode>,
     /// Seconds, sent as `Retry-After`.
     pub retry_after: Option<u64>,
 }
@@ -26,6 +29,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.into(),
             code: None,
+            cause: None,
             retry_after: None,
         }
     }
@@ -44,6 +48,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found".into()),
+            cause: None,
             retry_after: None,
         }
     }
@@ -55,6 +60,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some(code.into()),
+            cause: None,
             retry_after: Some(1),
         }
     }
@@ -66,6 +72,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some(code.into()),
+            cause: None,
             retry_after: None,
         }
     }
@@ -89,6 +96,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("internal_error".into()),
+            cause: None,
             retry_after: None,
         }
     }
@@ -107,46 +115,92 @@ impl ApiError {
     /// Maps a node's gRPC status; `param` names the input field for input errors.
     #[must_use]
     pub fn from_status(st: &tonic::Status, input_param: &str) -> Self {
-        let name = st
-            .metadata()
-            .get(edgesplit_proto_error_key())
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
         let msg = st.message().to_string();
-        // A status made here from a failed connection (it has a source; one a node sent
-        // has none): the private link refused (the devices' secrets differ), or the
-        // connection broke, not an error of the node's.
-        if name.is_empty() {
-            if let Some(source) = std::error::Error::source(st) {
-                if let Some(h) = edgesplit_proto::link::HandshakeFailed::find(source) {
-                    return Self::link_refused("a node", h);
-                }
-                return Self::unavailable(
-                    "node_unavailable",
-                    format!("the connection to a node broke: {msg} ({source})"),
-                );
+        match code_of(st) {
+            Named::Code(code) => {
+                let mut e = Self::from_code(code, msg, input_param);
+                e.cause = Some(code);
+                e
             }
-        }
-        match name.as_str() {
-            "context_length_exceeded"
-            | "kv_budget_exceeded"
-            | "empty_prompt"
-            | "template_error" => {
-                Self::invalid(Some(input_param.to_string()), msg).with_code(&name)
-            }
-            "grammar_error" => Self::invalid(Some("response_format".into()), msg).with_code(&name),
-            "handoff_unreachable" | "capacity" => Self::unavailable("decode_unavailable", msg),
-            "" => match st.code() {
-                tonic::Code::Unavailable => Self::unavailable(
-                    "node_unavailable",
-                    format!("a node could not be reached: {msg}"),
-                ),
-                tonic::Code::DeadlineExceeded => Self::upstream("timeout", msg),
-                tonic::Code::InvalidArgument => Self::invalid(None, msg),
-                _ => Self::internal(msg),
+            // A newer node's code: passed on as it is.
+            Named::Unknown(name) => Self::upstream(&name, msg),
+            // A status made here from a failed connection (it has a source; one a node
+            // sent has none): the private link refused (the devices' secrets differ), or
+            // the connection broke, not an error of the node's.
+            Named::None => match std::error::Error::source(st) {
+                Some(source) => match edgesplit_proto::link::HandshakeFailed::find(source) {
+                    Some(h) => Self::link_refused("a node", h),
+                    None => Self::unavailable(
+                        "node_unavailable",
+                        format!("the connection to a node broke: {msg} ({source})"),
+                    ),
+                },
+                None => match st.code() {
+                    tonic::Code::Unavailable => Self::unavailable(
+                        "node_unavailable",
+                        format!("a node could not be reached: {msg}"),
+                    ),
+                    tonic::Code::DeadlineExceeded => Self::upstream("timeout", msg),
+                    tonic::Code::InvalidArgument => Self::invalid(None, msg),
+                    _ => Self::internal(msg),
+                },
             },
-            other => Self::upstream(other, msg),
+        }
+    }
+
+    /// The one table from a node's [`ErrorCode`] to what the client sees (exhaustive: a
+    /// new code does not compile until it has a row).
+    fn from_code(code: ErrorCode, msg: String, input_param: &str) -> Self {
+        use ErrorCode as C;
+        match code {
+            // The request's input.
+            C::ContextLengthExceeded | C::KvBudgetExceeded | C::EmptyPrompt | C::TemplateError => {
+                Self::invalid(Some(input_param.to_string()), msg).with_code(code.as_str())
+            }
+            C::GrammarError => {
+                Self::invalid(Some("response_format".into()), msg).with_code(code.as_str())
+            }
+            // No decode node to take the state: the fallback policy may answer here.
+            C::HandoffUnreachable | C::Capacity => Self::unavailable("decode_unavailable", msg),
+            // Everything else failed upstream, under the node's own name.
+            C::InvalidTail
+            | C::NotCached
+            | C::UncachedPartTooLong
+            | C::TailBaseMissing
+            | C::ImportFailed
+            | C::ExportFailed
+            | C::EngineBusy
+            | C::EngineError
+            | C::HandoffMissing
+            | C::HandoffFailed
+            | C::HandoffTimeout
+            | C::AuthFailed
+            | C::Draining
+            | C::BadMagic
+            | C::UnsupportedVersion
+            | C::Malformed
+            | C::FrameTooLarge
+            | C::ChecksumMismatch
+            | C::UnexpectedFrame
+            | C::ModelMismatch
+            | C::BuildMismatch
+            | C::KvTypeMismatch
+            | C::FlashAttnMismatch
+            | C::ContextMismatch
+            | C::DescriptorMismatch
+            | C::SequenceTooLong
+            | C::DuplicateHandoff
+            | C::Timeout
+            | C::Internal
+            | C::OtherRefusal
+            | C::InvalidHandoffId
+            | C::MissingChecksum
+            | C::LengthRequired
+            | C::Truncated
+            | C::TooLarge
+            | C::UploadTimeout
+            | C::LengthMismatch
+            | C::InvalidStateFile => Self::upstream(code.as_str(), msg),
         }
     }
 }
@@ -158,7 +212,7 @@ impl ApiError {
     /// named `decode_node_lost`, not an internal error of ours.
     #[must_use]
     pub fn from_decode_stream(st: &tonic::Status, input_param: &str) -> Self {
-        if st.metadata().get(edgesplit_proto_error_key()).is_some() {
+        if code_of(st) != Named::None {
             return Self::from_status(st, input_param);
         }
         Self::unavailable(
@@ -172,11 +226,6 @@ impl ApiError {
     }
 }
 
-fn edgesplit_proto_error_key() -> &'static str {
-    // Mirrors `edgesplit_engine::wire::ERROR_CODE_KEY` (the router does not link llama.cpp).
-    "x-edgesplit-error"
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
@@ -185,5 +234,64 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code a node can send maps to an error that keeps it as its cause: input
+    /// errors are 400 naming the field, an unreachable or full decode node is 503
+    /// `decode_unavailable` (the fallback policy's cue), the rest 502 under the node's name.
+    #[test]
+    fn every_node_code_maps_and_keeps_its_cause() {
+        for &code in ErrorCode::ALL {
+            let st = edgesplit_proto::error::status(tonic::Code::Internal, code, "why");
+            let e = ApiError::from_status(&st, "messages");
+            assert_eq!(e.cause, Some(code));
+            assert_eq!(e.message, "why");
+            match code {
+                ErrorCode::ContextLengthExceeded
+                | ErrorCode::KvBudgetExceeded
+                | ErrorCode::EmptyPrompt
+                | ErrorCode::TemplateError => {
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST);
+                    assert_eq!(e.param.as_deref(), Some("messages"));
+                    assert_eq!(e.code.as_deref(), Some(code.as_str()));
+                }
+                ErrorCode::GrammarError => {
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST);
+                    assert_eq!(e.param.as_deref(), Some("response_format"));
+                }
+                ErrorCode::HandoffUnreachable | ErrorCode::Capacity => {
+                    assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+                    assert_eq!(e.code.as_deref(), Some("decode_unavailable"));
+                }
+                _ => {
+                    assert_eq!(e.status, StatusCode::BAD_GATEWAY, "{code}");
+                    assert_eq!(e.code.as_deref(), Some(code.as_str()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_newer_nodes_code_is_passed_on_and_a_status_without_one_is_classed_by_grpc() {
+        let mut st = tonic::Status::internal("new");
+        st.metadata_mut().insert(
+            edgesplit_proto::error::KEY,
+            "newer_than_us".parse().unwrap(),
+        );
+        let e = ApiError::from_status(&st, "prompt");
+        assert_eq!(
+            (e.status, e.code.as_deref()),
+            (StatusCode::BAD_GATEWAY, Some("newer_than_us"))
+        );
+        assert_eq!(e.cause, None);
+        let e = ApiError::from_status(&tonic::Status::unavailable("down"), "prompt");
+        assert_eq!(e.code.as_deref(), Some("node_unavailable"));
+        let e = ApiError::from_status(&tonic::Status::deadline_exceeded("slow"), "prompt");
+        assert_eq!(e.code.as_deref(), Some("timeout"));
     }
 }

@@ -83,6 +83,7 @@ async fn require_api_key(
         kind: "invalid_request_error",
         param: None,
         code: Some("invalid_api_key".into()),
+        cause: None,
         retry_after: None,
     }
     .into_response()
@@ -95,6 +96,7 @@ async fn not_found() -> ApiError {
         kind: "invalid_request_error",
         param: None,
         code: Some("unknown_url".into()),
+        cause: None,
         retry_after: None,
     }
 }

@@ -174,7 +174,7 @@ async fn corrupted_payload_is_refused_and_nothing_is_imported() {
         .expect_err("no state to generate from");
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
     assert_eq!(
-        err.metadata().get("x-edgesplit-error").unwrap(),
+        err.metadata().get(edgesplit_proto::error::KEY).unwrap(),
         "handoff_missing"
     );
 }
@@ -358,7 +358,7 @@ async fn an_unclaimed_state_expires_after_its_ttl() {
         .await
         .expect_err("the expired state is gone");
     assert_eq!(
-        err.metadata().get("x-edgesplit-error").unwrap(),
+        err.metadata().get(edgesplit_proto::error::KEY).unwrap(),
         "handoff_missing",
         "{err:?}"
     );

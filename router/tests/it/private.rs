@@ -98,9 +98,12 @@ fn host_port(url: &str) -> String {
     rest.split('/').next().unwrap().to_string()
 }
 
-/// A stack with a recording proxy on every channel between the devices.
+/// A stack with a recording proxy on every channel between the devices. Paced: a live
+/// answer switches by its 2nd-3rd token on any machine, so the V2 capture is nearly all
+/// the prompt's state, which the V1 upload holds too (unpaced, a loaded machine switched
+/// late, and the capture's sampled runs fell in answer rows the upload does not hold).
 fn recorded_stack(secret: Option<&str>) -> common::Stack {
-    let mut o = common::StackOptions::new(common::SMOLLM2);
+    let mut o = common::StackOptions::new(common::SMOLLM2).paced();
     o.secret = secret.map(Into::into);
     o.prefill_proxy = Some(recording);
     o.decode_proxy = Some(recording);

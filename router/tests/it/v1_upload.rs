@@ -254,7 +254,7 @@ async fn duplicate_and_unloadable_files() {
         .into_inner();
     let err = stream.message().await.expect_err("import must fail");
     assert_eq!(
-        err.metadata().get("x-edgesplit-error").unwrap(),
+        err.metadata().get(edgesplit_proto::error::KEY).unwrap(),
         "import_failed"
     );
     assert!(nothing_held(s, "v1-fake").await);
