@@ -8,7 +8,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="${1:-$ROOT/deploy/edgesplit.env}"
 [[ -f "$CONFIG" ]] || { echo "no $CONFIG: copy deploy/edgesplit.env.example and edit it" >&2; exit 1; }
-# Exported: the services read EDGESPLIT_SECRET_FILE / EDGESPLIT_API_KEY themselves.
+# Exported: the services read EDGESPLIT_SECRET_FILE / EDGESPLIT_API_KEY(_FILE) themselves.
 set -a
 # shellcheck source=deploy/edgesplit.env.example
 source "$CONFIG"
@@ -18,6 +18,12 @@ set +a
 # The pair's shared secret, made once (kept when it exists); the phone needs the same file.
 export EDGESPLIT_SECRET_FILE="${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}"
 bash "$ROOT/scripts/secret.sh" "$EDGESPLIT_SECRET_FILE"
+# The API key clients send, made once too: the router listens on the network, where it
+# refuses to serve without one (unless EDGESPLIT_API_KEY holds a key already).
+if [[ -z "${EDGESPLIT_API_KEY:-}" ]]; then
+    export EDGESPLIT_API_KEY_FILE="${EDGESPLIT_API_KEY_FILE:-$ROOT/deploy/api-key}"
+    bash "$ROOT/scripts/secret.sh" --api-key "$EDGESPLIT_API_KEY_FILE"
+fi
 
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"

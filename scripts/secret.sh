@@ -5,8 +5,30 @@
 # on the phone. Every service reads it from EDGESPLIT_SECRET_FILE or --secret-file; with it,
 # every link between the devices is TLS keyed by it (ARCHITECTURE.md, threat model).
 #   scripts/secret.sh [FILE]
+#   scripts/secret.sh --api-key [FILE]   the router's API key instead (default
+#                                        deploy/api-key): "sk-" and 32 random bytes in hex,
+#                                        which clients send as "Authorization: Bearer <key>"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ "${1:-}" == "--api-key" ]]; then
+    FILE="${2:-${EDGESPLIT_API_KEY_FILE:-$ROOT/deploy/api-key}}"
+    if [[ -s "$FILE" ]]; then
+        echo "[secret] keeping the existing API key in $FILE" >&2
+    else
+        mkdir -p "$(dirname "$FILE")"
+        umask 077
+        { printf 'sk-'; od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; echo; } >"$FILE.tmp"
+        mv "$FILE.tmp" "$FILE"
+        echo "[secret] made a new API key in $FILE" >&2
+    fi
+    chmod 600 "$FILE"
+    cat >&2 <<MSG
+[secret] clients send it as "Authorization: Bearer <key>"; with the OpenAI client:
+           OPENAI_BASE_URL=http://LAPTOP_IP:8080/v1 OPENAI_API_KEY="\$(cat $FILE)" ...
+         or: curl -H "Authorization: Bearer \$(cat $FILE)" http://LAPTOP_IP:8080/v1/models
+MSG
+    exit 0
+fi
 FILE="${1:-${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}}"
 if [[ -s "$FILE" ]]; then
     echo "[secret] keeping the existing secret in $FILE" >&2

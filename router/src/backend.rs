@@ -298,6 +298,12 @@ async fn finishes(mut stream: tonic::Streaming<pb::TokenEvent>) -> Result<bool, 
 }
 
 /// Keeps a node's `Info` answer as its last known one; passes the call's result on.
+/// Both nodes' `Info` answers, prefill first.
+type HealthInfos = (
+    Result<pb::NodeInfo, ApiError>,
+    Result<pb::NodeInfo, ApiError>,
+);
+
 fn remember(
     last: &std::sync::Mutex<Option<pb::NodeInfo>>,
     info: Result<pb::NodeInfo, ApiError>,
@@ -330,6 +336,8 @@ pub struct Backend {
     last_decode_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
     /// The prefill node's `Info` as last answered (every request asks for it first).
     last_prefill_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
+    /// `/health`'s last answers from both nodes, and when they came (`infos_within`).
+    health_infos: Arc<tokio::sync::Mutex<Option<(std::time::Instant, HealthInfos)>>>,
     learned: Arc<std::sync::Mutex<Learned>>,
 }
 
@@ -397,6 +405,7 @@ impl Backend {
             config,
             last_decode_info: Arc::default(),
             last_prefill_info: Arc::default(),
+            health_infos: Arc::default(),
             learned: Arc::default(),
         })
     }
@@ -504,6 +513,27 @@ impl Backend {
     ///
     /// # Errors
     /// 503 when the node does not answer in time.
+    /// Both nodes' `Info` (`/health`): the last answers while they are younger than
+    /// `max_age`, else asked again - by one caller, the others waiting for its answers - so
+    /// that hits cost each node at most one `Info` per `max_age`.
+    pub async fn infos_within(
+        &self,
+        max_age: std::time::Duration,
+    ) -> (
+        Result<pb::NodeInfo, ApiError>,
+        Result<pb::NodeInfo, ApiError>,
+    ) {
+        let mut last = self.health_infos.lock().await;
+        if let Some((at, infos)) = &*last {
+            if at.elapsed() < max_age {
+                return infos.clone();
+            }
+        }
+        let infos = tokio::join!(self.prefill_info(), self.decode_info());
+        *last = Some((std::time::Instant::now(), infos.clone()));
+        infos
+    }
+
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.decode.clone();
         let info = self

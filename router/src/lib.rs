@@ -107,9 +107,15 @@ pub struct Config {
     #[arg(long)]
     pub secret_file: Option<std::path::PathBuf>,
     /// File holding the API key clients must send as `Authorization: Bearer <key>` (also
-    /// the key itself in `EDGESPLIT_API_KEY`). Without one, the API is open.
-    #[arg(long)]
+    /// `EDGESPLIT_API_KEY_FILE`, or the key itself in `EDGESPLIT_API_KEY`). Without one,
+    /// the API is open, which only a loopback `--listen` accepts unless `--insecure`.
+    #[arg(long, env = "EDGESPLIT_API_KEY_FILE")]
     pub api_key_file: Option<std::path::PathBuf>,
+    /// Serve the API on a non-loopback address without an API key: anyone who can reach
+    /// it can use the model and read the nodes' details on `/health` (logged as a warning
+    /// at start). Without this, such a router refuses to start.
+    #[arg(long)]
+    pub insecure: bool,
     /// On SIGTERM/SIGINT: seconds to let answers in flight finish (new requests get 503 and
     /// `/health` says `draining` meanwhile) before exiting anyway.
     #[arg(long, default_value_t = 30)]
@@ -182,6 +188,7 @@ pub async fn run(
         tracing::info!(key = %f, "private links to the nodes: TLS 1.3 keyed by the shared secret");
     }
     let api_key = load_api_key(config.api_key_file.as_deref())?;
+    exposure_allowed(listener.local_addr()?, api_key.is_some(), config.insecure)?;
     let backend = Backend::new(BackendConfig {
         prefill_url: config.prefill_url.clone(),
         decode_url: config.decode_url.clone(),
@@ -293,6 +300,30 @@ async fn drain_in_flight(state: &state::AppState, deadline: Duration) {
     }
 }
 
+/// The nodes' rule for the API: a non-loopback address needs an API key, or `--insecure`
+/// (then logged as a warning that names what is exposed).
+///
+/// # Errors
+/// A non-loopback `addr` without a key or `--insecure`, naming the ways out.
+fn exposure_allowed(addr: std::net::SocketAddr, keyed: bool, insecure: bool) -> anyhow::Result<()> {
+    if keyed || addr.ip().is_loopback() {
+        return Ok(());
+    }
+    anyhow::ensure!(
+        insecure,
+        "refusing to serve the API on {addr} without an API key: anyone who can reach it \
+         could use the model and read the nodes' details on /health. Give a key \
+         (--api-key-file, EDGESPLIT_API_KEY_FILE or EDGESPLIT_API_KEY; deploy/laptop.sh \
+         makes one), listen on 127.0.0.1, or pass --insecure to serve it open anyway"
+    );
+    tracing::warn!(
+        %addr,
+        "--insecure: the API is open on {addr} without a key: anyone who can reach it can \
+         use the model and read the nodes' addresses, memory and layer split on /health"
+    );
+    Ok(())
+}
+
 /// The API key: from `file`, else `EDGESPLIT_API_KEY`; `None` when neither is set.
 ///
 /// # Errors
@@ -309,4 +340,32 @@ fn load_api_key(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>
         return Ok(None);
     }
     Ok(Some(key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exposure_allowed;
+
+    /// Loopback is served open; any other address needs a key or `--insecure`, and the
+    /// refusal names the address and the ways out.
+    #[test]
+    fn the_api_is_open_only_on_loopback_unless_insecure() {
+        let lo = "127.0.0.1:8080".parse().unwrap();
+        let any = "0.0.0.0:8080".parse().unwrap();
+        let lan = "192.168.1.20:8080".parse().unwrap();
+        assert!(exposure_allowed(lo, false, false).is_ok());
+        assert!(exposure_allowed("[::1]:8080".parse().unwrap(), false, false).is_ok());
+        for addr in [any, lan] {
+            let msg = exposure_allowed(addr, false, false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(&addr.to_string()) && msg.contains("--insecure"),
+                "{msg}"
+            );
+            assert!(msg.contains("--api-key-file"), "{msg}");
+            assert!(exposure_allowed(addr, true, false).is_ok());
+            assert!(exposure_allowed(addr, false, true).is_ok());
+        }
+    }
 }

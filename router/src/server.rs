@@ -47,6 +47,23 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The key a request sends as `Authorization: Bearer <key>`.
+fn given_key(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// Constant time in the key's length (`subtle`; a length mismatch is refused at once).
+fn key_matches(given: Option<&str>, key: &str) -> bool {
+    given.is_some_and(|g| {
+        use subtle::ConstantTimeEq;
+        bool::from(g.as_bytes().ct_eq(key.as_bytes()))
+    })
+}
+
 /// `Authorization: Bearer <key>` when an API key is configured; else 401 with an OpenAI
 /// error object (`invalid_api_key`).
 async fn require_api_key(
@@ -57,17 +74,8 @@ async fn require_api_key(
     let Some(key) = &s.api_key else {
         return next.run(req).await;
     };
-    let given = req
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    // Constant time in the key's length (`subtle`; a length mismatch is refused at once).
-    let ok = given.is_some_and(|g| {
-        use subtle::ConstantTimeEq;
-        bool::from(g.as_bytes().ct_eq(key.as_bytes()))
-    });
+    let given = given_key(req.headers());
+    let ok = key_matches(given, key);
     if ok {
         return next.run(req).await;
     }
@@ -404,7 +412,14 @@ fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
     }
 }
 
-async fn health(State(s): State<Arc<AppState>>) -> Response {
+/// How old the nodes' `Info` that `/health` shows may be: however often it is hit, it
+/// asks each node at most once per this.
+const HEALTH_INFO_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the service is up (`ok`, `degraded` or `draining`), for anyone; the nodes'
+/// details (addresses, memory, peers) only for a request with the API key when one is
+/// configured.
+async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if s.draining.load(std::sync::atomic::Ordering::SeqCst) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -412,13 +427,22 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
         )
             .into_response();
     }
-    let (p, d) = tokio::join!(s.backend.prefill_info(), s.backend.decode_info());
+    let (p, d) = s.backend.infos_within(HEALTH_INFO_MAX_AGE).await;
     let ok = p.is_ok() && d.is_ok();
-    let body = json!({
-        "status": if ok { "ok" } else { "degraded" },
-        "prefill": node_json(&p),
-        "decode": node_json(&d),
-    });
+    let status = if ok { "ok" } else { "degraded" };
+    let detailed = s
+        .api_key
+        .as_ref()
+        .is_none_or(|key| key_matches(given_key(&headers), key));
+    let body = if detailed {
+        json!({
+            "status": status,
+            "prefill": node_json(&p),
+            "decode": node_json(&d),
+        })
+    } else {
+        json!({"status": status})
+    };
     let code = if ok {
         StatusCode::OK
     } else {

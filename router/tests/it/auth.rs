@@ -412,3 +412,42 @@ async fn the_api_key_is_required_when_configured() {
         assert_eq!(st == 200, open, "{path}: {st}");
     }
 }
+
+/// `/health` says to anyone whether the service is up, and its details (the nodes'
+/// addresses, memory, peers) only to a request with the API key.
+#[tokio::test]
+async fn health_details_need_the_api_key() {
+    let s = secured();
+    let url = format!("{}/health", s.router);
+    let http = common::client();
+    for key in [None, Some("sk-wrong")] {
+        let mut r = http.get(&url);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status(), 200, "{key:?}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v, json!({"status": "ok"}), "{key:?}");
+    }
+    let v: Value = http
+        .get(&url)
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["status"], "ok", "{v}");
+    assert!(
+        v["decode"]["handoff_addr"]
+            .as_str()
+            .is_some_and(|a| a.contains("127.0.0.1")),
+        "{v}"
+    );
+    assert!(
+        v["prefill"]["mem_available_bytes"].as_u64().is_some(),
+        "{v}"
+    );
+}

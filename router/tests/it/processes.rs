@@ -262,6 +262,60 @@ pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Three {
     }
 }
 
+/// The router follows the nodes' rule: on a non-loopback address without an API key it
+/// refuses to start, naming the address and the ways out; `--insecure` serves it open.
+/// (No node is needed: the check comes first.)
+#[tokio::test]
+async fn a_router_on_the_network_without_an_api_key_refuses_to_start() {
+    let run = |extra: &[&str]| {
+        let mut c = tokio::process::Command::new(bin("edgesplit-router"));
+        c.args([
+            "--listen",
+            "0.0.0.0:0",
+            "--prefill-url",
+            "http://127.0.0.1:9",
+        ])
+        .args(["--decode-url", "http://127.0.0.1:9"])
+        .args(extra)
+        .env_remove("EDGESPLIT_API_KEY")
+        .env_remove("EDGESPLIT_API_KEY_FILE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+        c
+    };
+    let out = tokio::time::timeout(Duration::from_secs(30), run(&[]).output())
+        .await
+        .expect("a refusal is immediate")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("refusing to serve the API on 0.0.0.0:") && err.contains("--insecure"),
+        "{err}"
+    );
+    // With --insecure it serves (until killed), and says what is exposed.
+    let mut open = run(&["--insecure"]).spawn().unwrap();
+    let mut stderr = tokio::io::BufReader::new(open.stderr.take().unwrap());
+    let mut log = String::new();
+    let warned = tokio::time::timeout(Duration::from_secs(30), async {
+        use tokio::io::AsyncBufReadExt;
+        loop {
+            let mut line = String::new();
+            if stderr.read_line(&mut line).await.unwrap() == 0 {
+                return false;
+            }
+            log.push_str(&line);
+            if line.contains("the API is open on 0.0.0.0:") {
+                return true;
+            }
+        }
+    })
+    .await;
+    assert_eq!(warned, Ok(true), "{log}");
+    assert!(open.try_wait().unwrap().is_none(), "{log}");
+}
+
 #[tokio::test]
 async fn three_processes_one_request_id() {
     let _one = ONE_AT_A_TIME.lock().await;
