@@ -33,7 +33,6 @@ mod engine_bench;
 mod handoff_bench;
 mod kv_quality;
 mod layers_bench;
-mod link;
 mod load;
 mod power;
 mod record;
@@ -43,6 +42,7 @@ mod stats;
 mod stock;
 
 use client::{Ask, Target};
+use edgesplit_bench::link;
 use link::Profile;
 use record::{Record, Slot};
 use report::Attempt;

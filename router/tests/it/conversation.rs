@@ -229,7 +229,7 @@ async fn two_clients_going_on_at_once_each_get_their_answer() {
 #[tokio::test]
 async fn a_conversation_the_prefill_node_ended_goes_on_there() {
     fn slow_link(target: String) -> String {
-        common::shaping::proxy(target, || common::shaping::Shape::rate(200_000))
+        common::shaped(target, || common::Shape::rate(200_000))
     }
     let mut o = common::StackOptions::new(common::SMOLLM2);
     o.handoff_proxy = Some(slow_link);
@@ -263,7 +263,7 @@ async fn a_conversation_the_prefill_node_ended_goes_on_there() {
 /// `cache_prompt: false` keeps nothing there.
 async fn a_live_answer_that_ended_first_is_kept(model: &'static str) {
     fn slow_link(target: String) -> String {
-        common::shaping::proxy(target, || common::shaping::Shape::rate(1_000_000))
+        common::shaped(target, || common::Shape::rate(1_000_000))
     }
     let mut o = common::StackOptions::new(model);
     o.handoff_proxy = Some(slow_link);
@@ -428,9 +428,12 @@ async fn a_sliding_window_models_text_goes_on_on_the_decode_node() {
 static HOLD: AtomicBool = AtomicBool::new(false);
 
 fn holding(target: String) -> String {
-    common::shaping::proxy(target, || common::shaping::Shape {
-        hold: Some(|| HOLD.load(Ordering::SeqCst)),
-        ..common::shaping::Shape::rate(0)
+    common::shaped(target, || common::Shape {
+        faults: common::Faults {
+            hold: Some(|| HOLD.load(Ordering::SeqCst)),
+            ..common::Faults::default()
+        },
+        ..common::Shape::rate(0)
     })
 }
 
@@ -562,7 +565,7 @@ async fn a_tail_whose_prefix_the_decode_node_lost_is_finished_on_the_prefill_nod
 #[tokio::test]
 async fn a_tail_whose_answer_ended_first_is_kept_on_the_decode_node() {
     fn slow_link(target: String) -> String {
-        common::shaping::proxy(target, || common::shaping::Shape::rate(300_000))
+        common::shaped(target, || common::Shape::rate(300_000))
     }
     let mut o = common::StackOptions::new(common::SMOLLM2);
     o.continue_on = edgesplit_router::backend::ContinueOn::PrefillNode;

@@ -179,9 +179,7 @@ async fn a_live_handoff_switches_mid_answer_identically() {
     let s = S.get_or_init(|| {
         let mut o = StackOptions::new(common::GEMMA3);
         o.n_ctx = 2048;
-        o.handoff_proxy = Some(|target| {
-            common::shaping::proxy(target, || common::shaping::Shape::rate(6_000_000))
-        });
+        o.handoff_proxy = Some(|target| common::shaped(target, || common::Shape::rate(6_000_000)));
         // Asked for, but a window's prefill sends no pieces: /health says so.
         o.stream_prefill = true;
         common::start(o)

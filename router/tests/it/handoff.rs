@@ -369,9 +369,12 @@ static CONTROL_HELD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 
 /// A router -> decode control link that [`CONTROL_HELD`] stops.
 fn held_control_link(target: String) -> String {
-    common::shaping::proxy(target, || common::shaping::Shape {
-        hold: Some(|| CONTROL_HELD.load(std::sync::atomic::Ordering::SeqCst)),
-        ..common::shaping::Shape::rate(0)
+    common::shaped(target, || common::Shape {
+        faults: common::Faults {
+            hold: Some(|| CONTROL_HELD.load(std::sync::atomic::Ordering::SeqCst)),
+            ..common::Faults::default()
+        },
+        ..common::Shape::rate(0)
     })
 }
 

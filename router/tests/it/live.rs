@@ -25,11 +25,13 @@ static CORRUPT_LAST: AtomicBool = AtomicBool::new(false);
 
 /// Between the nodes: the link as the statics above say when each connection opens.
 fn throttling_proxy(target: String) -> String {
-    common::shaping::proxy(target, || common::shaping::Shape {
-        rate: RATE.load(Ordering::SeqCst),
-        corrupt_at: CORRUPT_AT.load(Ordering::SeqCst),
-        corrupt_last: CORRUPT_LAST.load(Ordering::SeqCst),
-        hold: None,
+    common::shaped(target, || common::Shape {
+        faults: common::Faults {
+            corrupt_at: Some(CORRUPT_AT.load(Ordering::SeqCst)).filter(|&at| at != usize::MAX),
+            corrupt_last: CORRUPT_LAST.load(Ordering::SeqCst),
+            ..common::Faults::default()
+        },
+        ..common::Shape::rate(RATE.load(Ordering::SeqCst))
     })
 }
 

@@ -702,7 +702,7 @@ async fn a_killed_decode_process_loses_nothing() {
 /// A handoff link of 1 MB/s: the prompt's state of a short chat (~1 MB) takes about a
 /// second, the KV of what the answer writes meanwhile about as long again.
 fn slow_link(target: String) -> String {
-    common::shaping::proxy(target, || common::shaping::Shape::rate(1_000_000))
+    common::shaped(target, || common::Shape::rate(1_000_000))
 }
 
 /// The live handoff (issue 13) when the decode node's process is killed after the prompt's

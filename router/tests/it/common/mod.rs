@@ -9,7 +9,6 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-pub mod shaping;
 pub mod stock;
 
 /// Where the models live (`scripts/fetch-models.sh` puts them there).
@@ -375,26 +374,21 @@ pub const HANDOFF_DELAY: Duration = Duration::from_millis(1500);
 /// Between the nodes: holds every handoff connection to `target` for `HANDOFF_DELAY`
 /// before forwarding it; returns the proxy's address. Call it inside a runtime.
 pub fn delaying_proxy(target: String) -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.set_nonblocking(true).unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let l = TcpListener::from_std(l).unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut inbound, _)) = l.accept().await else {
-                return;
-            };
-            let target = target.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(HANDOFF_DELAY).await;
-                // A target that is gone refuses the sender as it would have directly.
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
-    addr
+    shaped(target, || Shape {
+        faults: Faults {
+            connect_delay: HANDOFF_DELAY,
+            ..Faults::default()
+        },
+        ..Shape::rate(0)
+    })
+}
+
+pub use edgesplit_bench::link::{Faults, Shape};
+
+/// A link to `target` (the bench's emulator, `bench/src/link.rs`) whose connections are
+/// shaped as `shape()` says when each opens; returns its address. Call it inside a runtime.
+pub fn shaped(target: String, shape: fn() -> Shape) -> String {
+    edgesplit_bench::link::Link::shaped(target, shape).to_string()
 }
 
 /// The default-model stack shared by a test binary: the product's defaults, with live
