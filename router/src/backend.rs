@@ -334,8 +334,10 @@ pub struct Backend {
     /// The decode node's `Info` as last answered: a split request starts its prefill
     /// towards these addresses while its own `Info` call is on the way ([`Backend::start`]).
     last_decode_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
-    /// The prefill node's `Info` as last answered (every request asks for it first).
+    /// The prefill node's `Info` as last answered, and when (kept fresh by the router's
+    /// refresher, `lib.rs`; a request reads it, [`Backend::prefill_info_fresh`]).
     last_prefill_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
+    prefill_info_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// `/health`'s last answers from both nodes, and when they came (`infos_within`).
     health_infos: Arc<tokio::sync::Mutex<Option<(std::time::Instant, HealthInfos)>>>,
     learned: Arc<std::sync::Mutex<Learned>>,
@@ -405,6 +407,7 @@ impl Backend {
             config,
             last_decode_info: Arc::default(),
             last_prefill_info: Arc::default(),
+            prefill_info_at: Arc::default(),
             health_infos: Arc::default(),
             learned: Arc::default(),
         })
@@ -435,7 +438,32 @@ impl Backend {
                 "the prefill node",
             )
             .await;
+        if info.is_ok() {
+            *self
+                .prefill_info_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(std::time::Instant::now());
+        }
         remember(&self.last_prefill_info, info)
+    }
+
+    /// The prefill node's `Info` for a request: the last answer while it is younger than
+    /// `max_age` (no call on the request's path), else asked now.
+    pub async fn prefill_info_fresh(
+        &self,
+        max_age: std::time::Duration,
+    ) -> Result<pb::NodeInfo, ApiError> {
+        let at = *self
+            .prefill_info_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if at.is_some_and(|at| at.elapsed() < max_age) {
+            if let Some(i) = lock_info(&self.last_prefill_info).clone() {
+                return Ok(i);
+            }
+        }
+        self.prefill_info().await
     }
 
     /// The CPU architectures of the nodes that took part in an answer, from their last

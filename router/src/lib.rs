@@ -172,6 +172,13 @@ const DEFAULT_DECODE_PARALLEL: usize = 4;
 /// How often the default admission limit re-reads the decode node's sequences.
 const FOLLOW_DECODE_EVERY: Duration = Duration::from_secs(10);
 
+/// How often the router asks the prefill node for its `Info` in the background, and how
+/// old the answer a request uses may be (older: the request asks itself). A request then
+/// makes no `Info` call on its path; a prefill node that changed (restarted, lost its
+/// layer split's peer) is seen within a second.
+const PREFILL_INFO_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const PREFILL_INFO_MAX_AGE: Duration = Duration::from_secs(3);
+
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
 ///
 /// # Errors
@@ -233,6 +240,20 @@ pub async fn run(
             Duration::from_secs(config.queue_timeout_s),
         ),
     });
+    {
+        let state = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(PREFILL_INFO_EVERY);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(s) = state.upgrade() else {
+                    return;
+                };
+                let _ = s.backend.prefill_info().await;
+            }
+        });
+    }
     if follow_decode {
         // The decode node may start after the router, or restart with another --parallel.
         tokio::spawn(state::follow_decode(

@@ -186,7 +186,10 @@ async fn serve_inner(
         .transport
         .or(header_transport)
         .unwrap_or(s.default_transport);
-    let info = s.backend.prefill_info().await?;
+    let info = s
+        .backend
+        .prefill_info_fresh(crate::PREFILL_INFO_MAX_AGE)
+        .await?;
     if let Some(m) = &req.model {
         if m != &info.model_id {
             return Err(ApiError::model_not_found(m));
@@ -345,7 +348,10 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
-    let info = s.backend.prefill_info().await?;
+    let info = s
+        .backend
+        .prefill_info_fresh(crate::PREFILL_INFO_MAX_AGE)
+        .await?;
     Ok(Json(json!({
         "object": "list",
         "data": [{
