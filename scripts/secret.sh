@@ -10,18 +10,27 @@
 #                                        which clients send as "Authorization: Bearer <key>"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# make_once WHAT FILE PREFIX: PREFIX and 32 random bytes in hex into FILE, owner-only,
+# unless FILE holds something already (kept, never replaced).
+make_once() {
+    local what="$1" file="$2" prefix="$3"
+    if [[ -s "$file" ]]; then
+        echo "[secret] keeping the existing $what in $file" >&2
+    else
+        mkdir -p "$(dirname "$file")"
+        umask 077
+        # /dev/urandom: the kernel's CSPRNG; od prints it as hex (no openssl needed).
+        { printf '%s' "$prefix"; od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; echo; } >"$file.tmp"
+        mv "$file.tmp" "$file"
+        echo "[secret] made a new $what in $file" >&2
+    fi
+    chmod 600 "$file"
+}
+
 if [[ "${1:-}" == "--api-key" ]]; then
     FILE="${2:-${EDGESPLIT_API_KEY_FILE:-$ROOT/deploy/api-key}}"
-    if [[ -s "$FILE" ]]; then
-        echo "[secret] keeping the existing API key in $FILE" >&2
-    else
-        mkdir -p "$(dirname "$FILE")"
-        umask 077
-        { printf 'sk-'; od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; echo; } >"$FILE.tmp"
-        mv "$FILE.tmp" "$FILE"
-        echo "[secret] made a new API key in $FILE" >&2
-    fi
-    chmod 600 "$FILE"
+    make_once "API key" "$FILE" sk-
     cat >&2 <<MSG
 [secret] clients send it as "Authorization: Bearer <key>"; with the OpenAI client:
            OPENAI_BASE_URL=http://LAPTOP_IP:8080/v1 OPENAI_API_KEY="\$(cat $FILE)" ...
@@ -30,18 +39,7 @@ MSG
     exit 0
 fi
 FILE="${1:-${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}}"
-if [[ -s "$FILE" ]]; then
-    echo "[secret] keeping the existing secret in $FILE" >&2
-else
-    mkdir -p "$(dirname "$FILE")"
-    umask 077
-    # /dev/urandom: the kernel's CSPRNG; od prints it as hex (no openssl needed).
-    od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$FILE.tmp"
-    echo >>"$FILE.tmp"
-    mv "$FILE.tmp" "$FILE"
-    echo "[secret] made a new secret in $FILE" >&2
-fi
-chmod 600 "$FILE"
+make_once secret "$FILE" ""
 cat >&2 <<MSG
 [secret] put the same file on the phone (the decode node reads ~/.config/edgesplit/secret
          unless EDGESPLIT_SECRET_FILE says otherwise), for example:
