@@ -606,10 +606,21 @@ impl Backend {
                         ),
                     )
                 }
-                None => ApiError::unavailable(
-                    code,
-                    format!("{who} is not reachable: {}", st.message()),
-                ),
+                // A connection that broke after its handshake (a status made here, with
+                // a source): said as `ApiError::from_status` says it.
+                None => match std::error::Error::source(&st) {
+                    Some(source) => ApiError::unavailable(
+                        code,
+                        format!(
+                            "the connection to {who} broke: {} ({source})",
+                            st.message()
+                        ),
+                    ),
+                    None => ApiError::unavailable(
+                        code,
+                        format!("{who} is not reachable: {}", st.message()),
+                    ),
+                },
             }),
             Err(_) => Err(ApiError::unavailable(
                 code,
