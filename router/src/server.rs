@@ -15,7 +15,6 @@ use axum::{Json, Router};
 use futures::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{self, Endpoint, Transport};
 use crate::error::ApiError;
@@ -282,18 +281,17 @@ fn data(v: &Value) -> SseEvent {
 }
 
 fn stream_response(
-    mut answer: Answer,
-    mut events: mpsc::Receiver<crate::backend::Event>,
+    answer: Answer,
+    events: mpsc::Receiver<crate::backend::Event>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
-    tokio::spawn(async move {
-        // Every send failing means the client went away: returning drops `events`, which
-        // cancels the generation on the nodes.
-        if let Some(role) = answer.role_chunk() {
-            if tx.send(Ok(data(&role))).await.is_err() {
-                return;
-            }
-        }
+    use futures::StreamExt;
+    // No task in between: the response pulls each event from the backend as it writes.
+    // A client that goes away drops this stream and with it `events`, which cancels the
+    // generation on the nodes.
+    let role = futures::stream::iter(answer.role_chunk().map(|r| data(&r)));
+    let done = || SseEvent::default().data("[DONE]");
+    let rest = futures::stream::unfold(Some((answer, events)), move |state| async move {
+        let (mut answer, mut events) = state?;
         loop {
             let step = match events.recv().await {
                 Some(ev) => answer.on_event(ev),
@@ -302,36 +300,30 @@ fn stream_response(
                     "the generation ended without finishing",
                 )),
             };
-            match step {
-                Step::Nothing => {}
+            let last = match step {
+                Step::Nothing => continue,
                 Step::Text(t) => {
-                    if tx.send(Ok(data(&answer.text_chunk(&t)))).await.is_err() {
-                        return;
-                    }
+                    let chunk = vec![data(&answer.text_chunk(&t))];
+                    return Some((chunk, Some((answer, events))));
                 }
                 Step::Done(t) => {
-                    if !t.is_empty() && tx.send(Ok(data(&answer.text_chunk(&t)))).await.is_err() {
-                        return;
+                    let mut chunks = Vec::new();
+                    if !t.is_empty() {
+                        chunks.push(data(&answer.text_chunk(&t)));
                     }
-                    for c in answer.final_chunks() {
-                        if tx.send(Ok(data(&c))).await.is_err() {
-                            return;
-                        }
-                    }
-                    break;
+                    chunks.extend(answer.final_chunks().iter().map(data));
+                    chunks
                 }
                 Step::Failed(e) => {
                     tracing::warn!(request_id = %answer.meta.request_id, error = %e.message, "request failed mid-stream");
-                    if tx.send(Ok(data(&e.body()))).await.is_err() {
-                        return;
-                    }
-                    break;
+                    vec![data(&e.body())]
                 }
-            }
+            };
+            return Some(([last, vec![done()]].concat(), None));
         }
-        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
-    });
-    Sse::new(ReceiverStream::new(rx))
+    })
+    .flat_map(futures::stream::iter);
+    Sse::new(role.chain(rest).map(Ok))
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
