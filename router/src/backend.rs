@@ -297,13 +297,13 @@ async fn finishes(mut stream: tonic::Streaming<pb::TokenEvent>) -> Result<bool, 
     Ok(false)
 }
 
-/// Keeps a node's `Info` answer as its last known one; passes the call's result on.
 /// Both nodes' `Info` answers, prefill first.
-type HealthInfos = (
+pub type HealthInfos = (
     Result<pb::NodeInfo, ApiError>,
     Result<pb::NodeInfo, ApiError>,
 );
 
+/// Keeps a node's `Info` answer as its last known one; passes the call's result on.
 fn remember(
     last: &std::sync::Mutex<Option<pb::NodeInfo>>,
     info: Result<pb::NodeInfo, ApiError>,
@@ -337,6 +337,7 @@ pub struct Backend {
     /// The prefill node's `Info` as last answered, and when (kept fresh by the router's
     /// refresher, `lib.rs`; a request reads it, [`Backend::prefill_info_fresh`]).
     last_prefill_info: Arc<std::sync::Mutex<Option<pb::NodeInfo>>>,
+    /// When `last_prefill_info` came.
     prefill_info_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// `/health`'s last answers from both nodes, and when they came (`infos_within`).
     health_infos: Arc<tokio::sync::Mutex<Option<(std::time::Instant, HealthInfos)>>>,
@@ -537,20 +538,10 @@ impl Backend {
         })
     }
 
-    /// The decode node's info, within the info timeout.
-    ///
-    /// # Errors
-    /// 503 when the node does not answer in time.
     /// Both nodes' `Info` (`/health`): the last answers while they are younger than
     /// `max_age`, else asked again - by one caller, the others waiting for its answers - so
     /// that hits cost each node at most one `Info` per `max_age`.
-    pub async fn infos_within(
-        &self,
-        max_age: std::time::Duration,
-    ) -> (
-        Result<pb::NodeInfo, ApiError>,
-        Result<pb::NodeInfo, ApiError>,
-    ) {
+    pub async fn infos_within(&self, max_age: std::time::Duration) -> HealthInfos {
         let mut last = self.health_infos.lock().await;
         if let Some((at, infos)) = &*last {
             if at.elapsed() < max_age {
@@ -562,6 +553,10 @@ impl Backend {
         infos
     }
 
+    /// The decode node's info, within the info timeout.
+    ///
+    /// # Errors
+    /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.decode.clone();
         let info = self
