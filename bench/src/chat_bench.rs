@@ -26,6 +26,8 @@ use crate::stack::{Stack, StackConfig};
 /// Options of the conversation benchmark.
 #[derive(clap::Args, Debug)]
 pub struct ChatArgs {
+    #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
     /// `smollm2` or a GGUF path of a model with a chat template.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
@@ -141,6 +143,7 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let out = crate::results_dir(args.out.as_deref(), "chat")?;
     let first = args.profiles.first().context("no link profile")?.clone();
     let cfg = StackConfig {
+        phone_speed: args.devices.phone_speed,
         parallel: Some(4),
         continue_on: args.continue_on.clone(),
         ..StackConfig::new(

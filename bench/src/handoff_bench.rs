@@ -26,6 +26,8 @@ use crate::stock::{self, StockServer};
 /// Options of the handoff benchmark.
 #[derive(clap::Args, Debug)]
 pub struct HandoffArgs {
+    #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
     /// `smollm2`, `gemma3` or a GGUF path.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
@@ -94,6 +96,7 @@ pub async fn run(args: &HandoffArgs) -> anyhow::Result<()> {
     let bin = tokio::task::spawn_blocking(move || stock::build(&repo)).await??;
 
     let cfg = StackConfig {
+        phone_speed: args.devices.phone_speed,
         direct: true,
         ..StackConfig::new(model.clone(), args.n_ctx, threads, out.join("services"))
     };

@@ -27,6 +27,8 @@ use crate::stats::Stats;
 /// Options of the layer split benchmark.
 #[derive(clap::Args, Debug)]
 pub struct LayersArgs {
+    #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
     /// `smollm2`, `gemma3` or a GGUF path.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
@@ -138,7 +140,10 @@ pub async fn run(args: &LayersArgs) -> anyhow::Result<()> {
     let model = crate::model_path(&args.model);
     let first = args.profiles.first().context("no link profile")?.clone();
     let http = reqwest::Client::new();
-    let base = |dir: &str| StackConfig::new(model.clone(), args.n_ctx, threads, out.join(dir));
+    let base = |dir: &str| StackConfig {
+        phone_speed: args.devices.phone_speed,
+        ..StackConfig::new(model.clone(), args.n_ctx, threads, out.join(dir))
+    };
 
     let local_stack = Stack::start(&base("local"), Profile::named("loopback").unwrap()).await?;
     let ask = Ask {

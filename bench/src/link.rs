@@ -24,7 +24,7 @@
 //! [`Faults`] towards the target - a flipped byte, a corrupted V2 LAST frame, a link held
 //! still, a connection held back before it is forwarded.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -145,6 +145,8 @@ impl Shape {
 #[derive(Clone)]
 pub struct Link {
     profile: Arc<Mutex<Profile>>,
+    /// Where it forwards to: set at start, or later ([`Link::connect`]).
+    target: Arc<OnceLock<String>>,
     /// Where clients connect.
     pub addr: std::net::SocketAddr,
 }
@@ -152,14 +154,33 @@ pub struct Link {
 impl Link {
     /// Listens on a loopback port and forwards every connection to `target`.
     pub async fn start(target: String, profile: Profile) -> std::io::Result<Link> {
+        let link = Self::unconnected(profile).await?;
+        link.connect(target);
+        Ok(link)
+    }
+
+    /// Listens on a loopback port for a target known only later ([`Link::connect`]: a
+    /// service that reports the address it bound, and must be told the link's address when
+    /// it starts); connections that come before it wait for it.
+    pub async fn unconnected(profile: Profile) -> std::io::Result<Link> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let profile = Arc::new(Mutex::new(profile));
+        let target: Arc<OnceLock<String>> = Arc::default();
         let p = profile.clone();
-        tokio::spawn(serve(listener, target, move || {
+        tokio::spawn(serve(listener, target.clone(), move || {
             (p.clone(), Faults::default())
         }));
-        Ok(Link { profile, addr })
+        Ok(Link {
+            profile,
+            target,
+            addr,
+        })
+    }
+
+    /// Sets where an [`Link::unconnected`] link forwards to (once; later calls do nothing).
+    pub fn connect(&self, target: String) {
+        let _ = self.target.set(target);
     }
 
     /// Listens on a loopback port and forwards every connection to `target`, shaped as
@@ -169,15 +190,29 @@ impl Link {
     /// When no loopback port can be bound.
     #[must_use]
     pub fn shaped(target: String, shape: fn() -> Shape) -> std::net::SocketAddr {
+        let (addr, late) = Self::shaped_unconnected(shape);
+        let _ = late.set(target);
+        addr
+    }
+
+    /// [`Link::shaped`] for a target known only later: set it in the returned cell.
+    ///
+    /// # Panics
+    /// When no loopback port can be bound.
+    #[must_use]
+    pub fn shaped_unconnected(
+        shape: fn() -> Shape,
+    ) -> (std::net::SocketAddr, Arc<OnceLock<String>>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
         l.set_nonblocking(true).expect("a non-blocking listener");
         let addr = l.local_addr().expect("its address");
         let listener = TcpListener::from_std(l).expect("inside a runtime");
-        tokio::spawn(serve(listener, target, move || {
+        let target: Arc<OnceLock<String>> = Arc::default();
+        tokio::spawn(serve(listener, target.clone(), move || {
             let s = shape();
             (Arc::new(Mutex::new(s.profile)), s.faults)
         }));
-        addr
+        (addr, target)
     }
 
     pub fn set(&self, profile: Profile) {
@@ -185,10 +220,11 @@ impl Link {
     }
 }
 
-/// Accepts connections and forwards each, as `each()` says when it opens.
+/// Accepts connections and forwards each to `target` (waiting for it to be set), as
+/// `each()` says when it opens.
 async fn serve(
     listener: TcpListener,
-    target: String,
+    target: Arc<OnceLock<String>>,
     each: impl Fn() -> (Arc<Mutex<Profile>>, Faults) + Send + 'static,
 ) {
     while let Ok((inbound, _)) = listener.accept().await {
@@ -198,6 +234,12 @@ async fn serve(
             if !faults.connect_delay.is_zero() {
                 tokio::time::sleep(faults.connect_delay).await;
             }
+            let target = loop {
+                match target.get() {
+                    Some(t) => break t.clone(),
+                    None => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            };
             let Ok(outbound) = TcpStream::connect(&target).await else {
                 return;
             };

@@ -25,6 +25,8 @@ use crate::stats::percentile;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
+    #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
     /// `smollm2`, `gemma3` or a GGUF path.
     #[arg(long, default_value = "smollm2")]
     model: String,
@@ -135,6 +137,7 @@ pub async fn run(args: &LoadArgs) -> anyhow::Result<()> {
     });
     std::fs::create_dir_all(&out)?;
     let cfg = StackConfig {
+        phone_speed: args.devices.phone_speed,
         parallel: Some(args.parallel),
         ..StackConfig::new(
             crate::model_path(&args.model),

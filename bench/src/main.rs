@@ -37,12 +37,12 @@ mod load;
 mod power;
 mod record;
 mod report;
-mod stack;
+
 mod stats;
 mod stock;
 
 use client::{Ask, Target};
-use edgesplit_bench::link;
+use edgesplit_bench::{devices, link, stack};
 use link::Profile;
 use record::{Record, Slot};
 use report::Attempt;
@@ -76,6 +76,8 @@ enum Cli {
 
 #[derive(clap::Args, Debug, Clone)]
 struct RunArgs {
+    #[command(flatten)]
+    devices: edgesplit_bench::devices::DeviceArgs,
     /// Models: `smollm2`, `gemma3` (a base model: measured on /v1/completions) or a GGUF path.
     #[arg(long, value_delimiter = ',', default_value = "smollm2")]
     models: Vec<String>,
@@ -342,6 +344,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(url) => (url.clone(), true, true, None),
             None => {
                 let cfg = stack::StackConfig {
+                    phone_speed: args.devices.phone_speed,
                     stream_prefill: args.stream_prefill,
                     flash_attn: args.flash_attn.clone(),
                     cache_type: args.cache_type.clone(),
@@ -437,8 +440,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .map(|p| (p.name.clone(), describe(p)))
         .collect();
     let header = format!(
-        "## EdgeSplit benchmark, run {}\n\n`{command}`\n\n{threads} threads per server, n_ctx {}, temperature 0, seed {}, {} retained pairs per configuration after one warm-up pair, transports in alternating order. Stock baseline: {}. GPU power: {}.",
+        "## EdgeSplit benchmark, run {}\n\n`{command}`\n\n{}, n_ctx {}, temperature 0, seed {}, {} retained pairs per configuration after one warm-up pair, transports in alternating order. Stock baseline: {}. GPU power: {}.",
         env.rec.run_id,
+        match args.devices.phone_speed {
+            Some(f) => format!(
+                "Two devices emulated: the laptop side and the phone side on a CPU core each, \
+                 the phone at {f} of its core, one engine thread each"
+            ),
+            None => format!("{threads} threads per server, the services sharing the cores"),
+        },
         args.n_ctx,
         args.seed,
         args.pairs,

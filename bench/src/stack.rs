@@ -15,6 +15,14 @@
 //! one process decoded at about a third of their speed here (40 vs 135 tok/s on SmolLM2,
 //! 2 threads each; their OpenMP teams and the process's async threads oversubscribe the
 //! 2 cores), which is not how the product runs.
+//!
+//! The one way the project starts a stack of real processes: the bench's subcommands and
+//! the integration tests that need processes (router/tests/it: signals, kills, the aarch64
+//! decode node under qemu). Every service binds port 0 and reports the address it got in
+//! its JSON log (no port is picked, freed and raced for); the links between the devices
+//! are bound first and pointed at the addresses once reported ([`Link::unconnected`]).
+//! With [`StackConfig::devices`] the laptop side and the phone side each run on a core of
+//! their own, the phone throttled ([`crate::devices`]).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -24,13 +32,16 @@ use anyhow::Context;
 use edgesplit_proto::pb::prefill_client::PrefillClient;
 use edgesplit_proto::pb::InfoRequest;
 
-use crate::link::{Link, Profile};
+use crate::devices::Devices;
+use crate::link::{Link, Profile, Shape};
 
 #[derive(Clone)]
 pub struct StackConfig {
     pub model: PathBuf,
     pub n_ctx: u32,
-    pub threads: i32,
+    /// Each engine's threads (`None`: the nodes' default; one under device emulation,
+    /// whatever this says).
+    pub threads: Option<i32>,
     /// Each node's `--parallel` (None: the nodes' defaults).
     pub parallel: Option<u32>,
     /// Logs and state files go here.
@@ -58,9 +69,19 @@ pub struct StackConfig {
     /// (`qemu-aarch64 target-aarch64/.../edgesplit-decode`, `edgesplit-bench agreement`).
     pub decode_program: Option<Vec<PathBuf>>,
     pub prefill_program: Option<Vec<PathBuf>>,
-    /// More router flags (`edgesplit-bench agreement`: a first-token timeout for nodes
-    /// under emulation).
+    /// More flags of each service (`edgesplit-bench agreement`: a first-token timeout for
+    /// nodes under emulation; the tests: drain deadlines, another KV type, pacing). An
+    /// engine flag named here replaces the stack's (`--cache-type-k` on one node only).
     pub router_extra: Vec<String>,
+    pub decode_extra: Vec<String>,
+    pub prefill_extra: Vec<String>,
+    /// The handoff path (prefill -> decode's V2 port) through a link shaped per connection
+    /// (the tests' faults: a held connection, a slow link) instead of the stack's profile.
+    pub handoff_shape: Option<fn() -> Shape>,
+    /// Two devices on this machine: the phone side at this fraction of a core of its own,
+    /// the laptop side on another ([`crate::devices`]); `None`: the services share the
+    /// machine's cores.
+    pub phone_speed: Option<f64>,
 }
 
 /// A layer split's settings.
@@ -80,7 +101,7 @@ impl StackConfig {
         StackConfig {
             model,
             n_ctx,
-            threads,
+            threads: Some(threads),
             parallel: None,
             dir,
             stream_prefill: false,
@@ -94,12 +115,17 @@ impl StackConfig {
             decode_program: None,
             prefill_program: None,
             router_extra: Vec::new(),
+            decode_extra: Vec::new(),
+            prefill_extra: Vec::new(),
+            handoff_shape: None,
+            phone_speed: None,
         }
     }
 }
 
 /// A running stack; its processes are killed on drop.
 pub struct Stack {
+    /// The router's base URL (`http://host:port`).
     pub router: String,
     /// Whether flash attention is on (both nodes agree; the handshake checks it).
     pub flash_attn: bool,
@@ -107,62 +133,78 @@ pub struct Stack {
     pub chat: bool,
     /// The prefill node's `/metrics` (`http://host:port/metrics`).
     pub prefill_metrics: String,
+    /// The decode node's gRPC URL and `/metrics`, straight (not through a link).
+    pub decode_grpc: String,
+    pub decode_metrics: String,
     /// KV bytes per token of the model's state.
     pub kv_bytes_per_token: u64,
+    /// Logs (JSON lines: `decode.log`, `prefill.log`, `router.log`) and state files.
+    pub dir: PathBuf,
+    pub decode_process: Child,
+    pub prefill_process: Child,
+    pub router_process: Child,
     links: Vec<Link>,
-    /// decode, prefill, router (see [`Stack::processes`]).
-    children: Vec<Child>,
+    /// Dropped after the processes (its cgroup is removed once they are gone).
+    devices: Option<Devices>,
 }
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        for c in &mut self.children {
+        for c in [
+            &mut self.router_process,
+            &mut self.prefill_process,
+            &mut self.decode_process,
+        ] {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // The decode node's ggml RPC server (a layer split) is its child: it ends when
+        // its parent does; wait for it before the group goes.
+        if let Some(d) = self.devices.take() {
+            let t0 = Instant::now();
+            while d.busy() && t0.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }
 
+/// A free loopback port (for ggml's RPC server, which cannot report the one it bound).
 fn free_port() -> anyhow::Result<String> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .to_string())
 }
 
+/// Where the services' binaries are: next to this executable, or above it when it is a
+/// test binary in `target/release/deps`.
 fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let p = exe
-        .parent()
-        .map(|d| d.join(name))
-        .filter(|p| p.is_file())
-        .with_context(|| {
-            format!(
-                "{name} is not next to {}: run `cargo build --release --bins` first",
-                exe.display()
-            )
-        })?;
+    let mut dir = exe.parent().context("this executable's folder")?;
+    if dir.ends_with("deps") {
+        dir = dir.parent().context("above deps")?;
+    }
+    let p = dir.join(name);
+    anyhow::ensure!(
+        p.is_file(),
+        "{name} is not in {}: run `cargo build --release --bins` first",
+        dir.display()
+    );
     Ok(p)
 }
 
-/// Starts service `name` (or `program`, a launcher and its binary) with `args`, its log in
-/// `log`, the stack's `secret` and a memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
+/// Starts `program` (a binary, or a launcher and its binary) with `args`, logging JSON lines
+/// to `log`, with the stack's `secret` and a memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
 fn spawn(
-    name: &str,
-    program: Option<&Vec<PathBuf>>,
+    program: &[PathBuf],
     args: &[String],
     log: &Path,
     secret: Option<&str>,
     budget: Option<u64>,
 ) -> anyhow::Result<Child> {
-    let log = std::fs::File::create(log)?;
-    let mut cmd = match program {
-        Some(p) => {
-            let mut c = Command::new(&p[0]);
-            c.args(&p[1..]);
-            c
-        }
-        None => Command::new(binary(name)?),
-    };
+    let file = std::fs::File::create(log)?;
+    let mut cmd = Command::new(&program[0]);
+    cmd.args(&program[1..]);
     match secret {
         Some(s) => cmd.env("EDGESPLIT_SECRET", s),
         None => cmd.env_remove("EDGESPLIT_SECRET"),
@@ -172,81 +214,94 @@ fn spawn(
         None => cmd.env_remove("EDGESPLIT_MEM_BUDGET_BYTES"),
     };
     cmd.env_remove("EDGESPLIT_SECRET_FILE")
+        .env("EDGESPLIT_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
         .args(args)
         .stdout(Stdio::null())
-        .stderr(log)
+        .stderr(file)
         .spawn()
-        .with_context(|| format!("starting {name}"))
+        .with_context(|| format!("starting {}", program[0].display()))
 }
 
-/// Waits until `addr` accepts connections (a node binds once its model is loaded), at
-/// most 120 s.
-async fn wait_listening(addr: &str, dir: &Path) -> anyhow::Result<()> {
+/// The fields of the first JSON line of `log` whose message is `message` (a service that
+/// bound port 0 reports the address it got), waiting up to 120 s; an error when `child`
+/// (the service, where the caller holds it) exits first.
+pub async fn reported(
+    log: &Path,
+    message: &str,
+    mut child: Option<&mut Child>,
+) -> anyhow::Result<serde_json::Value> {
     let t0 = Instant::now();
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if v["fields"]["message"] == message {
+                return Ok(v["fields"].clone());
+            }
+        }
+        if let Some(status) = child.as_mut().map(|c| c.try_wait()).transpose()?.flatten() {
+            anyhow::bail!(
+                "{} exited ({status}) before it said {message:?}",
+                log.display()
+            );
+        }
         anyhow::ensure!(
             t0.elapsed() < Duration::from_secs(120),
-            "{addr} did not listen within 120 s; see the logs in {}",
-            dir.display()
+            "{} never said {message:?} within 120 s",
+            log.display()
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(())
 }
 
-/// Whether a service's log says its port was taken.
-fn port_taken(dir: &std::path::Path) -> bool {
-    ["decode.log", "prefill.log", "router.log"].iter().any(|f| {
-        std::fs::read_to_string(dir.join(f)).is_ok_and(|t| t.contains("Address already in use"))
-    })
+/// A link to be pointed at a reported address, unless `direct`.
+async fn unconnected(direct: bool, profile: &Profile) -> std::io::Result<Option<Link>> {
+    if direct {
+        Ok(None)
+    } else {
+        Ok(Some(Link::unconnected(profile.clone()).await?))
+    }
+}
+
+/// A reported address field.
+fn field(v: &serde_json::Value, name: &str) -> anyhow::Result<String> {
+    v[name]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("no {name:?} in {v}"))
 }
 
 impl Stack {
-    /// Starts the three services on free ports. The ports are picked before the services
-    /// bind them (a node binds after loading its model), so another process may take one
-    /// in between: a service that exits for that is retried on new ports, twice.
+    /// Starts the three services, each on a port it binds itself, and waits until the
+    /// router says healthy.
     pub async fn start(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
-        let mut tries = 0;
-        loop {
-            match Self::start_once(cfg, profile.clone()).await {
-                Err(e) if tries < 2 && port_taken(&cfg.dir) => {
-                    tries += 1;
-                    eprintln!("a port was taken while the stack started ({e}); again on new ports");
-                }
-                done => return done,
-            }
-        }
-    }
-
-    async fn start_once(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&cfg.dir)?;
-        let (decode_grpc, handoff, v1) = (free_port()?, free_port()?, free_port()?);
-        let (prefill_grpc, prefill_metrics, router) = (free_port()?, free_port()?, free_port()?);
-        // Where each path is reached: through its emulated link, or straight.
-        let mut links = Vec::new();
-        let mut via = Vec::new();
-        for target in [&handoff, &v1, &decode_grpc] {
-            if cfg.direct {
-                via.push(target.clone());
-            } else {
-                let link = Link::start(target.clone(), profile.clone()).await?;
-                via.push(link.addr.to_string());
-                links.push(link);
-            }
-        }
-        let [handoff_at, v1_at, grpc_at]: [String; 3] =
-            via.try_into().expect("three paths, three addresses");
-        let rpc_port = free_port()?;
-        let rpc_at = match (&cfg.rpc, cfg.direct) {
-            (None, _) => None,
-            (Some(_), true) => Some(rpc_port.clone()),
-            (Some(_), false) => {
-                let link = Link::start(rpc_port.clone(), profile.clone()).await?;
-                let at = link.addr.to_string();
-                links.push(link);
-                Some(at)
-            }
+        let devices = match cfg.phone_speed {
+            Some(f) => Some(Devices::new(f, Path::new("/sys/fs/cgroup"))?),
+            None => None,
         };
+        let threads = if devices.is_some() {
+            Some(1)
+        } else {
+            cfg.threads
+        };
+        let phone = |p: Vec<PathBuf>| match &devices {
+            Some(d) => d.phone(&p),
+            None => p,
+        };
+        let laptop = |p: Vec<PathBuf>| match &devices {
+            Some(d) => d.laptop(&p),
+            None => p,
+        };
+        // The links are bound first: the decode node advertises them.
+        let mut links = Vec::new();
+        let handoff_link = unconnected(cfg.direct || cfg.handoff_shape.is_some(), &profile).await?;
+        let shaped = cfg.handoff_shape.map(Link::shaped_unconnected);
+        let v1_link = unconnected(cfg.direct, &profile).await?;
+        let rpc_port = free_port()?;
         let budget = |i: usize| {
             cfg.rpc
                 .as_ref()
@@ -254,134 +309,199 @@ impl Stack {
                 .map(|b| if i == 0 { b.0 } else { b.1 })
         };
         let model = cfg.model.display().to_string();
-        let common = |listen: &str| -> Vec<String> {
-            let mut a: Vec<String> = vec![
-                "--model".into(),
-                model.clone(),
-                "--n-ctx".into(),
-                cfg.n_ctx.to_string(),
-                "--threads".into(),
-                cfg.threads.to_string(),
-                "--listen".into(),
-                listen.to_string(),
+        let any = || "127.0.0.1:0".to_string();
+        let common = |extra: &[String]| -> Vec<String> {
+            let mut flags: Vec<(&str, String)> = vec![
+                ("--model", model.clone()),
+                ("--n-ctx", cfg.n_ctx.to_string()),
+                ("--listen", any()),
+                ("--flash-attn", cfg.flash_attn.clone()),
+                ("--cache-type-k", cfg.cache_type.clone()),
+                ("--cache-type-v", cfg.cache_type.clone()),
+                ("--batch", cfg.batch.to_string()),
             ];
-            if let Some(n) = cfg.parallel {
-                a.extend(["--parallel".into(), n.to_string()]);
+            if let Some(t) = threads {
+                flags.push(("--threads", t.to_string()));
             }
-            a.extend(["--flash-attn".into(), cfg.flash_attn.clone()]);
-            a.extend(["--cache-type-k".into(), cfg.cache_type.clone()]);
-            a.extend(["--cache-type-v".into(), cfg.cache_type.clone()]);
-            a.extend(["--batch".into(), cfg.batch.to_string()]);
-            a
+            if let Some(n) = cfg.parallel {
+                flags.push(("--parallel", n.to_string()));
+            }
+            flags
+                .into_iter()
+                .filter(|(flag, _)| !extra.iter().any(|e| e == flag))
+                .flat_map(|(flag, value)| [flag.to_string(), value])
+                .collect()
         };
-        let mut stack = Stack {
-            router: format!("http://{router}"),
-            flash_attn: false,
-            chat: false,
-            prefill_metrics: format!("http://{prefill_metrics}/metrics"),
-            kv_bytes_per_token: 0,
-            links,
-            children: Vec::new(),
-        };
-        let mut dargs = common(&decode_grpc);
+        let mut dargs = common(&cfg.decode_extra);
         dargs.extend([
             "--handoff-listen".into(),
-            handoff,
-            "--handoff-advertise".into(),
-            handoff_at,
+            any(),
             "--v1-listen".into(),
-            v1,
-            "--v1-advertise".into(),
-            format!("http://{v1_at}/v1/handoff"),
+            any(),
             "--handoff-wait-s".into(),
             "60".into(),
         ]);
-        if cfg.rpc.is_some() {
-            dargs.extend(["--rpc-listen".into(), rpc_port]);
+        let handoff_at = match (&shaped, &handoff_link) {
+            (Some((addr, _)), _) => Some(addr.to_string()),
+            (None, Some(l)) => Some(l.addr.to_string()),
+            (None, None) => None,
+        };
+        if let Some(at) = handoff_at {
+            dargs.extend(["--handoff-advertise".into(), at]);
         }
-        stack.children.push(spawn(
-            "edgesplit-decode",
-            cfg.decode_program.as_ref(),
+        if let Some(l) = &v1_link {
+            dargs.extend([
+                "--v1-advertise".into(),
+                format!("http://{}/v1/handoff", l.addr),
+            ]);
+        }
+        if cfg.rpc.is_some() {
+            dargs.extend(["--rpc-listen".into(), rpc_port.clone()]);
+        }
+        dargs.extend(cfg.decode_extra.iter().cloned());
+        let decode_program = match &cfg.decode_program {
+            Some(p) => p.clone(),
+            None => vec![binary("edgesplit-decode")?],
+        };
+        let decode_log = cfg.dir.join("decode.log");
+        let mut decode_process = spawn(
+            &phone(decode_program),
             &dargs,
-            &cfg.dir.join("decode.log"),
+            &decode_log,
             cfg.secret.as_deref(),
             budget(1),
-        )?);
-        let mut pargs = common(&prefill_grpc);
-        pargs.extend(["--metrics-listen".into(), prefill_metrics.clone()]);
+        )?;
+        // Killed if anything below fails.
+        let mut guard = Guard(vec![]);
+        let d = reported(
+            &decode_log,
+            "decode node listening",
+            Some(&mut decode_process),
+        )
+        .await;
+        guard.0.push(decode_process);
+        let d = d?;
+        let decode_grpc = field(&d, "grpc")?;
+        let v1 = field(&d, "v1")?;
+        if let Some((_, late)) = &shaped {
+            let _ = late.set(field(&d, "handoff")?);
+        }
+        if let Some(l) = &handoff_link {
+            l.connect(field(&d, "handoff")?);
+        }
+        if let Some(l) = &v1_link {
+            l.connect(v1.clone());
+        }
+        links.extend(handoff_link);
+        links.extend(v1_link);
+        let grpc_at = if cfg.direct {
+            decode_grpc.clone()
+        } else {
+            let l = Link::start(decode_grpc.clone(), profile.clone()).await?;
+            let at = l.addr.to_string();
+            links.push(l);
+            at
+        };
+
+        let mut pargs = common(&cfg.prefill_extra);
+        pargs.extend(["--metrics-listen".into(), any()]);
         if cfg.stream_prefill {
             pargs.push("--stream-prefill".into());
         }
-        if let (Some(rpc), Some(at)) = (&cfg.rpc, rpc_at) {
+        if let Some(rpc) = &cfg.rpc {
+            let at = if cfg.direct {
+                rpc_port.clone()
+            } else {
+                let l = Link::start(rpc_port.clone(), profile.clone()).await?;
+                let at = l.addr.to_string();
+                links.push(l);
+                at
+            };
             pargs.extend([
                 "--rpc-peer".into(),
                 at,
                 "--rpc-layers".into(),
                 rpc.layers.clone(),
             ]);
-            // The plan reads the decode node's available memory; it must listen first.
+            // The plan reads the decode node's available memory.
             pargs.extend(["--decode-url".into(), format!("http://{decode_grpc}")]);
-            wait_listening(&decode_grpc, &cfg.dir).await?;
         }
-        stack.children.push(spawn(
-            "edgesplit-prefill",
-            cfg.prefill_program.as_ref(),
+        pargs.extend(cfg.prefill_extra.iter().cloned());
+        let prefill_program = match &cfg.prefill_program {
+            Some(p) => p.clone(),
+            None => vec![binary("edgesplit-prefill")?],
+        };
+        let prefill_log = cfg.dir.join("prefill.log");
+        let mut prefill_process = spawn(
+            &laptop(prefill_program),
             &pargs,
-            &cfg.dir.join("prefill.log"),
+            &prefill_log,
             cfg.secret.as_deref(),
             budget(0),
-        )?);
+        )?;
+        let p = reported(
+            &prefill_log,
+            "prefill node listening",
+            Some(&mut prefill_process),
+        )
+        .await;
+        guard.0.push(prefill_process);
+        let p = p?;
+        let prefill_grpc = field(&p, "grpc")?;
+        let prefill_metrics = field(&p, "metrics")?;
+
         let mut rargs: Vec<String> = vec![
             "--listen".into(),
-            router,
+            any(),
             "--prefill-url".into(),
             format!("http://{prefill_grpc}"),
             "--decode-url".into(),
             format!("http://{grpc_at}"),
         ];
-        // The router reads the decode node's sequences at start, which may be before the
-        // node listens: say it.
         if let Some(n) = cfg.parallel {
             rargs.extend(["--max-in-flight".into(), n.to_string()]);
         }
         rargs.extend(["--continue-on".into(), cfg.continue_on.clone()]);
         rargs.extend(cfg.router_extra.iter().cloned());
-        stack.children.push(spawn(
-            "edgesplit-router",
-            None,
+        let router_log = cfg.dir.join("router.log");
+        let mut router_process = spawn(
+            &laptop(vec![binary("edgesplit-router")?]),
             &rargs,
-            &cfg.dir.join("router.log"),
+            &router_log,
             cfg.secret.as_deref(),
             None,
-        )?);
+        )?;
+        let r = reported(
+            &router_log,
+            "router listening (HTTP)",
+            Some(&mut router_process),
+        )
+        .await;
+        guard.0.push(router_process);
+        let router = format!("http://{}", field(&r?, "addr")?);
 
-        // Ready when the router says healthy (it checks both nodes).
-        let http = reqwest::Client::new();
-        let t0 = Instant::now();
-        loop {
-            for c in &mut stack.children {
-                if let Some(status) = c.try_wait()? {
-                    anyhow::bail!(
-                        "a service exited ({status}) while starting; see the logs in {}",
-                        cfg.dir.display()
-                    );
-                }
-            }
-            let ok = http
-                .get(format!("{}/health", stack.router))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
-            if ok {
-                break;
-            }
-            anyhow::ensure!(
-                t0.elapsed() < Duration::from_secs(120),
-                "the stack was not healthy after 120 s; see the logs in {}",
-                cfg.dir.display()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        let mut processes = std::mem::take(&mut guard.0).into_iter();
+        let (Some(decode_process), Some(prefill_process), Some(router_process)) =
+            (processes.next(), processes.next(), processes.next())
+        else {
+            unreachable!("three processes were started");
+        };
+        let mut stack = Stack {
+            router,
+            flash_attn: false,
+            chat: false,
+            prefill_metrics: format!("http://{prefill_metrics}/metrics"),
+            decode_grpc: format!("http://{decode_grpc}"),
+            decode_metrics: format!("http://{v1}/metrics"),
+            kv_bytes_per_token: 0,
+            dir: cfg.dir.clone(),
+            decode_process,
+            prefill_process,
+            router_process,
+            links,
+            devices,
+        };
+        stack.healthy().await?;
         // Over the link the services use, with the credential their secret asks for.
         let secret = cfg
             .secret
@@ -403,18 +523,78 @@ impl Stack {
         Ok(stack)
     }
 
+    /// Waits (up to 120 s) until the router says healthy (it checks both nodes).
+    async fn healthy(&mut self) -> anyhow::Result<()> {
+        let http = reqwest::Client::new();
+        let t0 = Instant::now();
+        loop {
+            for c in [
+                &mut self.decode_process,
+                &mut self.prefill_process,
+                &mut self.router_process,
+            ] {
+                if let Some(status) = c.try_wait()? {
+                    anyhow::bail!(
+                        "a service exited ({status}) while starting; see the logs in {}",
+                        self.dir.display()
+                    );
+                }
+            }
+            let ok = http
+                .get(format!("{}/health", self.router))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(120),
+                "the stack was not healthy after 120 s; see the logs in {}",
+                self.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// The services' names and process ids.
+    #[must_use]
     pub fn processes(&self) -> Vec<(&'static str, u32)> {
-        ["decode", "prefill", "router"]
-            .into_iter()
-            .zip(self.children.iter().map(Child::id))
-            .collect()
+        vec![
+            ("decode", self.decode_process.id()),
+            ("prefill", self.prefill_process.id()),
+            ("router", self.router_process.id()),
+        ]
+    }
+
+    /// The laptop's CPU time so far, in ms: the prefill node's process (its engine).
+    #[must_use]
+    pub fn laptop_cpu_ms(&self) -> Option<f64> {
+        crate::devices::process_cpu_ms(self.prefill_process.id())
+    }
+
+    /// The device emulation, when on.
+    #[must_use]
+    pub fn devices(&self) -> Option<&Devices> {
+        self.devices.as_ref()
     }
 
     /// Switches every emulated link to `profile`.
     pub fn set_profile(&self, profile: &Profile) {
         for l in &self.links {
             l.set(profile.clone());
+        }
+    }
+}
+
+/// Processes started so far, killed when a later step fails.
+struct Guard(Vec<Child>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

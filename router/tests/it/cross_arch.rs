@@ -31,14 +31,14 @@ fn aarch64_decode() -> Vec<PathBuf> {
 async fn an_aarch64_decode_node_writes_split_answers() {
     let _one = ONE_AT_A_TIME.lock().await;
     let t = start_three_with(ThreeOptions {
-        decode_program: aarch64_decode(),
+        decode_program: Some(aarch64_decode()),
         // A live answer writes a token per snapshot its handoff takes, so that the
         // switch comes before the answer's end however slow the emulated decode node is.
         prefill_extra: &["--test-pace-live"],
         ..ThreeOptions::new("cross-arch")
     })
     .await;
-    let h = common::get_json(&format!("{}/health", t.base)).await;
+    let h = common::get_json(&format!("{}/health", t.router)).await;
     assert_eq!(h["prefill"]["arch"], std::env::consts::ARCH, "{h}");
     assert_eq!(h["decode"]["arch"], "aarch64", "{h}");
     assert!(
@@ -49,7 +49,7 @@ async fn an_aarch64_decode_node_writes_split_answers() {
     );
     // Another architecture, the same build.
     assert_eq!(h["prefill"]["build_id"], h["decode"]["build_id"], "{h}");
-    let url = format!("{}/v1/chat/completions", t.base);
+    let url = format!("{}/v1/chat/completions", t.router);
     for mode in ["live", "after"] {
         let body = json!({
             "messages": [{"role": "user", "content": "Write a short story about a lighthouse."}],
@@ -73,7 +73,7 @@ async fn an_aarch64_decode_node_writes_split_answers() {
 async fn an_aarch64_decode_node_with_another_kv_type_is_refused() {
     let _one = ONE_AT_A_TIME.lock().await;
     let t = start_three_with(ThreeOptions {
-        decode_program: aarch64_decode(),
+        decode_program: Some(aarch64_decode()),
         decode_extra: &["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"],
         router_extra: &["--on-split-failure", "fail"],
         ..ThreeOptions::new("cross-arch-refused")
@@ -84,7 +84,7 @@ async fn an_aarch64_decode_node_with_another_kv_type_is_refused() {
         "max_tokens": 8, "temperature": 0,
         "edgesplit": {"transport": "v2", "handoff": "after"},
     });
-    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.base), &body).await;
+    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.router), &body).await;
     assert_eq!(st, 502, "{v}");
     assert_eq!(v["error"]["code"], "kv_type_mismatch", "{v}");
     let why = v["error"]["message"].as_str().unwrap();

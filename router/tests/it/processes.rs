@@ -8,9 +8,10 @@ use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use edgesplit_bench::link::Profile;
+use edgesplit_bench::stack::{Stack, StackConfig};
 use edgesplit_proto::pb;
 use serde_json::json;
 
@@ -38,69 +39,16 @@ pub(crate) fn bin(name: &str) -> PathBuf {
 /// The fields of the first JSON log line of `log` whose message is `message`: a child
 /// binds port 0 and reports the address it got (no port is picked, freed and raced for).
 pub(crate) async fn reported(log: &std::path::Path, message: &str) -> serde_json::Value {
-    let t0 = Instant::now();
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            if v["fields"]["message"] == message {
-                return v["fields"].clone();
-            }
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "{} never logged {message:?}",
-            log.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    edgesplit_bench::stack::reported(log, message, None)
+        .await
+        .unwrap()
 }
 
-/// A forwarder on a port the test holds, to a target known only later (the decode node's
-/// handoff address, which it reports after binding port 0).
-struct LateTarget {
-    addr: String,
-    target: Arc<std::sync::OnceLock<String>>,
-}
-
-impl LateTarget {
-    fn new() -> Self {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.set_nonblocking(true).unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let l = tokio::net::TcpListener::from_std(l).unwrap();
-        let target: Arc<std::sync::OnceLock<String>> = Arc::default();
-        let t = target.clone();
-        tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = l.accept().await {
-                let t = t.clone();
-                tokio::spawn(async move {
-                    while t.get().is_none() {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    if let Ok(mut out) = tokio::net::TcpStream::connect(t.get().unwrap()).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                    }
-                });
-            }
-        });
-        LateTarget { addr, target }
-    }
-}
-
+/// Binary `name` of target/release with `args`, logging JSON lines to `log`.
 pub(crate) fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc {
-    spawn_program(&[bin(name)], args, log)
-}
-
-/// `program` (a binary, or a launcher and its binary: `qemu-aarch64 edgesplit-decode`) with
-/// `args`, logging JSON lines to `log`.
-pub(crate) fn spawn_program(program: &[PathBuf], args: &[String], log: &std::path::Path) -> Proc {
     let file = std::fs::File::create(log).unwrap();
     Proc(
-        Command::new(&program[0])
-            .args(&program[1..])
+        Command::new(bin(name))
             .args(args)
             .env("EDGESPLIT_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
@@ -115,36 +63,24 @@ pub(crate) fn spawn_program(program: &[PathBuf], args: &[String], log: &std::pat
 /// machine their timings (drain deadlines) are not at the mercy of each other.
 pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The three services, started and healthy.
-pub(crate) struct Three {
-    pub(crate) decode: Proc,
-    /// The decode node's gRPC address.
-    pub(crate) decode_grpc: String,
-    /// The decode node's `/metrics`.
-    decode_metrics: String,
-    _prefill: Proc,
-    router: Proc,
-    pub(crate) base: String,
-    pub(crate) dir: PathBuf,
-}
-
 /// How [`start_three_with`] starts the services.
 pub(crate) struct ThreeOptions<'a> {
     pub(crate) tag: &'a str,
     /// The decode node's program: `edgesplit-decode` from target/release by default.
-    pub(crate) decode_program: Vec<PathBuf>,
+    pub(crate) decode_program: Option<Vec<PathBuf>>,
     pub(crate) decode_extra: &'a [&'a str],
     pub(crate) prefill_extra: &'a [&'a str],
     pub(crate) router_extra: &'a [&'a str],
-    /// A proxy between the nodes: given the decode node's handoff address, returns its own.
-    pub(crate) handoff_via: Option<fn(String) -> String>,
+    /// The handoff path through a link shaped per connection (a held connection, a slow
+    /// link).
+    pub(crate) handoff_via: Option<fn() -> common::Shape>,
 }
 
 impl<'a> ThreeOptions<'a> {
     pub(crate) fn new(tag: &'a str) -> Self {
         ThreeOptions {
             tag,
-            decode_program: vec![bin("edgesplit-decode")],
+            decode_program: None,
             decode_extra: &[],
             prefill_extra: &[],
             router_extra: &[],
@@ -153,14 +89,13 @@ impl<'a> ThreeOptions<'a> {
     }
 }
 
-/// Starts the three binaries; `handoff_via` puts a proxy (given the decode node's handoff
-/// address, returning its own) between the nodes.
+/// Starts the three binaries; `handoff_via` shapes the handoff path.
 async fn start_three(
     tag: &str,
     decode_extra: &[&str],
     router_extra: &[&str],
-    handoff_via: Option<fn(String) -> String>,
-) -> Three {
+    handoff_via: Option<fn() -> common::Shape>,
+) -> Stack {
     start_three_with(ThreeOptions {
         decode_extra,
         router_extra,
@@ -170,96 +105,23 @@ async fn start_three(
     .await
 }
 
-/// Starts the three binaries as `o` says.
-pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Three {
-    let ThreeOptions {
-        tag,
-        decode_program,
-        decode_extra,
-        prefill_extra,
-        router_extra,
-        handoff_via,
-    } = o;
-    let dir = std::env::temp_dir().join(format!("edgesplit-{tag}-{}", std::process::id()));
+/// Starts the three binaries as `o` says, on loopback with the nodes' defaults but a
+/// context of 1,024 (the bench's and the demo's way: `edgesplit_bench::stack`).
+pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Stack {
+    let dir = std::env::temp_dir().join(format!("edgesplit-{}-{}", o.tag, std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = common::model(common::SMOLLM2).display().to_string();
-    let a = |s: &str| s.to_string();
-    let any = || a("127.0.0.1:0");
-    let mut dargs = vec![
-        a("--model"),
-        model.clone(),
-        a("--n-ctx"),
-        a("1024"),
-        a("--listen"),
-        any(),
-        a("--handoff-listen"),
-        any(),
-        a("--v1-listen"),
-        any(),
-    ];
-    dargs.extend(decode_extra.iter().map(|s| s.to_string()));
-    let late = LateTarget::new();
-    if let Some(via) = handoff_via {
-        dargs.extend([a("--handoff-advertise"), via(late.addr.clone())]);
-    }
-    let decode = spawn_program(&decode_program, &dargs, &dir.join("decode.log"));
-    let mut pargs = vec![
-        a("--model"),
-        model,
-        a("--n-ctx"),
-        a("1024"),
-        a("--listen"),
-        any(),
-        a("--metrics-listen"),
-        any(),
-    ];
-    pargs.extend(prefill_extra.iter().map(|s| s.to_string()));
-    let prefill = spawn("edgesplit-prefill", &pargs, &dir.join("prefill.log"));
-    let d = reported(&dir.join("decode.log"), "decode node listening").await;
-    let handoff = d["handoff"].as_str().unwrap().to_string();
-    let _ = late.target.set(handoff);
-    let dg = d["grpc"].as_str().unwrap().to_string();
-    let dm = format!("http://{}/metrics", d["v1"].as_str().unwrap());
-    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
-    let pg = p["grpc"].as_str().unwrap().to_string();
-    let mut rargs = vec![
-        a("--listen"),
-        any(),
-        a("--prefill-url"),
-        format!("http://{pg}"),
-        a("--decode-url"),
-        format!("http://{dg}"),
-    ];
-    rargs.extend(router_extra.iter().map(|s| s.to_string()));
-    let router = spawn("edgesplit-router", &rargs, &dir.join("router.log"));
-    let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
-    let base = format!("http://{}", r["addr"].as_str().unwrap());
-    let t0 = Instant::now();
-    loop {
-        let ok = common::client()
-            .get(format!("{base}/health"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200);
-        if ok {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "services did not become healthy"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    Three {
-        decode,
-        decode_grpc: format!("http://{dg}"),
-        decode_metrics: dm,
-        _prefill: prefill,
-        router,
-        base,
-        dir,
-    }
+    let strings = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+    let cfg = StackConfig {
+        threads: None,
+        direct: true,
+        decode_program: o.decode_program,
+        decode_extra: strings(o.decode_extra),
+        prefill_extra: strings(o.prefill_extra),
+        router_extra: strings(o.router_extra),
+        handoff_shape: o.handoff_via,
+        ..StackConfig::new(common::model(common::SMOLLM2), 1024, 0, dir)
+    };
+    Stack::start(&cfg, Profile::rate(0)).await.unwrap()
 }
 
 /// The router follows the nodes' rule: on a non-loopback address without an API key it
@@ -320,7 +182,7 @@ async fn a_router_on_the_network_without_an_api_key_refuses_to_start() {
 async fn three_processes_one_request_id() {
     let _one = ONE_AT_A_TIME.lock().await;
     let t = start_three("procs", &[], &[], None).await;
-    let (base, dir) = (&t.base, &t.dir);
+    let (base, dir) = (&t.router, &t.dir);
     for transport in ["v2", "v1"] {
         let mut body = json!({"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,
                               "edgesplit":{"transport": transport}});
@@ -350,20 +212,20 @@ async fn three_processes_one_request_id() {
 async fn sigterm_drains_the_router() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut t = start_three("drain", &[], &["--drain-timeout-s", "20"], None).await;
-    let url = format!("{}/v1/chat/completions", t.base);
+    let url = format!("{}/v1/chat/completions", t.router);
     let body = json!({
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
         "max_tokens": 200, "temperature": 0, "stream": true,
         "edgesplit": {"transport": "v2"},
     });
-    stream_and_signal(&t.base, &body, || async {
+    stream_and_signal(&t.router, &body, || async {
         // SIGTERM while the answer streams.
-        sigterm(&t.router);
+        sigterm(&t.router_process);
         // The signal is handled asynchronously: poll until health says so (bounded).
         let t0 = std::time::Instant::now();
         let health = loop {
             let health = common::client()
-                .get(format!("{}/health", t.base))
+                .get(format!("{}/health", t.router))
                 .send()
                 .await
                 .unwrap();
@@ -387,21 +249,21 @@ async fn sigterm_drains_the_router() {
     .await;
     // The answer in flight finished ([DONE] and a finish chunk); then the router exits,
     // cleanly, soon.
-    let status = exited(&mut t.router, Duration::from_secs(10)).await;
+    let status = exited(&mut t.router_process, Duration::from_secs(10)).await;
     assert!(status.success(), "{status}");
 }
 
-fn sigterm(p: &Proc) {
-    let pid = libc::pid_t::try_from(p.0.id()).unwrap();
+fn sigterm(p: &Child) {
+    let pid = libc::pid_t::try_from(p.id()).unwrap();
     // SAFETY: sends a signal to our own child process; no memory is shared.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
 }
 
 /// Waits for a process to exit; returns its status.
-async fn exited(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
+async fn exited(p: &mut Child, within: Duration) -> std::process::ExitStatus {
     let t0 = Instant::now();
     loop {
-        if let Some(s) = p.0.try_wait().unwrap() {
+        if let Some(s) = p.try_wait().unwrap() {
             return s;
         }
         assert!(
@@ -414,8 +276,8 @@ async fn exited(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
 
 /// When the process exits, watched while the test does other things: it is then a zombie
 /// (exited, not yet reaped by `exited`) or gone from /proc.
-fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
-    let pid = p.0.id();
+fn watch_exit(p: &Child) -> tokio::task::JoinHandle<Instant> {
+    let pid = p.id();
     tokio::spawn(async move {
         loop {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -435,7 +297,7 @@ fn watch_exit(p: &Proc) -> tokio::task::JoinHandle<Instant> {
 /// When the decode node exited, seen by `gone` within `within` (`what` names the
 /// expectation); it must have exited with status 0.
 async fn decode_exit(
-    t: &mut Three,
+    t: &mut Stack,
     gone: tokio::task::JoinHandle<Instant>,
     within: Duration,
     what: &str,
@@ -444,7 +306,7 @@ async fn decode_exit(
         .await
         .expect(what)
         .unwrap();
-    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    let status = exited(&mut t.decode_process, Duration::from_secs(5)).await;
     assert!(status.success(), "{status}");
     at
 }
@@ -530,10 +392,10 @@ fn story(max: u32, stream: bool) -> serde_json::Value {
 }
 
 /// The same answer on the single-device path.
-async fn local_story(t: &Three, max: u32) -> String {
+async fn local_story(t: &Stack, max: u32) -> String {
     let mut body = story(max, false);
     body["edgesplit"]["transport"] = json!("local");
-    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.base), &body).await;
+    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.router), &body).await;
     assert_eq!(st, 200, "{v}");
     v["choices"][0]["message"]["content"]
         .as_str()
@@ -548,16 +410,16 @@ async fn sigterm_drains_the_decode_node() {
     // request meanwhile is served through the fallback, and then the node exits.
     let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[], None).await;
     let want = local_story(&t, 60).await;
-    let gone = watch_exit(&t.decode);
+    let gone = watch_exit(&t.decode_process);
     // The first token comes from the prefill node before the decode node has the
     // sequence (the next test signals in that gap); here the signal waits until the decode
     // node writes it.
-    let (text, timing, ended) = stream_and_signal(&t.base, &story(60, true), || async {
+    let (text, timing, ended) = stream_and_signal(&t.router, &story(60, true), || async {
         decode_info_until(&t.decode_grpc, "writing the answer", |i| {
             i.sequences_active > 0
         })
         .await;
-        sigterm(&t.decode);
+        sigterm(&t.decode_process);
     })
     .await;
     assert_eq!(text, want);
@@ -576,8 +438,11 @@ async fn sigterm_drains_the_decode_node() {
         at >= ended - Duration::from_millis(500),
         "it exited only after the answer"
     );
-    let (st, _, v) =
-        common::post(&format!("{}/v1/chat/completions", t.base), &story(8, false)).await;
+    let (st, _, v) = common::post(
+        &format!("{}/v1/chat/completions", t.router),
+        &story(8, false),
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
     assert!(v["edgesplit"]["fallback"].is_string(), "{v}");
 
@@ -585,11 +450,11 @@ async fn sigterm_drains_the_decode_node() {
     // router finishes the answer on the prefill node, identical to an uninterrupted run.
     let mut t = start_three("ddeadline", &["--drain-timeout-s", "1"], &[], None).await;
     let want = local_story(&t, 400).await;
-    let gone = watch_exit(&t.decode);
+    let gone = watch_exit(&t.decode_process);
     let signalled = std::sync::OnceLock::new();
-    let (text, timing, ended) = stream_and_signal(&t.base, &story(400, true), || async {
+    let (text, timing, ended) = stream_and_signal(&t.router, &story(400, true), || async {
         signalled.set(Instant::now()).unwrap();
-        sigterm(&t.decode);
+        sigterm(&t.decode_process);
     })
     .await;
     let at = decode_exit(
@@ -623,17 +488,17 @@ async fn a_draining_decode_node_takes_the_handoff_an_answer_awaits() {
         "dawait",
         &["--drain-timeout-s", "30"],
         &[],
-        Some(common::delaying_proxy),
+        Some(common::delaying),
     )
     .await;
     let want = local_story(&t, 32).await;
-    let gone = watch_exit(&t.decode);
-    let (text, timing, ended) = stream_and_signal(&t.base, &story(32, true), || async {
+    let gone = watch_exit(&t.decode_process);
+    let (text, timing, ended) = stream_and_signal(&t.router, &story(32, true), || async {
         decode_info_until(&t.decode_grpc, "awaiting the handoff", |i| {
             i.handoffs_awaited > 0
         })
         .await;
-        sigterm(&t.decode);
+        sigterm(&t.decode_process);
     })
     .await;
     assert_eq!(text, want);
@@ -671,15 +536,15 @@ async fn a_killed_decode_process_loses_nothing() {
         b
     };
     let (st, _, want) = common::post(
-        &format!("{}/v1/chat/completions", t.base),
+        &format!("{}/v1/chat/completions", t.router),
         &seeded("local", false),
     )
     .await;
     assert_eq!(st, 200, "{want}");
     // Killed once the client has 10 pieces of the answer: the resume then starts deep in
     // it, where its step index and penalty history matter.
-    let (text, timing, _) = stream_and_signal_after(&t.base, &seeded("v2", true), 10, || async {
-        let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
+    let (text, timing, _) = stream_and_signal_after(&t.router, &seeded("v2", true), 10, || async {
+        let pid = libc::pid_t::try_from(t.decode_process.id()).unwrap();
         // SAFETY: sends a signal to our own child process; no memory is shared.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     })
@@ -695,14 +560,14 @@ async fn a_killed_decode_process_loses_nothing() {
         timing["decode_tokens"].as_u64().unwrap() > 10,
         "the resumed part: {timing}"
     );
-    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    let status = exited(&mut t.decode_process, Duration::from_secs(5)).await;
     assert!(!status.success(), "killed: {status}");
 }
 
 /// A handoff link of 1 MB/s: the prompt's state of a short chat (~1 MB) takes about a
 /// second, the KV of what the answer writes meanwhile about as long again.
-fn slow_link(target: String) -> String {
-    common::shaped(target, || common::Shape::rate(1_000_000))
+fn slow_link() -> common::Shape {
+    common::Shape::rate(1_000_000)
 }
 
 /// The live handoff (issue 13) when the decode node's process is killed after the prompt's
@@ -717,8 +582,8 @@ async fn a_decode_process_killed_during_a_live_handoff_loses_nothing() {
     let mut body = story(400, true);
     body["edgesplit"]["handoff"] = json!("live");
     let metrics = t.decode_metrics.clone();
-    let pid = libc::pid_t::try_from(t.decode.0.id()).unwrap();
-    let (text, timing, _) = stream_and_signal(&t.base, &body, || async {
+    let pid = libc::pid_t::try_from(t.decode_process.id()).unwrap();
+    let (text, timing, _) = stream_and_signal(&t.router, &body, || async {
         // The decode node holds the prompt's piece: the bulk has crossed.
         let t0 = Instant::now();
         loop {
@@ -746,6 +611,6 @@ async fn a_decode_process_killed_during_a_live_handoff_loses_nothing() {
         "{timing}"
     );
     assert_eq!(timing["decode_tokens"], 0, "{timing}");
-    let status = exited(&mut t.decode, Duration::from_secs(5)).await;
+    let status = exited(&mut t.decode_process, Duration::from_secs(5)).await;
     assert!(!status.success(), "killed: {status}");
 }

@@ -374,13 +374,18 @@ pub const HANDOFF_DELAY: Duration = Duration::from_millis(1500);
 /// Between the nodes: holds every handoff connection to `target` for `HANDOFF_DELAY`
 /// before forwarding it; returns the proxy's address. Call it inside a runtime.
 pub fn delaying_proxy(target: String) -> String {
-    shaped(target, || Shape {
+    shaped(target, delaying)
+}
+
+/// A connection held for `HANDOFF_DELAY` before it is forwarded.
+pub fn delaying() -> Shape {
+    Shape {
         faults: Faults {
             connect_delay: HANDOFF_DELAY,
             ..Faults::default()
         },
         ..Shape::rate(0)
-    })
+    }
 }
 
 pub use edgesplit_bench::link::{Faults, Shape};
