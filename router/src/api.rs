@@ -28,10 +28,14 @@ pub enum Transport {
     /// model's last layers computed on the peer for every token. Refused (400) when the
     /// prefill node serves no split.
     Layers,
+    /// No handoff: the decode node (the phone) prefills and writes the whole answer itself,
+    /// only tokens cross the link (the phone-alone baseline). A decode node that cannot
+    /// serve it refuses it before its first token, with the reason.
+    Phone,
 }
 
 impl Transport {
-    /// Parses `v2` / `v1` / `local` / `layers`.
+    /// Parses `v2` / `v1` / `local` / `layers` / `phone`.
     ///
     /// # Errors
     /// Any other name.
@@ -41,8 +45,10 @@ impl Transport {
             "v1" => Ok(Transport::V1),
             "local" => Ok(Transport::Local),
             "layers" => Ok(Transport::Layers),
+            "phone" => Ok(Transport::Phone),
             other => Err(format!(
-                "unknown transport {other:?}; expected \"v2\", \"v1\", \"local\" or \"layers\""
+                "unknown transport {other:?}; expected \"v2\", \"v1\", \"local\", \"layers\" \
+                 or \"phone\""
             )),
         }
     }
@@ -55,13 +61,17 @@ impl Transport {
             Transport::V1 => "v1",
             Transport::Local => "local",
             Transport::Layers => "layers",
+            Transport::Phone => "phone",
         }
     }
 
-    /// Whether the whole answer runs on the prefill node (no handoff).
+    /// Whether the whole answer runs on one node (no state crosses).
     #[must_use]
     pub fn colocated(self) -> bool {
-        matches!(self, Transport::Local | Transport::Layers)
+        matches!(
+            self,
+            Transport::Local | Transport::Layers | Transport::Phone
+        )
     }
 }
 

@@ -656,6 +656,7 @@ impl Backend {
         match transport {
             Transport::V2 | Transport::V1 => self.start_split(req, transport, request_id).await,
             Transport::Local => self.start_local(req, request_id, None).await,
+            Transport::Phone => self.on_decode_node(req, transport, request_id, None).await,
             Transport::Layers => {
                 self.layer_split_serving().await?;
                 let mut started = self.start_local(req, request_id, None).await?;
@@ -825,19 +826,36 @@ impl Backend {
         request_id: &str,
         held: u32,
     ) -> Result<Started, ApiError> {
-        let param = input_param(&req.input);
         let kv_per_token = lock_info(&self.last_decode_info)
             .as_ref()
             .map_or(0, |i| i.kv_bytes_per_token);
         let max_uncached = lock(&self.learned).rates.max_uncached(held, kv_per_token);
+        self.on_decode_node(req, transport, request_id, Some(max_uncached))
+            .await
+    }
+
+    /// The whole request on the decode node: what it holds of the prompt is reused, the
+    /// rest prefilled there (refused with `not_cached` when that is over `max_uncached`),
+    /// and the answer written there; only tokens cross. Lost mid-answer, it is finished on
+    /// the prefill node as any answer the decode node writes.
+    async fn on_decode_node(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+        max_uncached: Option<u32>,
+    ) -> Result<Started, ApiError> {
+        let param = input_param(&req.input);
         let mut preq = Self::prefill_request(req, request_id, None, 0);
-        preq.max_uncached = Some(max_uncached);
+        preq.max_uncached = max_uncached;
         let mut client = self.decode.clone();
         // The call itself is answered at once (the prefill comes after): a node that does
         // not answer it is bounded like an `Info`, and the request is split instead.
         let call = tokio::time::timeout(self.config.info_timeout, client.local(preq)).await;
         let mut stream = match call {
-            Ok(r) => r.map_err(|st| ApiError::from_status(&st, param))?,
+            Ok(r) => r.map_err(|st| {
+                ApiError::from_status_of(&st, param, ("decode_unavailable", "the decode node"))
+            })?,
             Err(_) => {
                 return Err(ApiError::unavailable(
                     "decode_unavailable",
@@ -862,7 +880,7 @@ impl Backend {
             prompt_tokens = p.prompt_tokens,
             cached_tokens = p.cached_tokens,
             max_uncached,
-            "the decode node continues a conversation it holds"
+            "the decode node prefills and writes this answer"
         );
         let (tx, rx) = mpsc::channel(64);
         let transcript = Transcript {

@@ -115,11 +115,22 @@ impl ApiError {
     /// Maps a node's gRPC status; `param` names the input field for input errors.
     #[must_use]
     pub fn from_status(st: &tonic::Status, input_param: &str) -> Self {
+        Self::from_status_of(st, input_param, ("node_unavailable", "a node"))
+    }
+
+    /// [`ApiError::from_status`] for a call to a known node: a failed connection is said
+    /// as `who`'s, with `code` (`decode_unavailable`, "the decode node").
+    #[must_use]
+    pub fn from_status_of(
+        st: &tonic::Status,
+        input_param: &str,
+        (code, who): (&str, &str),
+    ) -> Self {
         let msg = st.message().to_string();
         match code_of(st) {
-            Named::Code(code) => {
-                let mut e = Self::from_code(code, msg, input_param);
-                e.cause = Some(code);
+            Named::Code(c) => {
+                let mut e = Self::from_code(c, msg, input_param);
+                e.cause = Some(c);
                 e
             }
             // A newer node's code: passed on as it is.
@@ -129,17 +140,16 @@ impl ApiError {
             // the connection broke, not an error of the node's.
             Named::None => match std::error::Error::source(st) {
                 Some(source) => match edgesplit_proto::link::HandshakeFailed::find(source) {
-                    Some(h) => Self::link_refused("a node", h),
+                    Some(h) => Self::link_refused(who, h),
                     None => Self::unavailable(
-                        "node_unavailable",
-                        format!("the connection to a node broke: {msg} ({source})"),
+                        code,
+                        format!("the connection to {who} broke: {msg} ({source})"),
                     ),
                 },
                 None => match st.code() {
-                    tonic::Code::Unavailable => Self::unavailable(
-                        "node_unavailable",
-                        format!("a node could not be reached: {msg}"),
-                    ),
+                    tonic::Code::Unavailable => {
+                        Self::unavailable(code, format!("{who} could not be reached: {msg}"))
+                    }
                     tonic::Code::DeadlineExceeded => Self::upstream("timeout", msg),
                     tonic::Code::InvalidArgument => Self::invalid(None, msg),
                     _ => Self::internal(msg),

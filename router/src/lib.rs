@@ -54,8 +54,9 @@ pub struct Config {
     )]
     pub decode_url: String,
     /// Default transport: v2 (disaggregated, framed TCP), v1 (disaggregated, llama.cpp state
-    /// file by HTTP upload), local (both phases on the prefill node) or layers (local on a
-    /// prefill node with a layer split, `--rpc-peer`).
+    /// file by HTTP upload), local (both phases on the prefill node), layers (local on a
+    /// prefill node with a layer split, `--rpc-peer`) or phone (both phases on the decode
+    /// node).
     #[arg(long, default_value = "v2", value_parser = Transport::parse)]
     pub transport: Transport,
     /// Default handoff mode of split answers (a request's `edgesplit.handoff` overrides

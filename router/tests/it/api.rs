@@ -445,4 +445,23 @@ async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_polic
         2,
         "both v2 answers counted as fallbacks"
     );
+    // The decode node alone (`phone`) is not a split: asked for, it is refused with the
+    // reason rather than answered elsewhere.
+    let (st, headers, v) = post(&url, &body_phone()).await;
+    assert_error(st, &v, 503, None).await;
+    assert_eq!(v["error"]["code"], "decode_unavailable", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("decode node")),
+        "{v}"
+    );
+    assert!(headers.get("retry-after").is_some());
+}
+
+fn body_phone() -> Value {
+    chat_body(
+        hi(),
+        json!({"max_tokens": 4, "edgesplit": {"transport": "phone"}}),
+    )
 }

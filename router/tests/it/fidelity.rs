@@ -1,4 +1,5 @@
-//! Non-negotiable 1: the disaggregated answer (V2 handoff, and V1 file upload) is
+//! Non-negotiable 1: the disaggregated answer (V2 handoff, and V1 file upload) and the
+//! decode node's own (`phone`: it prefills and writes the answer itself) are
 //! token-for-token identical to the single-process run (`local`: prefill and decode in the
 //! prefill node's one context), greedy and seeded, streamed and not, through the real HTTP
 //! API and the default model.
@@ -44,6 +45,7 @@ async fn assert_identical_on(stack: &common::Stack, messages: Value, min_prompt_
             ("v2", streamed[0]),
             ("v1", streamed[1]),
             ("v2-live", streamed[1]),
+            ("phone", streamed[0]),
         ] {
             let split = run(stack, "/v1/chat/completions", &body, transport, streamed).await;
             assert_eq!(

@@ -643,6 +643,11 @@ pub async fn run(
     if transport == "local" {
         assert_eq!(edgesplit["first_token_from"], "prefill", "{edgesplit}");
         assert_eq!(edgesplit["decode_node_tokens"], 0, "{edgesplit}");
+    } else if transport == "phone" {
+        // The decode node alone: it prefilled and wrote everything, no state crossed.
+        assert_eq!(edgesplit["placement"], "decode_node", "{edgesplit}");
+        assert!(edgesplit["handoff_bytes"].is_null(), "{edgesplit}");
+        assert_split(&edgesplit, outcome.completion_tokens);
     } else {
         assert_split(&edgesplit, outcome.completion_tokens);
     }
@@ -650,7 +655,8 @@ pub async fn run(
 }
 
 /// `body` on `stack` through `path`: `local` (the reference, returned), then `local`
-/// streamed, every split transport (`v2` streamed, `v1`, `v2-live`) and the plain request
+/// streamed, every split transport (`v2` streamed, `v1`, `v2-live`), the decode node alone
+/// (`phone`) and the plain request
 /// (no `edgesplit` field: the defaults), streamed and not: the same answer.
 pub async fn same_on_every_transport(stack: &Stack, path: &str, body: &Value) -> Outcome {
     let reference = run(stack, path, body, "local", false).await;
@@ -659,6 +665,7 @@ pub async fn same_on_every_transport(stack: &Stack, path: &str, body: &Value) ->
         ("v2", true),
         ("v1", false),
         ("v2-live", false),
+        ("phone", true),
     ] {
         let o = run(stack, path, body, transport, streamed).await;
         assert_eq!(o, reference, "{transport}, streamed {streamed}: {body}");
