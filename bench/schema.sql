@@ -36,7 +36,13 @@ CREATE TABLE IF NOT EXISTS attempts (
     text_sha256 TEXT,
     same_as_reference INTEGER,     -- answer equals the pair's first EdgeSplit transport's
     prefill_tokens INTEGER,        -- live handoff: answer tokens the prefill node wrote
-    switch_ms REAL                 -- live handoff: ms from the request to the switch
+    switch_ms REAL,                -- live handoff: ms from the request to the switch
+    phone_tokens INTEGER,          -- answer tokens the decode node (the phone) wrote
+    laptop_cpu_ms REAL,            -- the prefill node's CPU time for the request (NULL when requests overlapped)
+    laptop_energy_j REAL,          -- RAPL package energy where the bench runs (NULL: see laptop_energy_note)
+    laptop_energy_note TEXT,
+    phone_energy_j REAL,           -- battery energy where the bench runs (NULL: see phone_energy_note)
+    phone_energy_note TEXT
 );
 CREATE TABLE IF NOT EXISTS summaries (
     id INTEGER PRIMARY KEY,

@@ -21,13 +21,13 @@ pub struct Ask {
 }
 
 /// The EdgeSplit transports a run may name (see [`Target::EdgeSplit`]).
-pub const TRANSPORTS: [&str; 5] = ["local", "v1", "v2", "v2-live", "v2-after"];
+pub const TRANSPORTS: [&str; 6] = ["local", "v1", "v2", "v2-live", "v2-after", "phone"];
 
 /// Who answers.
 #[derive(Clone, Debug)]
 pub enum Target {
-    /// Our router, with a transport (`local`, `v1`, `v2`; `v2-live` and `v2-after` name
-    /// the handoff mode, `v2` leaves it to the router: `live` by default).
+    /// Our router, with a transport (`local`, `v1`, `v2`, `phone`; `v2-live` and `v2-after`
+    /// name the handoff mode, `v2` leaves it to the router: `live` by default).
     EdgeSplit { url: String, transport: String },
     /// A stock llama-server.
     Stock { url: String },
@@ -71,6 +71,11 @@ pub struct Measure {
     /// Ours: which node prefilled the prompt, and how many of its tokens' KV was reused.
     pub placement: Option<String>,
     pub cached_tokens: Option<u64>,
+    /// Ours: answer tokens the decode node (the phone) wrote.
+    pub phone_tokens: Option<u64>,
+    /// The laptop's CPU time for the request (the prefill node process's, measured around
+    /// it by the caller where requests do not overlap).
+    pub laptop_cpu_ms: Option<f64>,
     pub text: String,
 }
 
@@ -189,6 +194,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.switch_ms = es["switch_ms"].as_f64();
                 m.placement = es["placement"].as_str().map(str::to_string);
                 m.cached_tokens = es["cached_tokens"].as_u64();
+                m.phone_tokens = es["decode_node_tokens"].as_u64();
                 if let Some(f) = es["fallback"].as_str() {
                     m.fallback = Some(f.to_string());
                 }

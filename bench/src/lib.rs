@@ -3,5 +3,6 @@
 //! itself is `main.rs`.
 
 pub mod devices;
+pub mod energy;
 pub mod link;
 pub mod stack;

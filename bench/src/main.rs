@@ -143,6 +143,10 @@ struct RunArgs {
     /// Both nodes' KV cache type, K and V (f16, q8_0, q4_0), and the stock server's.
     #[arg(long, default_value = "f16")]
     cache_type: String,
+    /// Where the energy readers look for `sys/class/powercap` (RAPL) and
+    /// `sys/class/power_supply` (a battery): `/`, or a copy of such a tree.
+    #[arg(long, default_value = "/")]
+    sysfs_root: PathBuf,
     /// Both nodes' prefill batch (`--batch`): with `--stream-prefill` a piece of the state
     /// crosses after each batch. Not with `--stock`, which runs at llama-server's default.
     #[arg(long, default_value_t = 512)]
@@ -223,24 +227,35 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Runs one request with power sampling and records it.
+/// Runs one request with power sampling and records it. `solo`: no other request runs
+/// meanwhile, so the laptop's CPU time over it is the request's.
 async fn attempt(
-    rec: &Record,
-    http: &reqwest::Client,
+    env: &Env,
     slot: &Slot<'_>,
     target: &Target,
     ask: &Ask,
+    solo: bool,
 ) -> anyhow::Result<Attempt> {
-    let id = rec.begin(slot)?;
+    let id = env.rec.begin(slot)?;
     let sampler = power::start();
-    let result = client::run(http, target, ask)
+    let meter = env.sensors.start();
+    let cpu = || {
+        let pid = (*env.laptop_pid.lock().expect("pid lock"))?;
+        devices::process_cpu_ms(pid)
+    };
+    let cpu_before = cpu().filter(|_| solo);
+    let mut result = client::run(&env.http, target, ask)
         .await
         .map_err(|e| format!("{e:#}"));
+    if let (Ok(m), Some(before)) = (&mut result, cpu_before) {
+        m.laptop_cpu_ms = cpu().map(|after| after - before);
+    }
+    let used = meter.stop();
     let energy = match sampler {
         Some(s) => s.stop().await,
         None => Err(power::NOT_AVAILABLE.to_string()),
     };
-    rec.finish(id, &result, &energy)?;
+    env.rec.finish(id, &result, &energy, &used)?;
     Ok(Attempt {
         id,
         transport: target.name().to_string(),
@@ -253,6 +268,10 @@ struct Env {
     http: reqwest::Client,
     bar: ProgressBar,
     verbose: bool,
+    /// The laptop's and the phone's energy readers (`--sysfs-root`).
+    sensors: edgesplit_bench::energy::Sensors,
+    /// The prefill node's process, whose CPU time is the laptop's (none with `--url`).
+    laptop_pid: std::sync::Mutex<Option<u32>>,
 }
 
 impl Env {
@@ -326,6 +345,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .build()?,
         bar,
         verbose,
+        sensors: edgesplit_bench::energy::Sensors::find(&args.sysfs_root),
+        laptop_pid: std::sync::Mutex::new(None),
     };
 
     let mut configs = Vec::new();
@@ -357,6 +378,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     )
                 };
                 let s = stack::Stack::start(&cfg, args.profiles[0].clone()).await?;
+                *env.laptop_pid.lock().expect("pid lock") = Some(s.prefill_process.id());
                 (s.router.clone(), s.flash_attn, s.chat, Some(s))
             }
         };
@@ -519,7 +541,7 @@ async fn pairs(
                 position,
                 excluded: pair == 0,
             };
-            let a = attempt(&env.rec, &env.http, &slot, &targets[i], ask).await?;
+            let a = attempt(env, &slot, &targets[i], ask, true).await?;
             env.log(
                 &a,
                 &format!("{model} {} {pt} tok pair {pair}", profile.name),
@@ -568,7 +590,7 @@ async fn concurrent(
                     position: client,
                     excluded: false,
                 };
-                let a = attempt(&env.rec, &env.http, &slot, target, ask).await?;
+                let a = attempt(env, &slot, target, ask, args.concurrency == 1).await?;
                 env.log(
                     &a,
                     &format!("{model} {} x{} #{i}", profile.name, args.concurrency),

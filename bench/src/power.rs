@@ -60,37 +60,7 @@ impl Sampler {
     pub async fn stop(mut self) -> Result<f64, String> {
         let _ = self.child.kill().await;
         let samples = self.task.await.map_err(|e| e.to_string())?;
-        integrate(&samples).ok_or_else(|| "not available: fewer than two power samples".into())
-    }
-}
-
-fn integrate(samples: &[(Instant, f64)]) -> Option<f64> {
-    if samples.len() < 2 {
-        return None;
-    }
-    Some(
-        samples
-            .windows(2)
-            .map(|w| (w[1].0 - w[0].0).as_secs_f64() * (w[0].1 + w[1].1) / 2.0)
-            .sum(),
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    #[test]
-    fn trapezoid() {
-        let t = Instant::now();
-        let s = [
-            (t, 100.0),
-            (t + Duration::from_millis(100), 200.0),
-            (t + Duration::from_millis(200), 200.0),
-        ];
-        let j = integrate(&s).unwrap();
-        assert!((j - 35.0).abs() < 1e-9, "{j}");
-        assert_eq!(integrate(&s[..1]), None);
+        edgesplit_bench::energy::integrate(&samples)
+            .ok_or_else(|| "not available: fewer than two power samples".into())
     }
 }

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::client::Measure;
 use crate::stats::{percentile, Line};
+use edgesplit_bench::energy::Used;
 
 /// The record's tables; the router's dashboard test reads the same file.
 const SCHEMA: &str = include_str!("../schema.sql");
@@ -61,6 +62,20 @@ impl Record {
                  ALTER TABLE attempts ADD COLUMN switch_ms REAL;",
             )?;
         }
+        // Records made before the device emulation's columns existed.
+        if db
+            .prepare("SELECT laptop_cpu_ms FROM attempts LIMIT 0")
+            .is_err()
+        {
+            db.execute_batch(
+                "ALTER TABLE attempts ADD COLUMN phone_tokens INTEGER;
+                 ALTER TABLE attempts ADD COLUMN laptop_cpu_ms REAL;
+                 ALTER TABLE attempts ADD COLUMN laptop_energy_j REAL;
+                 ALTER TABLE attempts ADD COLUMN laptop_energy_note TEXT;
+                 ALTER TABLE attempts ADD COLUMN phone_energy_j REAL;
+                 ALTER TABLE attempts ADD COLUMN phone_energy_note TEXT;",
+            )?;
+        }
         let rev = std::process::Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])
             .output()
@@ -103,11 +118,20 @@ impl Record {
         id: i64,
         result: &Result<Measure, String>,
         energy: &Result<f64, String>,
+        used: &Used,
     ) -> anyhow::Result<()> {
-        let (energy_j, energy_note) = match energy {
+        let split = |r: &Result<f64, String>| match r {
             Ok(j) => (Some(*j), None),
-            Err(why) => (None, Some(why.as_str())),
+            Err(why) => (None, Some(why.clone())),
         };
+        let (energy_j, energy_note) = split(energy);
+        let (laptop_j, laptop_note) = split(&used.laptop_j);
+        let (phone_j, phone_note) = split(&used.phone_j);
+        self.db.execute(
+            "UPDATE attempts SET laptop_energy_j = ?2, laptop_energy_note = ?3,
+                phone_energy_j = ?4, phone_energy_note = ?5 WHERE id = ?1",
+            params![id, laptop_j, laptop_note, phone_j, phone_note],
+        )?;
         match result {
             Err(e) => {
                 self.db.execute(
@@ -128,7 +152,7 @@ impl Record {
                         prompt_tokens = ?10, completion_tokens = ?11, prefill_ms = ?12,
                         handoff_bytes = ?13, handoff_ms = ?14, decode_tps = ?15, energy_j = ?16,
                         energy_note = ?17, text_sha256 = ?18, prefill_tokens = ?19,
-                        switch_ms = ?20 WHERE id = ?1",
+                        switch_ms = ?20, phone_tokens = ?21, laptop_cpu_ms = ?22 WHERE id = ?1",
                     params![
                         id,
                         now(),
@@ -150,6 +174,8 @@ impl Record {
                         hex_sha256(&m.text),
                         m.prefill_tokens.map(|n| n as i64),
                         m.switch_ms,
+                        m.phone_tokens.map(|n| n as i64),
+                        m.laptop_cpu_ms,
                     ],
                 )?;
             }
@@ -267,16 +293,59 @@ mod tests {
         };
         let a = rec.begin(&slot).unwrap();
         let b = rec.begin(&slot).unwrap();
-        rec.finish(a, &Err("boom".into()), &Err(power_na()))
+        let used = Used {
+            laptop_j: Err("no RAPL here".into()),
+            phone_j: Ok(3.5),
+        };
+        rec.finish(a, &Err("boom".into()), &Err(power_na()), &used)
             .unwrap();
         let rows = rec.rows("attempts").unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0]["status"], "failed");
         assert_eq!(rows[0]["error"], "boom");
+        // Energy: a figure, or NULL with the reason; never 0 for "none".
+        assert!(rows[0]["laptop_energy_j"].is_null());
+        assert_eq!(rows[0]["laptop_energy_note"], "no RAPL here");
+        assert_eq!(rows[0]["phone_energy_j"], 3.5);
+        assert!(rows[0]["phone_energy_note"].is_null());
         assert_eq!(rows[0]["excluded"], 1);
         assert_eq!(rows[1]["id"], b);
         assert_eq!(rows[1]["status"], "started");
         assert!(rows[1]["finished_at"].is_null());
+    }
+
+    /// A record made before the device emulation's columns is migrated when opened.
+    #[test]
+    fn an_older_record_gets_the_new_columns() {
+        let dir = std::env::temp_dir().join(format!("edgesplit-rec-old-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("old.sqlite");
+        // The attempts table ends at switch_ms; the newer columns go to a table of their own.
+        let old = SCHEMA.replace(
+            "    phone_tokens INTEGER,",
+            "    unused INTEGER); CREATE TABLE unused_tail (phone_tokens INTEGER,",
+        );
+        assert_ne!(old, SCHEMA, "the schema still ends as this test expects");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(&old)
+            .unwrap();
+        let rec = Record::open(&path, "test", 1, 2048).unwrap();
+        for col in [
+            "phone_tokens",
+            "laptop_cpu_ms",
+            "laptop_energy_note",
+            "phone_energy_j",
+        ] {
+            assert!(
+                rec.db
+                    .prepare(&format!("SELECT {col} FROM attempts LIMIT 0"))
+                    .is_ok(),
+                "{col}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn power_na() -> String {

@@ -67,6 +67,8 @@ const METRICS: &[Metric] = &[
     ("gap_1_2_ms", |m| m.itl_ms.first().copied()),
     ("switch_ms", |m| m.switch_ms),
     ("prefill_tokens", |m| m.prefill_tokens.map(|n| n as f64)),
+    ("phone_tokens", |m| m.phone_tokens.map(|n| n as f64)),
+    ("laptop_cpu_ms", |m| m.laptop_cpu_ms),
 ];
 
 const RATIO_METRICS: &[Metric] = &[
@@ -272,11 +274,11 @@ pub fn markdown(
         );
         let _ = writeln!(
             md,
-            "| prompt tok | out tok | transport | n | TTFT ms median (p90) | TPOT ms | ITL p90 ms | longest gap ms | gap 1-2 ms | decode tok/s | e2e ms | handoff MB | handoff ms | tokens before switch | failed |"
+            "| prompt tok | out tok | transport | n | TTFT ms median (p90) | TPOT ms | ITL p90 ms | longest gap ms | gap 1-2 ms | decode tok/s | e2e ms | handoff MB | handoff ms | tokens before switch | phone tokens | laptop CPU ms | failed |"
         );
         let _ = writeln!(
             md,
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         let mut ratios = String::new();
         for (c, lines) in configs
@@ -287,7 +289,7 @@ pub fn markdown(
                 let g = |m: &str| find(lines, t, m);
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {t} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {t} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     f(g("prompt_tokens").map(|s| s.median), 0),
                     f(g("completion_tokens").map(|s| s.median), 0),
                     g("ttft_ms").map_or(0, |s| s.n),
@@ -302,6 +304,8 @@ pub fn markdown(
                     f(g("handoff_mb").map(|s| s.median), 2),
                     f(g("handoff_ms").map(|s| s.median), 1),
                     f(g("prefill_tokens").map(|s| s.median), 0),
+                    f(g("phone_tokens").map(|s| s.median), 0),
+                    f(g("laptop_cpu_ms").map(|s| s.median), 0),
                     c.failed(t),
                 );
             }
@@ -530,7 +534,14 @@ pub fn plots(configs: &[(Config, Vec<Line>)], out: &Path) -> anyhow::Result<Vec<
     for (c, lines) in configs {
         for t in &c.transports {
             let x = find(lines, t, "prompt_tokens").map(|s| s.median);
-            for metric in ["ttft_ms", "decode_tps", "handoff_mb"] {
+            for metric in [
+                "ttft_ms",
+                "e2e_ms",
+                "decode_tps",
+                "handoff_mb",
+                "phone_tokens",
+                "laptop_cpu_ms",
+            ] {
                 if let (Some(x), Some(y)) = (x, find(lines, t, metric).map(|s| s.median)) {
                     by.entry((c.model.clone(), c.profile.clone(), t.clone(), metric))
                         .or_default()
@@ -588,6 +599,27 @@ pub fn plots(configs: &[(Config, Vec<Line>)], out: &Path) -> anyhow::Result<Vec<
             "handoff MB, median",
             "handoff_mb",
             false,
+        ),
+        (
+            "e2e_vs_prompt.png",
+            "Whole answer vs prompt length",
+            "e2e, median ms",
+            "e2e_ms",
+            true,
+        ),
+        (
+            "phone_tokens.png",
+            "Answer tokens the phone wrote vs prompt length",
+            "decode-node tokens, median",
+            "phone_tokens",
+            true,
+        ),
+        (
+            "laptop_cpu.png",
+            "The laptop's CPU time per request vs prompt length",
+            "prefill-node CPU ms, median",
+            "laptop_cpu_ms",
+            true,
         ),
     ] {
         plot(
