@@ -40,6 +40,7 @@ mod report;
 
 mod stats;
 mod stock;
+mod throughput;
 
 use client::{Ask, Target};
 use edgesplit_bench::{devices, link, stack};
@@ -69,6 +70,9 @@ enum Cli {
     /// The layer split (ggml RPC to the decode node) against one device, per link
     /// profile, and a run with both nodes' memory capped (issue 17).
     Layers(layers_bench::LayersArgs),
+    /// What the pair serves against each device alone: closed-loop clients over a fixed mix
+    /// of prompt and answer lengths, per mode (local, the split, phone) and link (issue 36).
+    Throughput(throughput::ThroughputArgs),
     /// How far answers and next-token distributions agree across architectures: x86 here,
     /// the aarch64 build under qemu (issue 35). Not a speed figure.
     Agreement(agreement::AgreementArgs),
@@ -224,6 +228,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::Chat(args) => chat_bench::run(&args).await,
         Cli::Layers(args) => layers_bench::run(&args).await,
         Cli::Agreement(args) => agreement::run(&args).await,
+        Cli::Throughput(args) => throughput::run(&args).await,
     }
 }
 

@@ -1,0 +1,416 @@
+//! `edgesplit-bench throughput`: what the pair of devices serves against each device alone.
+//! Closed-loop clients (each sends its next request when its last one ended) work through
+//! the same fixed list of requests in every mode - a mix of prompt lengths and answer
+//! lengths in a fixed shuffled order - and the run reports completed requests per minute,
+//! TTFT and e2e p50/p95, how much of the answers the phone wrote and the laptop's CPU time
+//! per request, per mode (`local`: the laptop alone; `v2`: the split in the router's
+//! default mode; `phone`: the phone alone), number of clients and link, all in one run on
+//! one stack (links switched between profiles).
+//!
+//! Fidelity: every answer is compared with the same request's answer written alone on
+//! `local` (a reference pass first, one request at a time); a differing answer counts as
+//! wrong and is reported. Requests per minute count completed requests over the wall time
+//! from the first request to the last answer: the same work in every mode, so the tail
+//! (fewer clients busy at the end) weighs alike.
+//!
+//! With `--phone-speed` (the two devices emulated, [`crate::devices`]) this is the figure of
+//! issue 36; without it the services share the machine's cores. Not part of CI (minutes per
+//! configuration); docs/BENCHMARKS.md has the commands.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::client::{self, Ask, Target};
+use crate::link::Profile;
+use crate::record::{Record, Slot};
+use crate::stack::{Stack, StackConfig};
+use crate::stats::percentile;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ThroughputArgs {
+    #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
+    /// `smollm2`, `gemma3` or a GGUF path.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Link profiles between the laptop and the phone.
+    #[arg(long, value_delimiter = ',', default_value = "wifi,slow-wifi", value_parser = Profile::parse)]
+    profiles: Vec<Profile>,
+    /// Numbers of closed-loop clients.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    clients: Vec<usize>,
+    /// Modes: `local` (the laptop alone), `v2` (the split, the router's default handoff),
+    /// `phone` (the phone alone), or any transport of `run`.
+    #[arg(long, value_delimiter = ',', default_value = "local,v2,phone")]
+    modes: Vec<String>,
+    /// The mix's prompt lengths (approximate tokens).
+    #[arg(long, value_delimiter = ',', default_value = "100,500,1000,2000")]
+    prompt_tokens: Vec<usize>,
+    /// The mix's answer lengths (`max_tokens`).
+    #[arg(long, value_delimiter = ',', default_value = "32,128,512")]
+    max_tokens: Vec<u32>,
+    /// Requests per mode, clients and link (the mix, repeated as needed).
+    #[arg(long, default_value_t = 24)]
+    requests: usize,
+    #[arg(long, default_value_t = 4096)]
+    n_ctx: u32,
+    /// Threads per node (default: physical cores; one each with --phone-speed).
+    #[arg(long)]
+    threads: Option<i32>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// A request taking longer than this fails.
+    #[arg(long, default_value_t = 900)]
+    request_timeout_s: u64,
+    /// The SQLite record (appended to): every request, mode `throughput`.
+    #[arg(long, default_value = "bench/results/bench.sqlite")]
+    db: PathBuf,
+    /// Output folder (default: bench/results/throughput-<unix time>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Where the energy readers look (see `run --sysfs-root`).
+    #[arg(long, default_value = "/")]
+    sysfs_root: PathBuf,
+}
+
+/// One (link, clients, mode) of the run.
+#[derive(Debug, serde::Serialize)]
+struct Cell {
+    profile: String,
+    clients: usize,
+    mode: String,
+    requests: usize,
+    completed: usize,
+    failed: usize,
+    /// Answers that differ from the same request's written alone on `local`.
+    wrong: usize,
+    wall_s: f64,
+    requests_per_min: f64,
+    ttft_p50_ms: Option<f64>,
+    ttft_p95_ms: Option<f64>,
+    e2e_p50_ms: Option<f64>,
+    e2e_p95_ms: Option<f64>,
+    /// Of all answer tokens, the share the phone (the decode node) wrote.
+    phone_share: Option<f64>,
+    /// The laptop's CPU time (the prefill node process's) over the cell, per completed
+    /// request.
+    laptop_cpu_ms_per_request: Option<f64>,
+    /// Requests that the router finished on the prefill node (`edgesplit.fallback`).
+    fallbacks: usize,
+    errors: Vec<String>,
+}
+
+fn p(xs: &mut [f64], q: f64) -> Option<f64> {
+    xs.sort_by(f64::total_cmp);
+    (!xs.is_empty()).then(|| percentile(xs, q))
+}
+
+/// Request `i` of the mix: a fresh copy of its prompt (`cache_prompt` off: no node reuses
+/// another request's KV).
+fn ask_for(mix: &[(usize, u32)], i: usize, chat: bool, seed: u64) -> Ask {
+    let (pt, mt) = mix[i % mix.len()];
+    Ask {
+        prompt: client::prompt(pt),
+        max_tokens: mt,
+        chat,
+        seed,
+        messages: None,
+        cache_prompt: false,
+    }
+}
+
+/// The fixed mix: every (prompt length, answer length), shuffled with a fixed seed.
+fn mix(prompts: &[usize], answers: &[u32]) -> Vec<(usize, u32)> {
+    let mut m: Vec<(usize, u32)> = prompts
+        .iter()
+        .flat_map(|&p| answers.iter().map(move |&a| (p, a)))
+        .collect();
+    m.shuffle(&mut rand::rngs::StdRng::seed_from_u64(7));
+    m
+}
+
+pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
+    for m in &args.modes {
+        anyhow::ensure!(
+            client::TRANSPORTS.contains(&m.as_str()),
+            "unknown mode {m:?} ({})",
+            client::TRANSPORTS.join(", ")
+        );
+    }
+    anyhow::ensure!(
+        !args.prompt_tokens.is_empty() && !args.max_tokens.is_empty() && args.requests > 0,
+        "the mix needs a prompt length, an answer length and a request"
+    );
+    anyhow::ensure!(
+        args.clients.iter().all(|&c| c > 0),
+        "--clients must be positive"
+    );
+    let out = crate::results_dir(args.out.as_deref(), "throughput")?;
+    let threads = args
+        .threads
+        .unwrap_or_else(edgesplit_engine::default_threads);
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let rec = Record::open(&args.db, &command, threads, args.n_ctx)?;
+    rec.set_out_dir(&out)?;
+    let model_path = crate::model_path(&args.model);
+    let model = model_path
+        .file_stem()
+        .map_or(args.model.clone(), |s| s.to_string_lossy().into_owned());
+    let cfg = StackConfig {
+        phone_speed: args.devices.phone_speed,
+        ..StackConfig::new(model_path, args.n_ctx, threads, out.join("services"))
+    };
+    eprintln!("[throughput] starting the stack");
+    let stack = Stack::start(&cfg, args.profiles[0].clone()).await?;
+    let devices = stack.devices().map_or(
+        "the services sharing the machine's cores".to_string(),
+        |d| d.describe(),
+    );
+    eprintln!("[throughput] {devices}");
+    let env = crate::Env {
+        rec,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(args.request_timeout_s))
+            .build()?,
+        bar: indicatif::ProgressBar::hidden(),
+        verbose: true,
+        sensors: edgesplit_bench::energy::Sensors::find(&args.sysfs_root),
+        laptop_pid: std::sync::Mutex::new(Some(stack.prefill_process.id())),
+    };
+    let mix = mix(&args.prompt_tokens, &args.max_tokens);
+    let ask = |i: usize| ask_for(&mix, i, stack.chat, args.seed);
+
+    // The reference: each request of the mix alone on the laptop.
+    eprintln!(
+        "[throughput] the reference pass: {} requests alone on local",
+        mix.len()
+    );
+    let local = Target::EdgeSplit {
+        url: stack.router.clone(),
+        transport: "local".into(),
+    };
+    let mut reference = Vec::new();
+    for i in 0..mix.len() {
+        let m = client::run(&env.http, &local, &ask(i)).await?;
+        reference.push(m.text);
+    }
+
+    let mut cells = Vec::new();
+    for profile in &args.profiles {
+        stack.set_profile(profile);
+        for &clients in &args.clients {
+            for mode in &args.modes {
+                let c = cell(
+                    &env, &stack, args, &model, profile, clients, mode, &mix, &reference,
+                )
+                .await?;
+                eprintln!(
+                    "[throughput] {} x{} {}: {:.2} req/min, {} failed, {} wrong",
+                    c.profile, c.clients, c.mode, c.requests_per_min, c.failed, c.wrong
+                );
+                cells.push(c);
+            }
+        }
+    }
+    env.rec.close_run()?;
+    let md = markdown(&command, &devices, args, &mix, &cells);
+    std::fs::write(out.join("summary.md"), &md)?;
+    std::fs::write(
+        out.join("cells.json"),
+        serde_json::to_string_pretty(&cells)?,
+    )?;
+    print!("{md}");
+    eprintln!(
+        "record: {} (run {}); outputs: {}",
+        args.db.display(),
+        env.rec.run_id,
+        out.display()
+    );
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn cell(
+    env: &crate::Env,
+    stack: &Stack,
+    args: &ThroughputArgs,
+    model: &str,
+    profile: &Profile,
+    clients: usize,
+    mode: &str,
+    mix: &[(usize, u32)],
+    reference: &[String],
+) -> anyhow::Result<Cell> {
+    let target = Target::EdgeSplit {
+        url: stack.router.clone(),
+        transport: mode.to_string(),
+    };
+    let next = Arc::new(AtomicUsize::new(0));
+    let cpu0 = stack.laptop_cpu_ms();
+    let t0 = Instant::now();
+    let workers = (0..clients).map(|client| {
+        let (next, target) = (next.clone(), target.clone());
+        async move {
+            let mut mine = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= args.requests {
+                    break;
+                }
+                let a = ask_for(mix, i, stack.chat, args.seed);
+                let slot = Slot {
+                    mode: "throughput",
+                    model,
+                    profile: &profile.name,
+                    transport: mode,
+                    target_prompt_tokens: mix[i % mix.len()].0,
+                    max_tokens: a.max_tokens,
+                    pair: i,
+                    position: client,
+                    excluded: false,
+                };
+                let at = crate::attempt(env, &slot, &target, &a, clients == 1).await?;
+                mine.push((i, at));
+            }
+            anyhow::Ok(mine)
+        }
+    });
+    let mut done = Vec::new();
+    for r in futures::future::join_all(workers).await {
+        done.extend(r?);
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    let cpu = match (cpu0, stack.laptop_cpu_ms()) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+    let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
+    let (mut phone, mut tokens, mut wrong, mut fallbacks) = (0u64, 0u64, 0, 0);
+    let mut errors = Vec::new();
+    for (i, a) in &done {
+        match &a.result {
+            Ok(m) => {
+                ttft.push(m.ttft_ms);
+                e2e.push(m.e2e_ms);
+                phone += m.phone_tokens.unwrap_or(0);
+                tokens += m.completion_tokens;
+                fallbacks += usize::from(m.fallback.is_some());
+                let same = m.text == reference[i % reference.len()];
+                wrong += usize::from(!same);
+                env.rec.mark_same(a.id, same)?;
+            }
+            Err(e) => errors.push(e.clone()),
+        }
+    }
+    let completed = ttft.len();
+    Ok(Cell {
+        profile: profile.name.clone(),
+        clients,
+        mode: mode.to_string(),
+        requests: args.requests,
+        completed,
+        failed: errors.len(),
+        wrong,
+        wall_s,
+        requests_per_min: completed as f64 * 60.0 / wall_s,
+        ttft_p50_ms: p(&mut ttft, 0.5),
+        ttft_p95_ms: p(&mut ttft, 0.95),
+        e2e_p50_ms: p(&mut e2e, 0.5),
+        e2e_p95_ms: p(&mut e2e, 0.95),
+        phone_share: (tokens > 0).then(|| phone as f64 / tokens as f64),
+        laptop_cpu_ms_per_request: cpu.filter(|_| completed > 0).map(|c| c / completed as f64),
+        fallbacks,
+        errors,
+    })
+}
+
+fn f(x: Option<f64>, digits: usize) -> String {
+    x.map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+fn markdown(
+    command: &str,
+    devices: &str,
+    args: &ThroughputArgs,
+    mix: &[(usize, u32)],
+    cells: &[Cell],
+) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "## EdgeSplit throughput\n\n`{command}`\n\n{devices}. {} requests per cell from a mix of {} \
+         (prompt tokens, answer tokens) in this order: {mix:?}. Closed-loop clients; temperature \
+         0; every answer compared with the same request written alone on `local`.\n",
+        args.requests,
+        mix.len()
+    );
+    let _ = writeln!(
+        md,
+        "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local |"
+    );
+    let _ = writeln!(
+        md,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let local: BTreeMap<(&str, usize), &Cell> = cells
+        .iter()
+        .filter(|c| c.mode == "local")
+        .map(|c| ((c.profile.as_str(), c.clients), c))
+        .collect();
+    for c in cells {
+        let base = local.get(&(c.profile.as_str(), c.clients));
+        let rpm_ratio = base.map(|b| c.requests_per_min / b.requests_per_min);
+        let cpu_ratio =
+            base.and_then(|b| Some(c.laptop_cpu_ms_per_request? / b.laptop_cpu_ms_per_request?));
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} / {} | {} / {} | {} | {} | {} |",
+            c.profile,
+            c.clients,
+            c.mode,
+            c.completed,
+            c.failed,
+            c.wrong,
+            c.fallbacks,
+            c.requests_per_min,
+            f(rpm_ratio, 2),
+            f(c.ttft_p50_ms, 0),
+            f(c.ttft_p95_ms, 0),
+            f(c.e2e_p50_ms, 0),
+            f(c.e2e_p95_ms, 0),
+            f(c.phone_share, 2),
+            f(c.laptop_cpu_ms_per_request, 0),
+            f(cpu_ratio, 2),
+        );
+    }
+    for c in cells.iter().filter(|c| !c.errors.is_empty()) {
+        let _ = writeln!(
+            md,
+            "\n{} x{} {}: first error: {}",
+            c.profile, c.clients, c.mode, c.errors[0]
+        );
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mix_is_every_pair_in_a_fixed_order() {
+        let a = mix(&[100, 2000], &[32, 512]);
+        assert_eq!(a.len(), 4);
+        assert_eq!(a, mix(&[100, 2000], &[32, 512]));
+        for pair in [(100, 32), (100, 512), (2000, 32), (2000, 512)] {
+            assert!(a.contains(&pair), "{pair:?}");
+        }
+    }
+}
