@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-pub use store::{Held, Missing, Store, StoreLimits};
+pub use store::{Missing, Store, StoreLimits, Stored};
 
 /// Command-line and environment configuration.
 #[derive(Debug, Clone, clap::Parser)]
@@ -238,7 +238,7 @@ impl pb::decode_server::Decode for DecodeService {
             handoff_id = %req.handoff_id,
             "generating from handoff"
         );
-        let Held { state: f, receipt } = state;
+        let Stored { state: f, receipt } = state;
         let start = start_of(f, first, req.answered, req.base_tokens, &req.base_digest)?;
         let rx = self
             .engine

@@ -36,19 +36,19 @@ pub struct Counters {
 /// upload (checksum, identity and file header verified; llama.cpp's reader checks the
 /// rest when it imports) - with what receiving it took.
 #[derive(Debug)]
-pub struct Held {
+pub struct Stored {
     pub state: StateFrame,
     pub receipt: Receipt,
 }
 
-impl Held {
+impl Stored {
     fn bytes(&self) -> u64 {
         self.state.payload.len() as u64
     }
 }
 
 struct Entry {
-    state: Held,
+    state: Stored,
     at: Instant,
 }
 
@@ -170,7 +170,7 @@ impl Store {
     ///
     /// # Errors
     /// [`Missing`]: not there within `wait`, or dropped.
-    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Result<Held, Missing> {
+    pub async fn take(&self, handoff_id: &str, wait: Duration) -> Result<Stored, Missing> {
         let deadline = tokio::time::Instant::now() + wait;
         let _awaiting = Awaiting::new(self, handoff_id);
         loop {
@@ -226,7 +226,7 @@ impl Store {
         state: StateFrame,
         receipt: Receipt,
     ) -> Result<(), Nack> {
-        self.insert(handoff_id, Held { state, receipt })
+        self.insert(handoff_id, Stored { state, receipt })
     }
 
     /// Takes room for `bytes` not stored yet (a V1 body being received, a live handoff's
@@ -252,7 +252,7 @@ impl Store {
         Ok(())
     }
 
-    fn insert(&self, handoff_id: &str, held: Held) -> Result<(), Nack> {
+    fn insert(&self, handoff_id: &str, held: Stored) -> Result<(), Nack> {
         let refuse = |code, reason: String| Nack {
             code,
             handoff_id: handoff_id.to_string(),
@@ -336,7 +336,7 @@ impl StateSink for Store {
             "V2 state received and verified"
         );
         let id = state.handoff_id.clone();
-        self.insert(&id, Held { state, receipt })?;
+        self.insert(&id, Stored { state, receipt })?;
         Ok(bytes)
     }
 
@@ -417,7 +417,7 @@ mod tests {
         let waiter = tokio::spawn(async move { s2.take("a", Duration::from_secs(5)).await });
         tokio::task::yield_now().await;
         s.accept(state("a", 10), Receipt::default()).unwrap();
-        let Ok(Held { state: f, .. }) = waiter.await.unwrap() else {
+        let Ok(Stored { state: f, .. }) = waiter.await.unwrap() else {
             panic!("frame expected")
         };
         assert_eq!(f.handoff_id, "a");

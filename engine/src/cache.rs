@@ -7,7 +7,7 @@ use crate::types::Reuse;
 
 /// A slot's cached sequence, as the rules see it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Held<'a> {
+pub(crate) struct SlotView<'a> {
     /// Every token whose KV the slot holds, in position order.
     pub tokens: &'a [i32],
     /// Of `tokens`, the leading ones whose KV is what a prefill of them from position 0
@@ -44,7 +44,7 @@ pub(crate) fn common_prefix(a: &[i32], b: &[i32]) -> usize {
 ///   ring cannot be cut back). Otherwise as `Exact`, so that a repeated prompt still gets
 ///   the uncached answer.
 pub(crate) fn reusable(
-    held: Held<'_>,
+    held: SlotView<'_>,
     prompt: &[i32],
     reuse: Reuse,
     n_batch: usize,
@@ -99,7 +99,7 @@ impl Candidate {
     /// How a job asking `prompt` under its reuse rule weighs `slot`, which holds `held`.
     pub(crate) fn new(
         slot: usize,
-        held: Held<'_>,
+        held: SlotView<'_>,
         used: u64,
         prompt: Option<(&[i32], Reuse)>,
         n_batch: usize,
@@ -156,13 +156,13 @@ mod tests {
     const B: usize = 4;
 
     /// Held tokens: a prompt of `exact` prefilled, the rest decoded.
-    fn held(tokens: &[i32], exact: usize) -> Held<'_> {
+    fn held(tokens: &[i32], exact: usize) -> SlotView<'_> {
         let decoded: &'static [(usize, usize)] = if exact < tokens.len() {
             Box::leak(vec![(exact, tokens.len())].into_boxed_slice())
         } else {
             &[]
         };
-        Held {
+        SlotView {
             tokens,
             exact,
             decoded,
@@ -239,7 +239,7 @@ mod tests {
         // Prompt 0..6 prefilled, answer 6..10 decoded, next turn's prompt 10..14
         // prefilled in one batch (continuing), its answer 14..16 decoded.
         let cached: Vec<i32> = (0..16).collect();
-        let h = Held {
+        let h = SlotView {
             tokens: &cached,
             exact: 6,
             decoded: &[(6, 10), (14, 16)],
@@ -307,19 +307,19 @@ mod tests {
     fn conversations_are_kept_and_preferred_to_the_same_tokens_prefilled_whole() {
         // A conversation: prompt 0..6, answer 6..10 decoded.
         let conv: Vec<i32> = (0..10).collect();
-        let conversation = Held {
+        let conversation = SlotView {
             tokens: &conv,
             exact: 6,
             decoded: &[(6, 10)],
         };
         // The same ten tokens sent as one prompt and prefilled whole, then 10..12 decoded.
         let whole: Vec<i32> = (0..12).collect();
-        let prefilled = Held {
+        let prefilled = SlotView {
             tokens: &whole,
             exact: 10,
             decoded: &[(10, 12)],
         };
-        let empty = Held {
+        let empty = SlotView {
             tokens: &[],
             exact: 0,
             decoded: &[],
@@ -337,7 +337,7 @@ mod tests {
         // Held as far in both (the whole prompt's slot decoded nothing further): the
         // conversation is taken.
         let whole10: Vec<i32> = (0..10).collect();
-        let prefilled10 = Held {
+        let prefilled10 = SlotView {
             tokens: &whole10,
             exact: 8,
             decoded: &[(8, 10)],

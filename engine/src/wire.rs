@@ -143,7 +143,7 @@ impl From<TokenOut> for pb::Token {
 ///
 /// # Errors
 /// The request has none.
-pub fn input_of(req: &pb::PrefillRequest) -> Result<Input, Status> {
+pub fn engine_input(req: &pb::PrefillRequest) -> Result<Input, Status> {
     match &req.input {
         Some(pb::prefill_request::Input::Chat(c)) => chat_of(c).map(Input::Chat),
         Some(pb::prefill_request::Input::Prompt(p)) => Ok(Input::Raw(p.clone())),
@@ -200,7 +200,7 @@ pub async fn prompt_of(
     kv_budget_bytes: u64,
 ) -> Result<(Vec<i32>, u32), Status> {
     let tokens = engine
-        .tokenize(input_of(req)?)
+        .tokenize(engine_input(req)?)
         .await
         .map_err(|e| status(&e))?;
     let info = engine.info();

@@ -17,7 +17,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::cache::{self, Candidate, Held};
+use crate::cache::{self, Candidate, SlotView};
 use crate::command::{Command, Gauges, GenerateJob, PrefillJob};
 use crate::config::{EngineConfig, FlashAttn};
 use crate::exit_guard::{park_forever, Busy};
@@ -187,9 +187,9 @@ struct Slot<'m> {
     /// Every token whose KV the sequence holds, in position order.
     tokens: Vec<i32>,
     /// Of `tokens`, the leading ones whose KV a prefill of them from position 0 computes
-    /// (see [`Held::exact`]).
+    /// (see [`SlotView::exact`]).
     exact: usize,
-    /// The runs of positions decoded one token at a time (see [`Held::decoded`]).
+    /// The runs of positions decoded one token at a time (see [`SlotView::decoded`]).
     decoded: Vec<(usize, usize)>,
     /// When a job last took the slot (a tick of `Worker::ticks`).
     used: u64,
@@ -202,8 +202,8 @@ struct Slot<'m> {
 }
 
 impl Slot<'_> {
-    fn held(&self) -> Held<'_> {
-        Held {
+    fn held(&self) -> SlotView<'_> {
+        SlotView {
             tokens: &self.tokens,
             exact: self.exact,
             decoded: &self.decoded,

@@ -14,7 +14,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use edgesplit_engine::wire::{input_of, prompt_of, reuse_of, sampling_of, status, token_events};
+use edgesplit_engine::wire::{
+    engine_input, prompt_of, reuse_of, sampling_of, status, token_events,
+};
 use edgesplit_engine::{Engine, EngineConfig, Export, Exported, GenEvent, SamplingParams, Start};
 use edgesplit_proto::error::{self, ErrorCode};
 use edgesplit_proto::frame::{NackCode, StateFrame};
@@ -291,7 +293,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             // Taking over an answer: max_tokens is what is left to generate.
             let tokens = self
                 .engine
-                .tokenize(input_of(&req)?)
+                .tokenize(engine_input(&req)?)
                 .await
                 .map_err(|e| status(&e))?;
             tracing::info!(

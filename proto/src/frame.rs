@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"ESKV";
 /// The protocol version this build speaks. A peer with another version is refused.
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 /// Fixed header: magic, version, type, two reserved bytes, body length.
 pub const HEADER_LEN: usize = 12;
 /// Default cap on one frame's body (a state frame carries the whole KV state).
@@ -1162,9 +1162,9 @@ mod tests {
     fn unknown_version_and_type_and_reserved_are_refused() {
         let good = enc(&Frame::Hello(identity()));
         // Version 2 (before authentication), 3 (before the live handoff's PART and LAST),
-        // 4 (before sliding-window pieces and sealed checksums), 5 (before tails) and a
-        // future version 7.
-        for version in [2, 3, 4, 5, 7] {
+        // 4 (before sliding-window pieces and sealed checksums), 5 (before tails), 6 (the
+        // "v3" MAC labels) and a future version 8.
+        for version in [2, 3, 4, 5, 6, 8] {
             let mut v = good.clone();
             v[4] = version;
             assert_eq!(

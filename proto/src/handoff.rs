@@ -362,10 +362,11 @@ where
     }
 }
 
-/// MAC labels of the V2 handshake (see PROTOCOL.md).
-const SENDER: &str = "edgesplit v3 sender";
-const RECEIVER: &str = "edgesplit v3 receiver";
-const SESSION: &str = "edgesplit v3 session";
+/// MAC labels of the V2 handshake (see PROTOCOL.md). Versionless: the protocol version is
+/// compared in every frame's header, before any MAC (they said "v3" from protocol 3 to 6).
+const SENDER: &str = "edgesplit handoff sender";
+const RECEIVER: &str = "edgesplit handoff receiver";
+const SESSION: &str = "edgesplit handoff session";
 
 fn frame_name(f: &Frame) -> &'static str {
     match f {

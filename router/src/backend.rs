@@ -344,7 +344,8 @@ pub struct Backend {
     learned: Arc<std::sync::Mutex<Learned>>,
 }
 
-fn input_of(input: &Input, tools: Option<&Tools>) -> pb::prefill_request::Input {
+/// A request's input as the nodes take it (the opposite of the engine's `engine_input`).
+fn wire_input(input: &Input, tools: Option<&Tools>) -> pb::prefill_request::Input {
     match input {
         Input::Chat(msgs) => pb::prefill_request::Input::Chat(pb::ChatInput {
             messages: msgs
@@ -632,7 +633,7 @@ impl Backend {
     ) -> pb::PrefillRequest {
         pb::PrefillRequest {
             request_id: request_id.to_string(),
-            input: Some(input_of(&req.input, req.tools.as_ref())),
+            input: Some(wire_input(&req.input, req.tools.as_ref())),
             sampling: Some((&req.sampling).into()),
             max_tokens: req.max_tokens,
             handoff,
@@ -849,9 +850,17 @@ impl Backend {
         let mut preq = Self::prefill_request(req, request_id, None, 0);
         preq.max_uncached = max_uncached;
         let mut client = self.decode.clone();
-        // The call itself is answered at once (the prefill comes after): a node that does
-        // not answer it is bounded like an `Info`, and the request is split instead.
-        let call = tokio::time::timeout(self.config.info_timeout, client.local(preq)).await;
+        // A conversation's new turn: the call is answered once the node has tokenized the
+        // prompt and taken a slot, which on an idle node is at once; a node that does not
+        // answer is bounded like an `Info`, and the request is split instead. The phone
+        // alone (no bound on what it prefills) is committed to this node: it waits as a
+        // first token does (a busy phone answers the call only when a slot is free).
+        let bound = if max_uncached.is_some() {
+            self.config.info_timeout
+        } else {
+            self.config.first_token_timeout
+        };
+        let call = tokio::time::timeout(bound, client.local(preq)).await;
         let mut stream = match call {
             Ok(r) => r.map_err(|st| {
                 ApiError::from_status_of(&st, param, ("decode_unavailable", "the decode node"))
@@ -859,10 +868,7 @@ impl Backend {
             Err(_) => {
                 return Err(ApiError::unavailable(
                     "decode_unavailable",
-                    format!(
-                        "the decode node did not answer within {:?}",
-                        self.config.info_timeout
-                    ),
+                    format!("the decode node did not answer within {bound:?}"),
                 ))
             }
         }

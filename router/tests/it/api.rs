@@ -459,6 +459,36 @@ async fn no_decode_node_is_answered_on_the_prefill_node_under_the_fallback_polic
     assert!(headers.get("retry-after").is_some());
 }
 
+/// The phone alone on a busy decode node: the node answers a `Local` call once it has
+/// tokenized the prompt, which waits behind another request's prefill on its engine. A
+/// request committed to the phone waits for that as for a first token, not as for an
+/// `Info` (here bounded at 50 ms, far under a prefill: under load with a 3 s bound, 4 of
+/// 16 phone requests of the bench's throughput run failed so).
+#[tokio::test]
+async fn a_busy_decode_node_still_serves_the_phone_alone() {
+    let mut opts = common::StackOptions::new(common::SMOLLM2);
+    opts.info_timeout_ms = Some(50);
+    let s = common::start(opts);
+    let url = format!("{}/v1/chat/completions", s.router);
+    let doc = "The harbour log records wind, tide and the boats that came in. ".repeat(50);
+    let asks = (0..2u64).map(|i| {
+        let (url, doc) = (url.clone(), doc.clone());
+        async move {
+            tokio::time::sleep(Duration::from_millis(40 * i)).await;
+            let body = chat_body(
+                json!([{"role": "user", "content": format!("Log {i}. {doc} Summarise it.")}]),
+                json!({"max_tokens": 4, "temperature": 0, "edgesplit": {"transport": "phone"}}),
+            );
+            post(&url, &body).await
+        }
+    });
+    for (st, _, v) in futures::future::join_all(asks).await {
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["edgesplit"]["placement"], "decode_node", "{v}");
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 400, "{v}");
+    }
+}
+
 fn body_phone() -> Value {
     chat_body(
         hi(),

@@ -100,6 +100,8 @@ pub struct StackOptions {
     pub decode_chat_template_file: Option<PathBuf>,
     /// The router's `--continue-on`.
     pub continue_on: edgesplit_router::backend::ContinueOn,
+    /// The router's `--info-timeout-ms` (None: its default).
+    pub info_timeout_ms: Option<u64>,
 }
 
 impl StackOptions {
@@ -118,6 +120,7 @@ impl StackOptions {
             handoff_handshake_timeout_s: 10,
             upload_timeout_s: 120,
             max_in_flight: None,
+            info_timeout_ms: None,
             max_queue: 64,
             queue_timeout_s: 60,
             pending_ttl_s: 120,
@@ -354,6 +357,9 @@ async fn serve(opts: StackOptions) -> Stack {
     rcfg.max_queue = opts.max_queue;
     rcfg.queue_timeout_s = opts.queue_timeout_s;
     rcfg.token_idle_timeout_ms = opts.token_idle_timeout_ms;
+    if let Some(ms) = opts.info_timeout_ms {
+        rcfg.info_timeout_ms = ms;
+    }
     if opts.fail_on_split_failure {
         rcfg.on_split_failure = edgesplit_router::OnSplitFailure::Fail;
     }
