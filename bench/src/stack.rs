@@ -363,24 +363,17 @@ impl Stack {
             Some(p) => p.clone(),
             None => vec![binary("edgesplit-decode")?],
         };
-        let decode_log = cfg.dir.join("decode.log");
-        let mut decode_process = spawn(
-            &phone(decode_program),
-            &dargs,
-            &decode_log,
-            cfg.secret.as_deref(),
-            budget(1),
-        )?;
         // Killed if anything below fails.
         let mut guard = Guard(vec![]);
-        let d = reported(
-            &decode_log,
-            "decode node listening",
-            Some(&mut decode_process),
-        )
-        .await;
-        guard.0.push(decode_process);
-        let d = d?;
+        let d = guard
+            .start(
+                &phone(decode_program),
+                &dargs,
+                &cfg.dir.join("decode.log"),
+                "decode node listening",
+                (cfg.secret.as_deref(), budget(1)),
+            )
+            .await?;
         let decode_grpc = field(&d, "grpc")?;
         let v1 = field(&d, "v1")?;
         if let Some((_, late)) = &shaped {
@@ -431,22 +424,15 @@ impl Stack {
             Some(p) => p.clone(),
             None => vec![binary("edgesplit-prefill")?],
         };
-        let prefill_log = cfg.dir.join("prefill.log");
-        let mut prefill_process = spawn(
-            &laptop(prefill_program),
-            &pargs,
-            &prefill_log,
-            cfg.secret.as_deref(),
-            budget(0),
-        )?;
-        let p = reported(
-            &prefill_log,
-            "prefill node listening",
-            Some(&mut prefill_process),
-        )
-        .await;
-        guard.0.push(prefill_process);
-        let p = p?;
+        let p = guard
+            .start(
+                &laptop(prefill_program),
+                &pargs,
+                &cfg.dir.join("prefill.log"),
+                "prefill node listening",
+                (cfg.secret.as_deref(), budget(0)),
+            )
+            .await?;
         let prefill_grpc = field(&p, "grpc")?;
         let prefill_metrics = field(&p, "metrics")?;
 
@@ -463,22 +449,16 @@ impl Stack {
         }
         rargs.extend(["--continue-on".into(), cfg.continue_on.clone()]);
         rargs.extend(cfg.router_extra.iter().cloned());
-        let router_log = cfg.dir.join("router.log");
-        let mut router_process = spawn(
-            &laptop(vec![binary("edgesplit-router")?]),
-            &rargs,
-            &router_log,
-            cfg.secret.as_deref(),
-            None,
-        )?;
-        let r = reported(
-            &router_log,
-            "router listening (HTTP)",
-            Some(&mut router_process),
-        )
-        .await;
-        guard.0.push(router_process);
-        let router = format!("http://{}", field(&r?, "addr")?);
+        let r = guard
+            .start(
+                &laptop(vec![binary("edgesplit-router")?]),
+                &rargs,
+                &cfg.dir.join("router.log"),
+                "router listening (HTTP)",
+                (cfg.secret.as_deref(), None),
+            )
+            .await?;
+        let router = format!("http://{}", field(&r, "addr")?);
 
         let mut processes = std::mem::take(&mut guard.0).into_iter();
         let (Some(decode_process), Some(prefill_process), Some(router_process)) =
@@ -589,6 +569,24 @@ impl Stack {
 
 /// Processes started so far, killed when a later step fails.
 struct Guard(Vec<Child>);
+
+impl Guard {
+    /// Starts a service ([`spawn`], with its secret and memory budget), keeps it, and
+    /// returns what it reports once it says `ready` ([`reported`]).
+    async fn start(
+        &mut self,
+        program: &[PathBuf],
+        args: &[String],
+        log: &Path,
+        ready: &str,
+        (secret, budget): (Option<&str>, Option<u64>),
+    ) -> anyhow::Result<serde_json::Value> {
+        let mut child = spawn(program, args, log, secret, budget)?;
+        let r = reported(log, ready, Some(&mut child)).await;
+        self.0.push(child);
+        r
+    }
+}
 
 impl Drop for Guard {
     fn drop(&mut self) {
