@@ -96,7 +96,7 @@ fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, u
             });
             // The prefill node's layer split (`--rpc-peer`), as `/health` shows it.
             if let Some(l) = &i.layer_split {
-                v["layer_split"] = crate::server::layer_split_json(l);
+                v["layer_split"] = crate::node_json::layer_split(l);
             }
             v
         }

@@ -11,6 +11,7 @@ pub mod backend;
 pub mod dashboard;
 pub mod error;
 pub mod metrics;
+mod node_json;
 pub mod placement;
 pub mod recent;
 pub mod respond;

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, Endpoint, Transport};
 use crate::error::ApiError;
+use crate::node_json;
 use crate::recent::RecentAnswer;
 use crate::respond::{Answer, Meta, Step};
 use crate::state::AppState;
@@ -362,54 +363,6 @@ async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
     })))
 }
 
-/// A prefill node's layer split (`--rpc-peer`, issue 17) as `/health` and the dashboard
-/// show it.
-pub(crate) fn layer_split_json(l: &edgesplit_proto::pb::LayerSplit) -> Value {
-    json!({
-        "state": l.state,
-        "layers_here": l.layers_here,
-        "peer_layers": l.peer_layers,
-        "peer": l.peer,
-        "rpc_round_trips": l.round_trips,
-        "rpc_bytes_sent": l.bytes_sent,
-        "rpc_bytes_received": l.bytes_received,
-        "restarts": l.restarts,
-    })
-}
-
-fn node_json(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
-    match r {
-        Ok(i) => {
-            let mut v = json!({
-            "status": "ok",
-            "model_id": i.model_id,
-            "model_fingerprint": i.model_fingerprint,
-            "build_id": i.build_id,
-            "arch": i.arch,
-            "kernels": i.kernels,
-            "n_ctx": i.n_ctx,
-            "flash_attn": i.flash_attn,
-            "kv_bytes_per_token": i.kv_bytes_per_token,
-            "mem_available_bytes": i.mem_available_bytes,
-            "handoff_addr": i.handoff_addr,
-            "handoff_bytes_received": i.handoff_bytes_received,
-            "handoffs_received": i.handoffs_received,
-            "handoffs_refused": i.handoffs_refused,
-            });
-            // The prefill node's: how a live handoff sends the prompt's state.
-            if !i.stream_prefill.is_empty() {
-                v["stream_prefill"] = json!(i.stream_prefill);
-            }
-            // The prefill node's layer split (`--rpc-peer`).
-            if let Some(l) = &i.layer_split {
-                v["layer_split"] = layer_split_json(l);
-            }
-            v
-        }
-        Err(e) => json!({"status": "unavailable", "error": e.message}),
-    }
-}
-
 /// How old the nodes' `Info` that `/health` shows may be: however often it is hit, it
 /// asks each node at most once per this.
 const HEALTH_INFO_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -435,8 +388,8 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
     let body = if detailed {
         json!({
             "status": status,
-            "prefill": node_json(&p),
-            "decode": node_json(&d),
+            "prefill": node_json::health(&p),
+            "decode": node_json::health(&d),
         })
     } else {
         json!({"status": status})

@@ -1,0 +1,118 @@
+//! Where a request runs: the split's handoff mode, and for a conversation the decode node
+//! holds, whether it goes on there (`--continue-on`, the measured rule of `placement.rs`).
+
+use edgesplit_proto::error::ErrorCode;
+
+use super::nodes::{lock, lock_info};
+use super::{Backend, Started};
+use crate::api::{HandoffMode, Transport, ValidRequest};
+use crate::error::ApiError;
+
+/// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ContinueOn {
+    /// By the measured rule (`placement::Rates`): on the decode node while that is sooner,
+    /// else on the prefill node, shipping only the new part's KV when the prefill node
+    /// holds the conversation too.
+    #[default]
+    Measured,
+    /// Always on the prefill node, shipping only the new part's KV (a tail) when it can.
+    PrefillNode,
+}
+
+impl Backend {
+    /// A live answer that ends on the prefill node is handed over after it all the same
+    /// (`Handoff.keep`) when its conversation may go on on the decode node: a request that
+    /// allows its prompt cache, rendered alike by both nodes.
+    pub(super) fn keeps(&self, req: &ValidRequest, mode: HandoffMode) -> bool {
+        mode == HandoffMode::Live && req.cache_prompt && self.renders_alike(&req.input)
+    }
+
+    /// A split request that continues a conversation the decode node holds (`held` of its
+    /// tokens, as remembered): the decode node prefills the new part itself, if that is
+    /// sooner than a split ([`Rates::max_uncached`]) and it still holds the conversation.
+    /// `Err` with code `not_cached` when it refused (nothing changed there).
+    pub(super) async fn continue_on_decode_node(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+        held: u32,
+    ) -> Result<Started, ApiError> {
+        let kv_per_token = lock_info(&self.last_decode_info)
+            .as_ref()
+            .map_or(0, |i| i.kv_bytes_per_token);
+        let max_uncached = lock(&self.learned).rates.max_uncached(held, kv_per_token);
+        self.on_decode_node(req, transport, request_id, Some(max_uncached))
+            .await
+    }
+
+    /// A new turn of a conversation the decode node holds goes on there when the choice
+    /// says so and the node still holds it ([`Backend::continue_on_decode_node`]): `Ok`
+    /// with its answer started. Else `Err` with how many tokens of the conversation the
+    /// decode node holds for a split to ship only the new part's KV after (0: none).
+    pub(super) async fn held_turn(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+    ) -> Result<Started, u32> {
+        let mut held = if req.cache_prompt && self.renders_alike(&req.input) {
+            lock(&self.learned).conversations.find(&req.input)
+        } else {
+            None
+        };
+        // The prefill node goes first when told to, or when it holds the conversation too
+        // and is measured sooner per token: only the new part's KV then crosses.
+        let prefill_node_first = held.is_some()
+            && match self.config.continue_on {
+                ContinueOn::PrefillNode => true,
+                ContinueOn::Measured => {
+                    let kv = lock_info(&self.last_decode_info)
+                        .as_ref()
+                        .map_or(0, |i| i.kv_bytes_per_token);
+                    let l = lock(&self.learned);
+                    l.conversations.replayed_for(&req.input) && l.rates.prefill_node_sooner(kv)
+                }
+            };
+        if let (Some(h), false) = (held, prefill_node_first) {
+            match self
+                .continue_on_decode_node(req, transport, request_id, h)
+                .await
+            {
+                Ok(started) => return Ok(started),
+                Err(e) => {
+                    // Held, but the new part is long: the split ships only that part's KV
+                    // when it can (`Handoff.base_max`).
+                    if e.cause != Some(ErrorCode::UncachedPartTooLong) {
+                        held = None;
+                    }
+                    if e.cause == Some(ErrorCode::NotCached) {
+                        lock(&self.learned).conversations.forget(&req.input);
+                    }
+                    tracing::info!(request_id, reason = %e.message, "split after all");
+                }
+            }
+        }
+        Err(held.unwrap_or(0))
+    }
+
+    /// A split answer's handoff mode: the request's, else the router's; `after` over v1
+    /// (a live handoff over v1 is refused).
+    pub(super) fn handoff_mode(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+    ) -> Result<HandoffMode, ApiError> {
+        Ok(match (transport, req.handoff) {
+            (Transport::V1, Some(HandoffMode::Live)) => {
+                return Err(ApiError::invalid(
+                    Some("edgesplit.handoff".into()),
+                    "a live handoff goes over v2 only; use \"after\" with v1",
+                ))
+            }
+            (Transport::V1, _) => HandoffMode::After,
+            (_, m) => m.unwrap_or(self.config.handoff),
+        })
+    }
+}

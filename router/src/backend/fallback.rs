@@ -1,0 +1,89 @@
+//! The fallback: an answer whose split failed is finished on the prefill node, after the
+//! tokens the client was already sent.
+
+use std::time::Duration;
+
+use edgesplit_proto::pb;
+use edgesplit_proto::pb::prefill_client::PrefillClient;
+use tokio::sync::mpsc;
+
+use super::event::finished_here;
+use super::stream::forward_prefill_node;
+use super::{Authed, Backend, Event, FinishReason};
+use crate::api::ValidRequest;
+use crate::error::ApiError;
+
+/// What the router needs to finish an answer on the prefill node when the split fails.
+pub struct Fallback {
+    pub(super) prefill: PrefillClient<Authed>,
+    /// The request as a colocated one (no handoff); `resume_tokens` and `max_tokens` are
+    /// filled in at the failure.
+    pub(super) request: pb::PrefillRequest,
+    pub(super) first_token_timeout: Duration,
+}
+
+impl Backend {
+    pub(super) fn fallback(&self, req: &ValidRequest, request_id: &str) -> Option<Fallback> {
+        self.config.fallback.then(|| Fallback {
+            prefill: self.prefill.clone(),
+            request: Self::prefill_request(req, request_id, None, 0),
+            first_token_timeout: self.config.first_token_timeout,
+        })
+    }
+}
+
+impl Fallback {
+    /// Finishes the answer on the prefill node after the `sent` tokens (of `total`).
+    pub(super) async fn resume(
+        self,
+        cause: ApiError,
+        sent: Vec<i32>,
+        total: u32,
+        tx: &mpsc::Sender<Event>,
+        idle: Duration,
+        param: &'static str,
+    ) {
+        let why = cause.code.clone().unwrap_or_else(|| cause.kind.to_string());
+        tracing::warn!(
+            request_id = %self.request.request_id,
+            cause = %why,
+            reason = %cause.message,
+            tokens_sent = sent.len(),
+            "the split failed; finishing the answer on the prefill node"
+        );
+        if tx.send(Event::Fallback { cause: why }).await.is_err() {
+            return;
+        }
+        let remaining = total.saturating_sub(sent.len() as u32);
+        if remaining == 0 {
+            // Every token was sent; only the end was lost.
+            let _ = tx.send(finished_here(FinishReason::Length)).await;
+            return;
+        }
+        let mut request = self.request;
+        request.resume_tokens = sent;
+        request.max_tokens = remaining;
+        let mut prefill = self.prefill;
+        let call = tokio::time::timeout(self.first_token_timeout, prefill.generate(request)).await;
+        let stream = match call {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(st)) => {
+                let _ = tx
+                    .send(Event::Error(ApiError::from_status(&st, param)))
+                    .await;
+                return;
+            }
+            Err(_) => {
+                let _ = tx
+                    .send(Event::Error(ApiError::upstream(
+                        "timeout",
+                        "the prefill node did not take over the answer in time",
+                    )))
+                    .await;
+                return;
+            }
+        };
+        let wait = idle.max(self.first_token_timeout);
+        forward_prefill_node(stream, tx, true, wait, param).await;
+    }
+}

@@ -1,0 +1,496 @@
+//! One split answer after its first token, as a state machine: the handoff after the
+//! answer (`after`) or during it (`live`, with the switch to the decode node), the state
+//! kept on the decode node when a live answer ended on the prefill node, and the fallback
+//! when the handoff or the decode node fails.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgesplit_proto::pb;
+use edgesplit_proto::pb::decode_client::DecodeClient;
+use tokio::sync::mpsc;
+
+use super::conversation::{finishes, Transcript};
+use super::event::finished_here;
+use super::fallback::Fallback;
+use super::nodes::{lock, Learned};
+use super::stream::{next_event, token_event};
+use super::{Authed, Event, FinishReason, Node};
+use crate::api::HandoffMode;
+use crate::error::ApiError;
+
+/// How the split part of a request ended.
+enum Split {
+    /// Finished, or the client went away.
+    Over,
+    /// The handoff or the decode node failed; the client has not seen an error yet.
+    Failed(ApiError),
+}
+
+/// The handoff's report: the prefill node's `Prefill` stream after its first token, read
+/// in a task of its own.
+type HandoffReport = tokio::task::JoinHandle<Result<Option<pb::PrefillEvent>, tonic::Status>>;
+
+/// One split answer after its first token: it forwards that token, then the decode node's
+/// tokens, while the handoff report comes in; when the handoff or the decode node fails it
+/// finishes on the prefill node (`fallback`) or ends with the error.
+pub(super) struct SplitAnswer {
+    /// Kept while the answer may end on the decode node (which then holds it).
+    pub(super) transcript: Option<Transcript>,
+    pub(super) learned: Arc<std::sync::Mutex<Learned>>,
+    pub(super) first: pb::FirstToken,
+    pub(super) decode: DecodeClient<Authed>,
+    pub(super) generate: pb::GenerateRequest,
+    pub(super) tx: mpsc::Sender<Event>,
+    /// Every token the client has been sent, the first included.
+    pub(super) sent: Vec<i32>,
+    pub(super) idle: Duration,
+    pub(super) handoff_error_grace: Duration,
+    pub(super) handoff_report_wait: Duration,
+    /// The request field an upstream refusal names (`messages` or `prompt`).
+    pub(super) param: &'static str,
+    pub(super) mode: HandoffMode,
+    /// A live answer that ends on the prefill node is handed over after it
+    /// ([`SplitAnswer::keep_on_decode_node`]).
+    pub(super) keep: bool,
+}
+
+/// Longest wait for a live answer's state to be kept on the decode node after the answer
+/// ended (the prefill node's own handoff deadlines end a stalled one sooner).
+const KEEP_WAIT: Duration = Duration::from_secs(600);
+
+impl SplitAnswer {
+    pub(super) async fn run(
+        mut self,
+        pstream: tonic::Streaming<pb::PrefillEvent>,
+        fallback: Option<Fallback>,
+    ) {
+        let total = self.first.max_tokens;
+        let Split::Failed(e) = self.split_part(pstream).await else {
+            return;
+        };
+        match fallback {
+            Some(fb) => {
+                fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
+                    .await
+            }
+            None => {
+                let _ = self.tx.send(Event::Error(e)).await;
+            }
+        }
+    }
+
+    /// Forwards the first token, the handoff report and the decode node's tokens.
+    async fn split_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+        let first = Event::Token {
+            id: self.first.token,
+            bytes: self.first.piece.clone(),
+            logprobs: self.first.logprobs.clone(),
+            from: Node::Prefill,
+        };
+        if let Some(t) = &mut self.transcript {
+            t.token(self.first.token, &self.first.piece);
+        }
+        if self.tx.send(Event::Mode(self.mode)).await.is_err() || self.tx.send(first).await.is_err()
+        {
+            return Split::Over;
+        }
+        if self.first.last {
+            let reason = if self.first.eog {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            let _ = self.tx.send(finished_here(reason)).await;
+            return Split::Over;
+        }
+        if self.mode == HandoffMode::Live {
+            return self.live_part(pstream).await;
+        }
+        let mut handoff: HandoffReport = tokio::spawn(async move { pstream.message().await });
+        let mut handoff_pending = true;
+        let stream = match self.decode_stream(&mut handoff, &mut handoff_pending).await {
+            Ok(s) => s,
+            Err(split) => return split,
+        };
+        self.forward_decode(stream, &mut handoff, &mut handoff_pending)
+            .await
+    }
+
+    /// A live answer: forwards the prefill node's tokens until it finishes the answer or
+    /// reports the switch, then the decode node's.
+    async fn live_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+        use pb::prefill_event::Event as P;
+        let idle = self.idle;
+        loop {
+            let event = match tokio::time::timeout(idle, pstream.message()).await {
+                Ok(Ok(Some(m))) => m.event,
+                Ok(Ok(None)) => {
+                    return Split::Failed(ApiError::upstream(
+                        "stream_ended",
+                        "the prefill node ended the live answer without finishing it",
+                    ))
+                }
+                Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+                Err(_) => {
+                    return Split::Failed(ApiError::upstream(
+                        "timeout",
+                        format!("no token from the prefill node within {idle:?}"),
+                    ))
+                }
+            };
+            let ev = match event {
+                Some(P::Token(t)) => {
+                    self.sent.push(t.id);
+                    if let Some(tr) = &mut self.transcript {
+                        tr.token(t.id, &t.piece);
+                    }
+                    Event::Token {
+                        id: t.id,
+                        bytes: t.piece,
+                        logprobs: t.logprobs,
+                        from: Node::Prefill,
+                    }
+                }
+                Some(P::Finished(f)) => {
+                    // Every token was written on the prefill node: none by a decode node.
+                    let mut ev = token_event(
+                        pb::TokenEvent {
+                            event: Some(pb::token_event::Event::Finished(f)),
+                        },
+                        false,
+                        Node::Prefill,
+                    );
+                    if let Event::Finished {
+                        decode_tokens,
+                        decode_ms,
+                        ..
+                    } = &mut ev
+                    {
+                        *decode_tokens = 0;
+                        *decode_ms = 0.0;
+                    }
+                    let _ = self.tx.send(ev).await;
+                    if self.keep {
+                        self.keep_on_decode_node(pstream);
+                    }
+                    return Split::Over;
+                }
+                Some(P::Cancelled(c)) => {
+                    // Nothing of this answer will be kept on the decode node.
+                    self.keep = false;
+                    Event::HandoffCancelled {
+                        reason: c.reason,
+                        bytes: c.bytes,
+                    }
+                }
+                Some(P::Switched(sw)) => return self.switch(sw).await,
+                Some(P::First(_) | P::Handoff(_) | P::Kept(_)) | None => {
+                    return Split::Failed(ApiError::upstream(
+                        "protocol_error",
+                        "unexpected event in the prefill node's live answer",
+                    ))
+                }
+            };
+            if self.tx.send(ev).await.is_err() {
+                return Split::Over;
+            }
+        }
+    }
+
+    /// The live answer ended on the prefill node, which goes on sending its state: once
+    /// the decode node holds all of it (`Kept`), a `Generate` of no tokens takes it into
+    /// the decode node's cache, and the conversation is remembered there, so that its
+    /// next turn goes on there with nothing crossing. In the background, after the
+    /// client's answer ended; a turn that comes first is split as before.
+    fn keep_on_decode_node(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) {
+        let Some(mut transcript) = self.transcript.take() else {
+            return;
+        };
+        // The answer was written on the prefill node, which holds it already.
+        transcript.replay = None;
+        transcript.written_on_prefill_node = true;
+        let (mut decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
+        let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
+        let mut generate = pb::GenerateRequest {
+            first_token: self.sent.last().copied(),
+            answered,
+            max_new_tokens: 0,
+            ..self.generate.clone()
+        };
+        tokio::spawn(async move {
+            let request_id = generate.request_id.clone();
+            let kept = match tokio::time::timeout(KEEP_WAIT, pstream.message()).await {
+                Ok(Ok(Some(pb::PrefillEvent {
+                    event: Some(pb::prefill_event::Event::Kept(sw)),
+                }))) => sw,
+                _ => return,
+            };
+            if kept.answered != answered {
+                tracing::warn!(%request_id, kept = kept.answered, answered, "the kept state ends elsewhere than the answer; not kept");
+                return;
+            }
+            generate.base_tokens = kept.base_tokens;
+            generate.base_digest = kept.base_digest;
+            lock(&learned)
+                .rates
+                .handed_off(kept.bytes, kept.transfer_ms);
+            let took = async { finishes(decode.generate(generate).await?.into_inner()).await };
+            match tokio::time::timeout(idle, took).await {
+                Ok(Ok(true)) => {
+                    tracing::info!(%request_id, bytes = kept.bytes, "the decode node keeps the conversation");
+                    transcript.held_by_decode_node();
+                }
+                Ok(Ok(false)) => {
+                    tracing::warn!(%request_id, "the decode node ended without keeping the conversation")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%request_id, error = %e, "the decode node did not keep the conversation")
+                }
+                Err(_) => {
+                    tracing::warn!(%request_id, "the decode node did not keep the conversation within the idle bound")
+                }
+            }
+        });
+    }
+
+    /// The decode node holds the state up to the last token sent: it writes the rest.
+    async fn switch(&mut self, sw: pb::Switched) -> Split {
+        let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
+        if sw.answered != answered {
+            return Split::Failed(ApiError::upstream(
+                "protocol_error",
+                format!(
+                    "the prefill node switched after token {} but sent {answered}",
+                    sw.answered
+                ),
+            ));
+        }
+        tracing::info!(
+            request_id = %self.generate.request_id,
+            answered,
+            rounds = sw.rounds,
+            bytes = sw.bytes,
+            "live handoff: the decode node takes over"
+        );
+        lock(&self.learned)
+            .rates
+            .handed_off(sw.bytes, sw.transfer_ms);
+        let handoff = Event::Handoff {
+            bytes: sw.bytes,
+            export_ms: sw.export_ms,
+            transfer_ms: sw.transfer_ms,
+            connect_ms: None,
+            hash_ms: None,
+        };
+        if self.tx.send(handoff).await.is_err()
+            || self.tx.send(Event::Switched { answered }).await.is_err()
+        {
+            return Split::Over;
+        }
+        self.generate.first_token = self.sent.last().copied();
+        self.generate.answered = answered;
+        // A tail: the decode node joins it onto the prefix it holds.
+        self.generate.base_tokens = sw.base_tokens;
+        self.generate.base_digest = sw.base_digest;
+        self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
+        let mut decode = self.decode.clone();
+        let idle = self.idle;
+        let stream = match tokio::time::timeout(idle, decode.generate(self.generate.clone())).await
+        {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+            Err(_) => {
+                return Split::Failed(ApiError::upstream(
+                    "timeout",
+                    format!("the decode node did not take the answer within {idle:?}"),
+                ))
+            }
+        };
+        // The handoff is reported; nothing is pending.
+        let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
+        self.forward_decode(stream, &mut done, &mut false).await
+    }
+
+    /// The handoff's outcome: its figures, or why it failed.
+    fn on_handoff(
+        &self,
+        r: Result<Result<Option<pb::PrefillEvent>, tonic::Status>, tokio::task::JoinError>,
+    ) -> Result<Event, ApiError> {
+        match r {
+            Ok(Ok(Some(pb::PrefillEvent {
+                event: Some(pb::prefill_event::Event::Handoff(h)),
+            }))) => Ok({
+                lock(&self.learned).rates.handed_off(h.bytes, h.transfer_ms);
+                Event::Handoff {
+                    bytes: h.bytes,
+                    export_ms: h.export_ms,
+                    transfer_ms: h.transfer_ms,
+                    connect_ms: Some(h.connect_ms),
+                    hash_ms: Some(h.hash_ms),
+                }
+            }),
+            Ok(Err(st)) => Err(ApiError::from_status(&st, self.param)),
+            _ => Err(ApiError::upstream(
+                "protocol_error",
+                "the prefill node ended without reporting the handoff",
+            )),
+        }
+    }
+
+    /// Calls the decode node's `Generate` and waits for its stream. Until the handoff is
+    /// done, its own deadlines bound this wait (the prefill node reports a failed one);
+    /// once the state is there, the decode node must start the answer within the idle
+    /// bound (a frozen phone answers nothing, not even an error).
+    async fn decode_stream(
+        &mut self,
+        handoff: &mut HandoffReport,
+        handoff_pending: &mut bool,
+    ) -> Result<tonic::Streaming<pb::TokenEvent>, Split> {
+        let mut decode = self.decode.clone();
+        let call = decode.generate(self.generate.clone());
+        tokio::pin!(call);
+        let idle = self.idle;
+        let mut answer_by: Option<tokio::time::Instant> = None;
+        loop {
+            let started = async {
+                match answer_by {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = started => {
+                    return Err(Split::Failed(ApiError::upstream(
+                        "timeout",
+                        format!("the decode node did not take the answer within {idle:?} of the handoff"),
+                    )));
+                }
+                r = &mut call => match r {
+                    Ok(s) => return Ok(s.into_inner()),
+                    Err(st) => {
+                        if *handoff_pending {
+                            // A handoff error explains a decode failure better than the decode does.
+                            let report = tokio::time::timeout(self.handoff_error_grace, &mut *handoff).await;
+                            if let Ok(Err(e)) = report.map(|r| self.on_handoff(r)) {
+                                return Err(Split::Failed(e));
+                            }
+                        }
+                        return Err(Split::Failed(ApiError::from_status(&st, self.param)));
+                    }
+                },
+                h = &mut *handoff, if *handoff_pending => {
+                    *handoff_pending = false;
+                    answer_by = Some(tokio::time::Instant::now() + idle);
+                    match self.on_handoff(h) {
+                        Ok(ev) => if self.tx.send(ev).await.is_err() { return Err(Split::Over) },
+                        Err(e) => return Err(Split::Failed(e)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forwards the decode node's tokens until the answer ends or the node fails.
+    async fn forward_decode(
+        &mut self,
+        mut stream: tonic::Streaming<pb::TokenEvent>,
+        handoff: &mut HandoffReport,
+        handoff_pending: &mut bool,
+    ) -> Split {
+        let idle = self.idle;
+        loop {
+            tokio::select! {
+                ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
+                    if let Event::Error(e) = ev {
+                        return Split::Failed(e);
+                    }
+                    let end = matches!(ev, Event::Finished { .. });
+                    if end && *handoff_pending {
+                        // Report the handoff figures before the end of the answer.
+                        let report = tokio::time::timeout(self.handoff_report_wait, &mut *handoff).await;
+                        if let Ok(Ok(hev)) = report.map(|r| self.on_handoff(r)) {
+                            let _ = self.tx.send(hev).await;
+                        }
+                    }
+                    if let Event::Token { id, bytes, .. } = &ev {
+                        self.sent.push(*id);
+                        if let Some(t) = &mut self.transcript {
+                            t.token(*id, bytes);
+                        }
+                    }
+                    if end {
+                        if let Some(t) = self.transcript.take() {
+                            t.held_by_decode_node();
+                        }
+                    }
+                    if self.tx.send(ev).await.is_err() || end {
+                        return Split::Over;
+                    }
+                }
+                h = &mut *handoff, if *handoff_pending => {
+                    *handoff_pending = false;
+                    match self.on_handoff(h) {
+                        Ok(ev) => if self.tx.send(ev).await.is_err() { return Split::Over },
+                        Err(e) => return Split::Failed(e),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::Input;
+    use crate::backend::input_param;
+    use edgesplit_proto::auth::GrpcCredentials;
+    use edgesplit_proto::error::ErrorCode;
+
+    fn split(param: &'static str) -> SplitAnswer {
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let (tx, _) = mpsc::channel(1);
+        SplitAnswer {
+            transcript: None,
+            learned: Arc::default(),
+            first: pb::FirstToken::default(),
+            decode: DecodeClient::with_interceptor(channel, GrpcCredentials(None)),
+            generate: pb::GenerateRequest::default(),
+            tx,
+            sent: Vec::new(),
+            idle: Duration::from_secs(1),
+            handoff_error_grace: Duration::from_secs(1),
+            handoff_report_wait: Duration::from_secs(1),
+            param,
+            mode: HandoffMode::After,
+            keep: false,
+        }
+    }
+
+    /// An upstream refusal after the first token names the request's own input field:
+    /// `prompt` on /v1/completions, `messages` on chat (it said `messages` for both).
+    #[tokio::test]
+    async fn an_error_after_the_first_token_names_the_requests_field() {
+        let refusal = || {
+            edgesplit_proto::error::status(
+                tonic::Code::InvalidArgument,
+                ErrorCode::ContextLengthExceeded,
+                "too long",
+            )
+        };
+        for (input, param) in [
+            (Input::Prompt("p".into()), "prompt"),
+            (
+                Input::Chat(vec![crate::api::Message::text("user", "m")]),
+                "messages",
+            ),
+        ] {
+            let e = split(input_param(&input))
+                .on_handoff(Ok(Err(refusal())))
+                .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param));
+            assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
+        }
+    }
+}

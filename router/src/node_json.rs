@@ -1,0 +1,55 @@
+//! A node's `Info` as the router shows it: `/health` (`server.rs`) and the dashboard
+//! (`dashboard.rs`) both read it from here.
+
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+/// A prefill node's layer split (`--rpc-peer`, issue 17) as `/health` and the dashboard
+/// show it.
+pub(crate) fn layer_split(l: &edgesplit_proto::pb::LayerSplit) -> Value {
+    json!({
+        "state": l.state,
+        "layers_here": l.layers_here,
+        "peer_layers": l.peer_layers,
+        "peer": l.peer,
+        "rpc_round_trips": l.round_trips,
+        "rpc_bytes_sent": l.bytes_sent,
+        "rpc_bytes_received": l.bytes_received,
+        "restarts": l.restarts,
+    })
+}
+
+/// A node's `Info` (or why it is not known) as `/health` shows it.
+pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
+    match r {
+        Ok(i) => {
+            let mut v = json!({
+            "status": "ok",
+            "model_id": i.model_id,
+            "model_fingerprint": i.model_fingerprint,
+            "build_id": i.build_id,
+            "arch": i.arch,
+            "kernels": i.kernels,
+            "n_ctx": i.n_ctx,
+            "flash_attn": i.flash_attn,
+            "kv_bytes_per_token": i.kv_bytes_per_token,
+            "mem_available_bytes": i.mem_available_bytes,
+            "handoff_addr": i.handoff_addr,
+            "handoff_bytes_received": i.handoff_bytes_received,
+            "handoffs_received": i.handoffs_received,
+            "handoffs_refused": i.handoffs_refused,
+            });
+            // The prefill node's: how a live handoff sends the prompt's state.
+            if !i.stream_prefill.is_empty() {
+                v["stream_prefill"] = json!(i.stream_prefill);
+            }
+            // The prefill node's layer split (`--rpc-peer`).
+            if let Some(l) = &i.layer_split {
+                v["layer_split"] = layer_split(l);
+            }
+            v
+        }
+        Err(e) => json!({"status": "unavailable", "error": e.message}),
+    }
+}
