@@ -53,8 +53,8 @@ if [[ ! -d "$OPENAI_PY/openai-1.109.1.dist-info" ]]; then
     PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check \
         --target "$OPENAI_PY" "openai==1.109.1" >/dev/null
 fi
-echo "[test] no import circle between modules (scripts/check-module-cycles.py)" >&2
-python3 scripts/check-module-cycles.py --self-test
+echo "[test] no import circle, no file over 700 lines (scripts/check-rooms.py)" >&2
+python3 scripts/check-rooms.py --self-test
 echo "[test] cargo fmt --check" >&2
 cargo fmt --all --check
 # --release everywhere: one llama.cpp build serves clippy, the tests and the binaries.

@@ -28,7 +28,7 @@ use edgesplit_proto::{handoff, layout, pb, splice};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
-use crate::Sender;
+use crate::send::Sender;
 
 /// Most pieces one handoff sends after the first token (what the prefill did not send,
 /// then the deltas).

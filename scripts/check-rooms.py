@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails on an import circle between the modules of a crate (issue 38).
+"""Fails on an import circle between the modules of a crate, or a source file of more than
+MAX_LINES lines outside its tests (issue 38: rooms one can hold in one's head).
 
 A circle is counted between siblings: modules with the same parent (the crate's top-level
 modules, or the rooms of a folder such as router/src/backend/). A reference from anywhere
@@ -10,8 +11,8 @@ A -> B; a parent using its child, or a child using its parent, is not. Test modu
 References read: `use` trees (`crate::`, `super::`, `self::`, and a child module's name),
 and paths written inline (`crate::a::b`, `super::x`).
 
-Usage: check-module-cycles.py [CRATE_DIR ...] (default: every workspace member's src/).
-Exit status 1 when a circle is found, with the modules of each circle printed.
+Usage: check-rooms.py [CRATE_DIR ...] (default: every workspace member's src/).
+Exit status 1 when a circle or a long file is found, each printed.
 `--self-test` first checks the checker on made-up crates (a circle it must find, through
 a `use` group, `super::` and a folder's rooms; and the same crates without it).
 """
@@ -19,6 +20,8 @@ a `use` group, `super::` and a folder's rooms; and the same crates without it).
 import os
 import re
 import sys
+
+MAX_LINES = 700
 
 
 def module_path(src, file):
@@ -161,6 +164,16 @@ def check(crate, quiet=False):
         for f in fs
         if f.endswith(".rs")
     ]
+    long = []
+    for f in sorted(files):
+        text = open(f, encoding="utf-8").read()
+        cut = re.search(r"(?m)^#\[cfg\(test\)\]", text)
+        lines = text[: cut.start() if cut else len(text)].count("\n")
+        if lines > MAX_LINES:
+            long.append(f"{os.path.relpath(f)}: {lines} lines outside its tests")
+    if not quiet:
+        for why in long:
+            print(f"{crate}: over {MAX_LINES} lines: {why}")
     modules = {module_path(src, f) for f in files}
     edges = edges_of(src, files, modules)
     found = circles(edges)
@@ -171,7 +184,7 @@ def check(crate, quiet=False):
             for b in comp:
                 for why in edges.get(a, {}).get(b, [])[:3]:
                     print(f"  {'::'.join(a)} -> {'::'.join(b)} ({why})")
-    return not found
+    return not found and not long
 
 
 def members():
@@ -205,6 +218,8 @@ def self_test():
         (base, True),
         ({**base, "b.rs": "pub struct B;\nfn f() { crate::a::g() }\n"}, False),
         ({**base, "room/y.rs": "use super::{x::X, R};\npub struct Y;\n"}, False),
+        ({**base, "b.rs": "pub struct B;\n" * (MAX_LINES + 1)}, False),
+        ({**base, "b.rs": "pub struct B;\n#[cfg(test)]\n" + "//\n" * MAX_LINES}, True),
     ]
     for files, clean in cases:
         d = crate(files)
@@ -213,7 +228,7 @@ def self_test():
         if found_none != clean:
             print(f"self-test failed: expected {'no ' if clean else ''}circle in {files}")
             sys.exit(2)
-    print("self-test: the checker finds the circles it should and no other")
+    print("self-test: the checker finds the circles and long files it should, and no other")
 
 
 if __name__ == "__main__":
@@ -224,5 +239,5 @@ if __name__ == "__main__":
     crates = args or members()
     ok = all([check(os.path.normpath(c)) for c in crates])
     if ok:
-        print(f"no import circle in {len(crates)} crates")
+        print(f"no import circle and no file over {MAX_LINES} lines in {len(crates)} crates")
     sys.exit(0 if ok else 1)
