@@ -21,13 +21,26 @@ pub struct Ask {
 }
 
 /// The EdgeSplit transports a run may name (see [`Target::EdgeSplit`]).
-pub const TRANSPORTS: [&str; 6] = ["local", "v1", "v2", "v2-live", "v2-after", "phone"];
+pub const TRANSPORTS: [&str; 10] = [
+    "local",
+    "v1",
+    "v2",
+    "v2-live",
+    "v2-after",
+    "phone",
+    "auto",
+    "auto-latency",
+    "auto-offload",
+    "auto-balanced",
+];
 
 /// Who answers.
 #[derive(Clone, Debug)]
 pub enum Target {
-    /// Our router, with a transport (`local`, `v1`, `v2`, `phone`; `v2-live` and `v2-after`
-    /// name the handoff mode, `v2` leaves it to the router: `live` by default).
+    /// Our router, with a transport (`local`, `v1`, `v2`, `phone`, `auto`; `v2-live` and
+    /// `v2-after` name the handoff mode, `v2` leaves it to the router: `live` by default;
+    /// `auto` leaves the mode to the router's cost model, `auto-latency` / `auto-offload` /
+    /// `auto-balanced` with that objective).
     EdgeSplit { url: String, transport: String },
     /// A stock llama-server.
     Stock { url: String },
@@ -135,6 +148,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
     let url = match target {
         Target::EdgeSplit { url, transport } => {
             body["edgesplit"] = match transport.split_once('-') {
+                Some(("auto", objective)) => json!({"transport": "auto", "objective": objective}),
                 Some((t, mode)) => json!({"transport": t, "handoff": mode}),
                 None => json!({"transport": transport}),
             };

@@ -56,10 +56,17 @@ pub struct Config {
     pub decode_url: String,
     /// Default transport: v2 (disaggregated, framed TCP), v1 (disaggregated, llama.cpp state
     /// file by HTTP upload), local (both phases on the prefill node), layers (local on a
-    /// prefill node with a layer split, `--rpc-peer`) or phone (both phases on the decode
-    /// node).
+    /// prefill node with a layer split, `--rpc-peer`), phone (both phases on the decode
+    /// node) or auto (the router chooses local, v2 live or after, or phone per request from
+    /// measured rates, the link and the load, under `--objective`).
     #[arg(long, default_value = "v2", value_parser = Transport::parse)]
     pub transport: Transport,
+    /// What `--transport auto` optimizes (a request's `edgesplit.objective` overrides it):
+    /// latency (the soonest expected end of the answer), offload (the least prefill-node
+    /// time among the modes expected to end within 1.5x the soonest), balanced (latency
+    /// while the prefill node runs no other answer, offload while it does).
+    #[arg(long, value_enum, default_value_t = api::Objective::Balanced)]
+    pub objective: api::Objective,
     /// Default handoff mode of split answers (a request's `edgesplit.handoff` overrides
     /// it): `live` keeps the answer flowing from the prefill node while the state crosses
     /// and hands over at a token boundary (V2; a V1 answer is always `after`); `after`
@@ -210,6 +217,7 @@ pub async fn run(
         handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
         handoff: config.handoff,
         continue_on: config.continue_on,
+        objective: config.objective,
         link,
     })?;
     let max_in_flight = match config.max_in_flight {
@@ -231,6 +239,7 @@ pub async fn run(
         backend,
         metrics: Arc::new(metrics::Metrics::new()),
         default_transport: config.transport,
+        objective: config.objective,
         max_body_bytes: config.max_body_bytes,
         started: std::time::Instant::now(),
         bench_db: config.bench_db.clone(),

@@ -58,6 +58,8 @@ pub struct Metrics {
     /// Same series (and buckets) as the prefill node's of the same names.
     pub handoffs: HandoffSeries,
     pub fallbacks: Family<Labels, Counter>,
+    /// `transport: "auto"`'s choices, by mode and objective.
+    pub choices: Family<Labels, Counter>,
     /// The last answers, for the dashboard.
     pub recent: Recent,
 }
@@ -90,6 +92,7 @@ impl Metrics {
             queued: Gauge::default(),
             handoffs,
             fallbacks: Family::default(),
+            choices: Family::default(),
             recent: Recent::default(),
         };
         {
@@ -159,6 +162,11 @@ impl Metrics {
                 "Requests that fell back to another node",
                 m.fallbacks.clone(),
             );
+            r.register(
+                "edgesplit:auto_choices",
+                "Requests whose mode the router chose (transport auto), by mode and objective",
+                m.choices.clone(),
+            );
         }
         m
     }
@@ -196,6 +204,14 @@ impl Metrics {
                     .inc();
                 if let Some(cause) = &a.timing.fallback {
                     self.fallbacks.get_or_create(&label("cause", cause)).inc();
+                }
+                if let (Some(mode), Some(objective)) = (a.timing.mode, a.timing.objective) {
+                    self.choices
+                        .get_or_create(&vec![
+                            ("mode".to_string(), mode.to_string()),
+                            ("objective".to_string(), objective.to_string()),
+                        ])
+                        .inc();
                 }
                 if let (Some(b), Some(ms), Some(transport)) =
                     (a.timing.handoff_bytes, a.timing.handoff_ms, a.transport)

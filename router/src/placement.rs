@@ -62,6 +62,15 @@ impl Key {
 }
 
 /// A message's size as remembered.
+/// The characters of a request's input (its messages' text, or its prompt).
+#[must_use]
+pub fn input_chars(input: &Input) -> usize {
+    match input {
+        Input::Chat(m) => m.iter().map(message_chars).sum(),
+        Input::Prompt(p) => p.len(),
+    }
+}
+
 fn message_chars(m: &Message) -> usize {
     m.role.len()
         + m.content.len()
@@ -167,7 +176,36 @@ pub struct Rates {
     decode_node: Ewma,
     /// Handoff goodput, bytes per millisecond.
     link: Ewma,
+    /// Decode speeds in tokens per millisecond: the prefill node's (its colocated answers),
+    /// the decode node's (the answers it wrote).
+    prefill_node_decode: Ewma,
+    decode_node_decode: Ewma,
+    /// The round trip of an `Info` call to the decode node, milliseconds.
+    decode_node_rtt: Ewma,
+    /// Input characters per prompt token (chat template included), as tokenized.
+    chars_per_token: Ewma,
+    /// The prefill node's prefill speed in its colocated answers (for the cost model only:
+    /// the placement rules above read split prefills, as they always have).
+    local_prefill: Ewma,
 }
+
+/// Characters per token until measured (English text in a BPE vocabulary).
+const DEFAULT_CHARS_PER_TOKEN: f64 = 4.0;
+
+/// The rates measured so far (`None`: not yet), as the cost model reads them
+/// (`backend/cost.rs`): tokens or bytes per millisecond, and milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Measured {
+    pub laptop_prefill: Option<f64>,
+    pub laptop_decode: Option<f64>,
+    pub phone_prefill: Option<f64>,
+    pub phone_decode: Option<f64>,
+    pub link: Option<f64>,
+    pub rtt_ms: Option<f64>,
+}
+
+/// Least answer tokens a decode must write for its speed to be measured.
+const MIN_MEASURED_STEPS: u32 = 8;
 
 impl Rates {
     /// A prefill computed `tokens` (the uncached part of its prompt) in `ms`.
@@ -179,6 +217,56 @@ impl Rates {
                 &mut self.prefill_node
             };
             r.add(f64::from(tokens) / ms);
+        }
+    }
+
+    /// A colocated answer on the prefill node prefilled `tokens` in `ms`.
+    pub fn prefilled_locally(&mut self, tokens: u32, ms: f64) {
+        if tokens >= MIN_MEASURED_TOKENS && ms > 0.0 {
+            self.local_prefill.add(f64::from(tokens) / ms);
+        }
+    }
+
+    /// A node wrote `tokens` answer tokens in `ms` of decoding.
+    pub fn decoded(&mut self, on_decode_node: bool, tokens: u32, ms: f64) {
+        if tokens >= MIN_MEASURED_STEPS && ms > 0.0 {
+            let r = if on_decode_node {
+                &mut self.decode_node_decode
+            } else {
+                &mut self.prefill_node_decode
+            };
+            r.add(f64::from(tokens) / ms);
+        }
+    }
+
+    /// A prompt of `chars` input characters was `tokens` tokens.
+    pub fn prompt_seen(&mut self, chars: usize, tokens: u32) {
+        if tokens >= MIN_MEASURED_TOKENS {
+            self.chars_per_token.add(chars as f64 / f64::from(tokens));
+        }
+    }
+
+    /// The prompt tokens expected of `chars` input characters.
+    #[must_use]
+    pub fn tokens_of(&self, chars: usize) -> f64 {
+        chars as f64 / self.chars_per_token.0.unwrap_or(DEFAULT_CHARS_PER_TOKEN)
+    }
+
+    /// An `Info` call to the decode node took `ms` there and back.
+    pub fn round_trip(&mut self, ms: f64) {
+        self.decode_node_rtt.add(ms);
+    }
+
+    /// What is measured so far.
+    #[must_use]
+    pub fn measured(&self) -> Measured {
+        Measured {
+            laptop_prefill: self.prefill_node.0.or(self.local_prefill.0),
+            laptop_decode: self.prefill_node_decode.0,
+            phone_prefill: self.decode_node.0,
+            phone_decode: self.decode_node_decode.0,
+            link: self.link.0,
+            rtt_ms: self.decode_node_rtt.0,
         }
     }
 

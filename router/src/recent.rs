@@ -97,6 +97,15 @@ pub struct Timing {
     /// one device's.
     pub prefill_arch: Option<String>,
     pub decode_arch: Option<String>,
+    /// `transport: "auto"`: the mode the router chose (`local`, `live`, `after`, `phone`),
+    /// under which objective, why (the predictions compared), and the chosen mode's
+    /// predicted time to the end of the answer and laptop time (`None`: chosen without a
+    /// prediction). The actual end is `e2e_ms`.
+    pub mode: Option<&'static str>,
+    pub objective: Option<&'static str>,
+    pub reason: Option<String>,
+    pub predicted_ms: Option<f64>,
+    pub predicted_laptop_ms: Option<f64>,
 }
 
 impl RecentAnswer {

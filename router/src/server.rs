@@ -230,6 +230,13 @@ async fn serve_inner(
     (answer.timing.prefill_arch, answer.timing.decode_arch) =
         s.backend.archs(started.transport, started.placement);
     answer.timing.cached_tokens = started.cached_tokens;
+    if let Some(choice) = started.choice {
+        answer.timing.mode = Some(choice.mode.as_str());
+        answer.timing.objective = Some(req.objective.unwrap_or(s.objective).as_str());
+        answer.timing.predicted_ms = choice.predicted.map(|c| c.e2e_ms);
+        answer.timing.predicted_laptop_ms = choice.predicted.map(|c| c.laptop_ms);
+        answer.timing.reason = Some(choice.reason);
+    }
     if req.stream {
         Ok(stream_response(answer, started.events).into_response())
     } else {

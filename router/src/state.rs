@@ -14,6 +14,8 @@ pub struct AppState {
     pub backend: Backend,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     pub default_transport: Transport,
+    /// What `transport: "auto"` optimizes when a request does not say (`--objective`).
+    pub objective: crate::api::Objective,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
     pub started: Instant,

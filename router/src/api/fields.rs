@@ -90,7 +90,10 @@ pub(super) fn known_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Resu
         }
     }
     let nested: [(&str, &[&str]); 2] = [
-        ("edgesplit", &["transport", "handoff", "return_token_ids"]),
+        (
+            "edgesplit",
+            &["transport", "handoff", "objective", "return_token_ids"],
+        ),
         ("stream_options", &["include_usage"]),
     ];
     for (outer, allowed) in nested {

@@ -45,10 +45,15 @@ pub enum Transport {
     /// only tokens cross the link (the phone-alone baseline). A decode node that cannot
     /// serve it refuses it before its first token, with the reason.
     Phone,
+    /// The router chooses among `local`, `v2` (live or after) and `phone` per request from
+    /// the rates it measured, the link and the load, under the request's or the router's
+    /// [`Objective`] (`backend/cost.rs`). The answer reports the transport it took, the
+    /// mode and the reason.
+    Auto,
 }
 
 impl Transport {
-    /// Parses `v2` / `v1` / `local` / `layers` / `phone`.
+    /// Parses `v2` / `v1` / `local` / `layers` / `phone` / `auto`.
     ///
     /// # Errors
     /// Any other name.
@@ -59,9 +64,10 @@ impl Transport {
             "local" => Ok(Transport::Local),
             "layers" => Ok(Transport::Layers),
             "phone" => Ok(Transport::Phone),
+            "auto" => Ok(Transport::Auto),
             other => Err(format!(
-                "unknown transport {other:?}; expected \"v2\", \"v1\", \"local\", \"layers\" \
-                 or \"phone\""
+                "unknown transport {other:?}; expected \"v2\", \"v1\", \"local\", \"layers\", \
+                 \"phone\" or \"auto\""
             )),
         }
     }
@@ -75,6 +81,7 @@ impl Transport {
             Transport::Local => "local",
             Transport::Layers => "layers",
             Transport::Phone => "phone",
+            Transport::Auto => "auto",
         }
     }
 
@@ -119,6 +126,46 @@ impl HandoffMode {
         match self {
             HandoffMode::Live => "live",
             HandoffMode::After => "after",
+        }
+    }
+}
+
+/// What the router optimizes when it chooses a request's mode (`transport: "auto"`;
+/// `--objective`, `"edgesplit": {"objective"}`; `backend/cost.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Objective {
+    /// The soonest expected end of the answer.
+    Latency,
+    /// The least laptop (prefill node) time among the modes whose answer is expected to
+    /// end within `cost::OFFLOAD_BOUND` x the soonest one's.
+    Offload,
+    /// `latency` while the prefill node runs no other answer, `offload` while it does.
+    #[default]
+    Balanced,
+}
+
+impl Objective {
+    /// Parses `latency` / `offload` / `balanced`.
+    ///
+    /// # Errors
+    /// Any other name.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "latency" => Ok(Objective::Latency),
+            "offload" => Ok(Objective::Offload),
+            "balanced" => Ok(Objective::Balanced),
+            other => Err(format!(
+                "unknown objective {other:?}; expected \"latency\", \"offload\" or \"balanced\""
+            )),
+        }
+    }
+
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Objective::Latency => "latency",
+            Objective::Offload => "offload",
+            Objective::Balanced => "balanced",
         }
     }
 }
@@ -212,6 +259,8 @@ pub struct ValidRequest {
     pub return_token_ids: bool,
     /// `edgesplit.handoff`: the handoff mode of a split answer (else the router's default).
     pub handoff: Option<HandoffMode>,
+    /// `edgesplit.objective`: what `transport: "auto"` optimizes (else the router's).
+    pub objective: Option<Objective>,
     /// `cache_prompt` (llama-server's name; default true): the nodes may reuse the KV they
     /// keep from earlier requests for this prompt (ARCHITECTURE.md, "Conversations").
     pub cache_prompt: bool,
@@ -358,32 +407,9 @@ pub fn parse(
             ))
         }
     };
-    let transport = match obj.get("edgesplit").and_then(|e| e.get("transport")) {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            Transport::parse(s)
-                .map_err(|m| ApiError::invalid(Some("edgesplit.transport".into()), m))?,
-        ),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("edgesplit.transport".into()),
-                "edgesplit.transport must be a string",
-            ))
-        }
-    };
-    let handoff = match obj.get("edgesplit").and_then(|e| e.get("handoff")) {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            HandoffMode::parse(s)
-                .map_err(|m| ApiError::invalid(Some("edgesplit.handoff".into()), m))?,
-        ),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("edgesplit.handoff".into()),
-                "edgesplit.handoff must be a string",
-            ))
-        }
-    };
+    let transport = edgesplit_name(&obj, "transport", Transport::parse)?;
+    let handoff = edgesplit_name(&obj, "handoff", HandoffMode::parse)?;
+    let objective = edgesplit_name(&obj, "objective", Objective::parse)?;
     let return_token_ids = match obj.get("edgesplit") {
         Some(Value::Object(o)) => boolean(o, "return_token_ids")?,
         None | Some(Value::Null) => false,
@@ -411,8 +437,28 @@ pub fn parse(
         include_usage,
         transport,
         handoff,
+        objective,
         tools,
     })
+}
+
+/// `edgesplit.<key>`, a name `parse` reads (absent or null: `None`).
+fn edgesplit_name<T>(
+    obj: &serde_json::Map<String, Value>,
+    key: &str,
+    parse: fn(&str) -> Result<T, String>,
+) -> Result<Option<T>, ApiError> {
+    let param = || Some(format!("edgesplit.{key}"));
+    match obj.get("edgesplit").and_then(|e| e.get(key)) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => parse(s)
+            .map(Some)
+            .map_err(|m| ApiError::invalid(param(), m)),
+        Some(_) => Err(ApiError::invalid(
+            param(),
+            format!("edgesplit.{key} must be a string"),
+        )),
+    }
 }
 
 #[cfg(test)]

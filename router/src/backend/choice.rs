@@ -3,10 +3,22 @@
 
 use edgesplit_proto::error::ErrorCode;
 
+use super::cost::{self, Choice, Mode};
 use super::nodes::{lock, lock_info};
-use super::{Backend, Started};
+use super::{Backend, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
 use crate::error::ApiError;
+use crate::placement::input_chars;
+
+/// Answer tokens expected of a request that sets no `max_tokens`.
+const DEFAULT_ANSWER_TOKENS: f64 = 256.0;
+
+fn mode_of(h: HandoffMode) -> Mode {
+    match h {
+        HandoffMode::Live => Mode::Live,
+        HandoffMode::After => Mode::After,
+    }
+}
 
 /// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -97,14 +109,15 @@ impl Backend {
         Err(held.unwrap_or(0))
     }
 
-    /// A split answer's handoff mode: the request's, else the router's; `after` over v1
-    /// (a live handoff over v1 is refused).
+    /// A split answer's handoff mode: `chosen` (by `transport: "auto"`), else the
+    /// request's, else the router's; `after` over v1 (a live handoff over v1 is refused).
     pub(super) fn handoff_mode(
         &self,
         req: &ValidRequest,
         transport: Transport,
+        chosen: Option<HandoffMode>,
     ) -> Result<HandoffMode, ApiError> {
-        Ok(match (transport, req.handoff) {
+        Ok(match (transport, chosen.or(req.handoff)) {
             (Transport::V1, Some(HandoffMode::Live)) => {
                 return Err(ApiError::invalid(
                     Some("edgesplit.handoff".into()),
@@ -114,5 +127,89 @@ impl Backend {
             (Transport::V1, _) => HandoffMode::After,
             (_, m) => m.unwrap_or(self.config.handoff),
         })
+    }
+
+    /// `transport: "auto"`: the cost model's choice among the modes this request can take
+    /// under its objective (`cost.rs`), then that mode's path. A conversation the decode
+    /// node holds keeps today's placement rule (`held_turn`, `--continue-on`); a request
+    /// that names its handoff mode is split in that mode.
+    pub(super) async fn start_auto(
+        &self,
+        req: &ValidRequest,
+        request_id: &str,
+    ) -> Result<Started, ApiError> {
+        let objective = req.objective.unwrap_or(self.config.objective);
+        let held = req.cache_prompt
+            && self.renders_alike(&req.input)
+            && lock(&self.learned).conversations.find(&req.input).is_some();
+        let default = mode_of(req.handoff.unwrap_or(self.config.handoff));
+        let choice = if held {
+            Choice {
+                mode: default,
+                reason: "a conversation the decode node holds: the placement rule \
+                         (--continue-on)"
+                    .into(),
+                predicted: None,
+            }
+        } else {
+            let forced = req.handoff.map(mode_of);
+            let allowed: &[Mode] = match &forced {
+                Some(m) => std::slice::from_ref(m),
+                None => &Mode::ALL,
+            };
+            let chars = input_chars(&req.input);
+            let (measured, prompt_tokens) = {
+                let l = lock(&self.learned);
+                (l.rates.measured(), l.rates.tokens_of(chars))
+            };
+            let kv_bytes_per_token = lock_info(&self.last_decode_info)
+                .as_ref()
+                .or(lock_info(&self.last_prefill_info).as_ref())
+                .map_or(0, |i| i.kv_bytes_per_token);
+            let (laptop_busy, phone_busy) = self.load.now();
+            let request = cost::Request {
+                prompt_tokens,
+                answer_tokens: if req.max_tokens > 0 {
+                    f64::from(req.max_tokens)
+                } else {
+                    DEFAULT_ANSWER_TOKENS
+                },
+                kv_bytes_per_token,
+                laptop_busy,
+                phone_busy,
+            };
+            cost::choose(&measured, &request, objective, allowed, default)
+        };
+        tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
+        let mut started = match (held, choice.mode) {
+            (true, _) => {
+                self.start_split(req, Transport::V2, request_id, None)
+                    .await?
+            }
+            (false, Mode::Local) => self.start_local(req, request_id, None, true).await?,
+            (false, Mode::Phone) => {
+                self.on_decode_node(req, Transport::Phone, request_id, None)
+                    .await?
+            }
+            (false, Mode::Live) => {
+                self.start_split(req, Transport::V2, request_id, Some(HandoffMode::Live))
+                    .await?
+            }
+            (false, Mode::After) => {
+                self.start_split(req, Transport::V2, request_id, Some(HandoffMode::After))
+                    .await?
+            }
+        };
+        if let Some(tokens) = started.prompt_tokens {
+            lock(&self.learned)
+                .rates
+                .prompt_seen(input_chars(&req.input), tokens);
+        }
+        let mut choice = choice;
+        if held && started.placement == PrefilledOn::DecodeNode {
+            choice.mode = Mode::Phone;
+        }
+        started.choice = Some(choice);
+        Ok(started)
     }
 }

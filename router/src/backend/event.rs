@@ -135,6 +135,8 @@ pub struct Started {
     pub cached_tokens: Option<u32>,
     pub prefill_ms: Option<f64>,
     pub placement: PrefilledOn,
+    /// How `transport: "auto"` chose this request's mode (`None` for a named transport).
+    pub choice: Option<super::cost::Choice>,
     pub events: mpsc::Receiver<Event>,
 }
 

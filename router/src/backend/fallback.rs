@@ -84,6 +84,6 @@ impl Fallback {
             }
         };
         let wait = idle.max(self.first_token_timeout);
-        forward_prefill_node(stream, tx, true, wait, param).await;
+        forward_prefill_node(stream, tx, true, wait, param, None).await;
     }
 }

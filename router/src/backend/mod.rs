@@ -15,6 +15,7 @@
 
 mod choice;
 mod conversation;
+pub mod cost;
 mod event;
 mod fallback;
 mod nodes;
@@ -38,7 +39,7 @@ use conversation::Transcript;
 pub use event::{Event, FinishReason, Node, PrefilledOn, Started};
 pub use fallback::Fallback;
 pub use nodes::HealthInfos;
-use nodes::{lock, lock_info, Learned};
+use nodes::{lock, lock_info, Counted, Learned, Load};
 use split::SplitAnswer;
 use stream::{forward_prefill_node, next_event};
 
@@ -75,6 +76,8 @@ pub struct BackendConfig {
     pub handoff: HandoffMode,
     /// Where a new turn of a held conversation is prefilled.
     pub continue_on: ContinueOn,
+    /// What `transport: "auto"` optimizes when the request does not say.
+    pub objective: crate::api::Objective,
     /// The link to the nodes: TLS keyed by the shared secret when one is configured, whose
     /// secret also signs every call's credential.
     pub link: Link,
@@ -97,6 +100,8 @@ pub struct Backend {
     /// `/health`'s last answers from both nodes, and when they came (`infos_within`).
     health_infos: Arc<tokio::sync::Mutex<Option<(std::time::Instant, HealthInfos)>>>,
     learned: Arc<std::sync::Mutex<Learned>>,
+    /// The answers running on each node.
+    load: Arc<Load>,
 }
 
 /// A request's input as the nodes take it (the opposite of the engine's `engine_input`).
@@ -167,6 +172,7 @@ impl Backend {
             prefill_info_at: Arc::default(),
             health_infos: Arc::default(),
             learned: Arc::default(),
+            load: Arc::default(),
         })
     }
 
@@ -181,12 +187,15 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         match transport {
-            Transport::V2 | Transport::V1 => self.start_split(req, transport, request_id).await,
-            Transport::Local => self.start_local(req, request_id, None).await,
+            Transport::V2 | Transport::V1 => {
+                self.start_split(req, transport, request_id, None).await
+            }
+            Transport::Local => self.start_local(req, request_id, None, true).await,
+            Transport::Auto => self.start_auto(req, request_id).await,
             Transport::Phone => self.on_decode_node(req, transport, request_id, None).await,
             Transport::Layers => {
                 self.layer_split_serving().await?;
-                let mut started = self.start_local(req, request_id, None).await?;
+                let mut started = self.start_local(req, request_id, None, false).await?;
                 started.transport = Transport::Layers;
                 Ok(started)
             }
@@ -194,13 +203,16 @@ impl Backend {
     }
 
     /// The colocated path. `fallback`: the split path could not start (the cause), so
-    /// this answer is a fallback and reports it first.
+    /// this answer is a fallback and reports it first. `measure`: the answer's decode speed
+    /// is the prefill node's own (not a layer split's).
     async fn start_local(
         &self,
         req: &ValidRequest,
         request_id: &str,
         fallback: Option<String>,
+        measure: bool,
     ) -> Result<Started, ApiError> {
+        let busy = self.load.take(false);
         let param = input_param(&req.input);
         let mut client = self.prefill.clone();
         let preq = Self::prefill_request(req, request_id, None, 0);
@@ -216,9 +228,22 @@ impl Backend {
         if let Some(cause) = fallback {
             let _ = tx.send(Event::Fallback { cause }).await;
         }
-        tokio::spawn(async move { forward_prefill_node(stream, &tx, false, idle, param).await });
+        if measure {
+            lock(&self.learned).rates.prefilled_locally(
+                p.prompt_tokens.saturating_sub(p.cached_tokens),
+                p.prefill_ms,
+            );
+        }
+        let counted = measure.then(|| Counted {
+            learned: self.learned.clone(),
+            busy,
+        });
+        tokio::spawn(async move {
+            forward_prefill_node(stream, &tx, false, idle, param, counted).await;
+        });
         Ok(Started {
             transport: Transport::Local,
+            choice: None,
             prompt_tokens: Some(p.prompt_tokens),
             cached_tokens: Some(p.cached_tokens),
             prefill_ms: Some(p.prefill_ms),
@@ -238,6 +263,7 @@ impl Backend {
         request_id: &str,
         max_uncached: Option<u32>,
     ) -> Result<Started, ApiError> {
+        let busy = self.load.take(true);
         let param = input_param(&req.input);
         let mut preq = Self::prefill_request(req, request_id, None, 0);
         preq.max_uncached = max_uncached;
@@ -292,11 +318,16 @@ impl Backend {
         };
         let fallback = self.fallback(req, request_id);
         let idle = self.config.token_idle_timeout;
+        let counted = Counted {
+            learned: self.learned.clone(),
+            busy,
+        };
         tokio::spawn(async move {
-            forward_decode_node(stream, tx, transcript, fallback, idle, param).await;
+            forward_decode_node(stream, tx, transcript, fallback, idle, param, counted).await;
         });
         Ok(Started {
             transport,
+            choice: None,
             prompt_tokens: Some(p.prompt_tokens),
             cached_tokens: Some(p.cached_tokens),
             prefill_ms: Some(p.prefill_ms),
@@ -315,19 +346,22 @@ impl Backend {
     ///
     /// First, when the request continues a conversation the decode node holds, the decode
     /// node may prefill the new part itself ([`Backend::continue_on_decode_node`]); when it
-    /// refuses or cannot, the request is split as any other.
+    /// refuses or cannot, the request is split as any other. `handoff`: the mode chosen for
+    /// it (`transport: "auto"`), else the request's or the router's.
     async fn start_split(
         &self,
         req: &ValidRequest,
         transport: Transport,
         request_id: &str,
+        handoff: Option<HandoffMode>,
     ) -> Result<Started, ApiError> {
         let param = input_param(&req.input);
         let base_max = match self.held_turn(req, transport, request_id).await {
             Ok(started) => return Ok(started),
             Err(base_max) => base_max,
         };
-        let mode = self.handoff_mode(req, transport)?;
+        let mode = self.handoff_mode(req, transport, handoff)?;
+        let laptop = self.load.take(false);
         let last = lock_info(&self.last_decode_info).clone();
         let tried_early = last
             .as_ref()
@@ -378,7 +412,7 @@ impl Backend {
                     "no decode node; answering on the prefill node"
                 );
                 let mut started = self
-                    .start_local(req, request_id, Some("decode_unavailable".into()))
+                    .start_local(req, request_id, Some("decode_unavailable".into()), true)
                     .await?;
                 // Reported as asked, with `fallback` saying what happened instead.
                 started.transport = transport;
@@ -419,6 +453,7 @@ impl Backend {
             cached_tokens: Some(first.cached_tokens),
             prefill_ms: Some(first.prefill_ms),
             placement: PrefilledOn::PrefillNode,
+            choice: None,
             events: rx,
         };
         let greq = pb::GenerateRequest {
@@ -456,6 +491,9 @@ impl Backend {
             param,
             mode,
             keep: self.keeps(req, mode),
+            load: self.load.clone(),
+            laptop: Some(laptop),
+            phone: None,
         };
         tokio::spawn(split.run(pstream, fallback));
         Ok(started)
@@ -581,6 +619,7 @@ async fn forward_decode_node(
     fallback: Option<Fallback>,
     idle: Duration,
     param: &'static str,
+    counted: Counted,
 ) {
     let mut sent = Vec::new();
     let failure = loop {
@@ -592,6 +631,7 @@ async fn forward_decode_node(
                 transcript.token(id, bytes);
             }
             Event::Finished { .. } => {
+                counted.seen(&ev);
                 transcript.held_by_decode_node();
                 let _ = tx.send(ev).await;
                 return;

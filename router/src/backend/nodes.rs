@@ -1,6 +1,8 @@
 //! What the router knows of the nodes: their last `Info` answers and their refresh, and
 //! what it learns from answers (conversations held, measured rates) to place the next ones.
 
+use std::sync::Arc;
+
 use edgesplit_proto::link::HandshakeFailed;
 use edgesplit_proto::pb;
 
@@ -162,6 +164,7 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
         let mut c = self.decode.clone();
+        let asked = std::time::Instant::now();
         let info = self
             .info_within(
                 c.info(pb::InfoRequest {}),
@@ -169,6 +172,10 @@ impl Backend {
                 "the decode node",
             )
             .await;
+        if info.is_ok() {
+            let ms = asked.elapsed().as_secs_f64() * 1000.0;
+            lock(&self.learned).rates.round_trip(ms);
+        }
         remember(&self.last_decode_info, info)
     }
 
@@ -249,6 +256,99 @@ impl Backend {
                 "transport \"layers\": the prefill node serves no layer split (start it with \
                  --rpc-peer and --rpc-layers)",
             )),
+        }
+    }
+}
+
+/// The answers running on each node, as the router started them: what the cost model's
+/// load terms read (`cost::Request::laptop_busy`, `phone_busy`).
+#[derive(Debug, Default)]
+pub(super) struct Load {
+    laptop: std::sync::atomic::AtomicU32,
+    phone: std::sync::atomic::AtomicU32,
+}
+
+/// One answer counted on a node while it is held.
+#[derive(Debug)]
+pub(super) struct Busy {
+    load: Arc<Load>,
+    phone: bool,
+}
+
+impl Load {
+    fn counter(&self, phone: bool) -> &std::sync::atomic::AtomicU32 {
+        if phone {
+            &self.phone
+        } else {
+            &self.laptop
+        }
+    }
+
+    /// Counts an answer on the phone (the decode node) or the laptop until the guard drops.
+    pub(super) fn take(self: &Arc<Self>, phone: bool) -> Busy {
+        self.counter(phone)
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Busy {
+            load: self.clone(),
+            phone,
+        }
+    }
+
+    /// Answers running on the laptop and on the phone.
+    pub(super) fn now(&self) -> (u32, u32) {
+        let get = |phone| {
+            self.counter(phone)
+                .load(std::sync::atomic::Ordering::SeqCst)
+        };
+        (get(false), get(true))
+    }
+}
+
+impl Busy {
+    /// Whether this answer is the only one on its node (its speed is then the node's own).
+    pub(super) fn alone(&self) -> bool {
+        self.load
+            .counter(self.phone)
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.load
+            .counter(self.phone)
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An answer counted on its node ([`Busy`]), whose end records the node's decode speed
+/// when it ran alone there (shared, an answer decodes at a fraction of the node's speed).
+pub(super) struct Counted {
+    pub(super) learned: Arc<std::sync::Mutex<Learned>>,
+    pub(super) busy: Busy,
+}
+
+impl Counted {
+    /// Records a `Finished` event's decode speed.
+    pub(super) fn seen(&self, ev: &super::Event) {
+        decoded(&self.learned, &self.busy, ev);
+    }
+}
+
+/// Records the decode speed a `Finished` event reports, when its answer ran alone on its
+/// node (`busy`).
+pub(super) fn decoded(learned: &std::sync::Mutex<Learned>, busy: &Busy, ev: &super::Event) {
+    if let super::Event::Finished {
+        decode_tokens,
+        decode_ms,
+        ..
+    } = ev
+    {
+        if busy.alone() {
+            lock(learned)
+                .rates
+                .decoded(busy.phone, *decode_tokens, *decode_ms);
         }
     }
 }

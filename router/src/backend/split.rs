@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use super::conversation::{finishes, Transcript};
 use super::event::finished_here;
 use super::fallback::Fallback;
-use super::nodes::{lock, Learned};
+use super::nodes::{decoded, lock, Busy, Learned, Load};
 use super::stream::{next_event, token_event};
 use super::{Authed, Event, FinishReason, Node};
 use crate::api::HandoffMode;
@@ -53,6 +53,11 @@ pub(super) struct SplitAnswer {
     /// A live answer that ends on the prefill node is handed over after it
     /// ([`SplitAnswer::keep_on_decode_node`]).
     pub(super) keep: bool,
+    /// The answer counted on the node writing it: the laptop until the decode node takes
+    /// over (`hand_to_phone`), the phone after.
+    pub(super) load: Arc<Load>,
+    pub(super) laptop: Option<Busy>,
+    pub(super) phone: Option<Busy>,
 }
 
 /// Longest wait for a live answer's state to be kept on the decode node after the answer
@@ -60,6 +65,13 @@ pub(super) struct SplitAnswer {
 const KEEP_WAIT: Duration = Duration::from_secs(600);
 
 impl SplitAnswer {
+    /// The decode node writes the rest of the answer: it counts there, no longer on the
+    /// laptop.
+    fn hand_to_phone(&mut self) {
+        self.laptop = None;
+        self.phone = Some(self.load.take(true));
+    }
+
     pub(super) async fn run(
         mut self,
         pstream: tonic::Streaming<pb::PrefillEvent>,
@@ -71,6 +83,10 @@ impl SplitAnswer {
         };
         match fallback {
             Some(fb) => {
+                self.phone = None;
+                if self.laptop.is_none() {
+                    self.laptop = Some(self.load.take(false));
+                }
                 fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
                     .await
             }
@@ -113,6 +129,7 @@ impl SplitAnswer {
             Ok(s) => s,
             Err(split) => return split,
         };
+        self.hand_to_phone();
         self.forward_decode(stream, &mut handoff, &mut handoff_pending)
             .await
     }
@@ -307,6 +324,7 @@ impl SplitAnswer {
                 ))
             }
         };
+        self.hand_to_phone();
         // The handoff is reported; nothing is pending.
         let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
         self.forward_decode(stream, &mut done, &mut false).await
@@ -406,6 +424,9 @@ impl SplitAnswer {
                         return Split::Failed(e);
                     }
                     let end = matches!(ev, Event::Finished { .. });
+                    if let Some(phone) = &self.phone {
+                        decoded(&self.learned, phone, &ev);
+                    }
                     if end && *handoff_pending {
                         // Report the handoff figures before the end of the answer.
                         let report = tokio::time::timeout(self.handoff_report_wait, &mut *handoff).await;
@@ -465,6 +486,9 @@ mod tests {
             param,
             mode: HandoffMode::After,
             keep: false,
+            load: Arc::default(),
+            laptop: None,
+            phone: None,
         }
     }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use edgesplit_proto::pb;
 use tokio::sync::mpsc;
 
+use super::nodes::Counted;
 use super::{Event, FinishReason, Node};
 use crate::error::ApiError;
 
@@ -80,6 +81,7 @@ pub(super) async fn forward_prefill_node(
     resumed: bool,
     wait: Duration,
     param: &str,
+    counted: Option<Counted>,
 ) {
     loop {
         let ev = match next_event(&mut stream, wait, Node::Prefill, !resumed, param).await {
@@ -87,6 +89,9 @@ pub(super) async fn forward_prefill_node(
             Event::Prefilled { .. } if resumed => continue,
             ev => ev,
         };
+        if let Some(c) = &counted {
+            c.seen(&ev);
+        }
         let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
         if tx.send(ev).await.is_err() || end {
             return;

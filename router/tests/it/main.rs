@@ -11,6 +11,7 @@ mod common;
 mod admission;
 mod api;
 mod auth;
+mod auto;
 mod backpressure;
 mod cancel;
 mod chat_template;

@@ -777,7 +777,7 @@ pub async fn run_plain(stack: &Stack, path: &str, body: &Value, streamed: bool) 
 
 /// Sends `body` to `path`, streamed (with the usage chunk) or not; the answer must be a
 /// 200. Returns its outcome and its `edgesplit` object.
-async fn send(stack: &Stack, path: &str, body: &Value, streamed: bool) -> (Outcome, Value) {
+pub async fn send(stack: &Stack, path: &str, body: &Value, streamed: bool) -> (Outcome, Value) {
     let mut body = body.clone();
     body["stream"] = json!(streamed);
     if streamed {

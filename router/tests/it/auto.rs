@@ -1,0 +1,114 @@
+//! `transport: "auto"` (issue 39): the router chooses the mode per request from the rates it
+//! measured; whatever it chooses, the answer is the one-device answer, and the answer says
+//! which mode, why, and what was predicted.
+
+use serde_json::{json, Value};
+
+use crate::common::{self, Outcome};
+
+const PATH: &str = "/v1/chat/completions";
+
+fn body(edgesplit: Value) -> Value {
+    common::chat_body(
+        json!([
+            {"role": "system", "content": "You are a geography teacher. Answer in plain sentences, \
+                                          without lists, and keep to facts a textbook would state."},
+            {"role": "user", "content": "Name three rivers of Europe and one fact about each."}
+        ]),
+        json!({"max_tokens": 24, "temperature": 0, "cache_prompt": false,
+               "edgesplit": edgesplit}),
+    )
+}
+
+async fn ask(s: &common::Stack, edgesplit: Value) -> (Outcome, Value) {
+    let mut edgesplit = edgesplit;
+    edgesplit["return_token_ids"] = json!(true);
+    common::send(s, PATH, &body(edgesplit), false).await
+}
+
+#[tokio::test]
+async fn auto_chooses_from_what_it_measured_and_answers_as_one_device() {
+    let s = common::start(common::StackOptions::new(common::SMOLLM2));
+    let (local, _) = ask(&s, json!({"transport": "local"})).await;
+
+    // Nothing measured of the phone or the link yet (only the laptop's local answer): the
+    // split modes cannot be predicted; the phone alone neither.
+    let (o, e) = ask(&s, json!({"transport": "auto", "objective": "offload"})).await;
+    assert_eq!(o, local, "{e}");
+    assert_eq!(e["objective"], "offload", "{e}");
+    assert!(
+        e["reason"]
+            .as_str()
+            .unwrap()
+            .contains("not yet measured: live, after, phone"),
+        "{e}"
+    );
+    assert_eq!(e["mode"], "local", "{e}");
+    assert_eq!(e["transport"], "local", "{e}");
+
+    // Every rate measured: an `after` split (the link, the phone's decode), the phone alone
+    // (its prefill), and the round trip of the decode node's `Info` on the way.
+    for t in [("v2", "after"), ("phone", "")] {
+        let mut es = json!({"transport": t.0});
+        if !t.1.is_empty() {
+            es["handoff"] = json!(t.1);
+        }
+        let (o, e) = ask(&s, es).await;
+        assert_eq!(o, local, "{t:?}: {e}");
+    }
+    for objective in ["latency", "offload", "balanced"] {
+        let (o, e) = ask(&s, json!({"transport": "auto", "objective": objective})).await;
+        assert_eq!(o, local, "{objective}: {e}");
+        let reason = e["reason"].as_str().unwrap();
+        for mode in ["local", "live", "after", "phone"] {
+            assert!(reason.contains(&format!(" {mode} ")), "{objective}: {e}");
+        }
+        assert!(!reason.contains("not yet measured"), "{objective}: {e}");
+        assert!(e["predicted_ms"].as_f64().unwrap() > 0.0, "{e}");
+        let transport = match e["mode"].as_str().unwrap() {
+            "local" => "local",
+            "phone" => "phone",
+            "live" | "after" => "v2",
+            other => panic!("mode {other}: {e}"),
+        };
+        assert_eq!(e["transport"], transport, "{e}");
+        if transport == "v2" {
+            assert_eq!(e["handoff_mode"], e["mode"], "{e}");
+        }
+    }
+
+    // A handoff mode the request names still wins: split in that mode.
+    let (o, e) = ask(&s, json!({"transport": "auto", "handoff": "after"})).await;
+    assert_eq!(o, local, "{e}");
+    assert_eq!(
+        (&e["mode"], &e["transport"]),
+        (&json!("after"), &json!("v2")),
+        "{e}"
+    );
+
+    // The choices are counted by mode and objective.
+    let metrics = common::scrape(&format!("{}/metrics", s.router)).await;
+    assert!(
+        metrics.contains("edgesplit:auto_choices_total{mode=\"after\",objective=\"balanced\"}"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_objective_is_a_400_naming_it() {
+    let s = common::start(common::StackOptions::new(common::SMOLLM2));
+    let (status, _, v) = common::post(
+        &format!("{}{PATH}", s.router),
+        &body(json!({"transport": "auto", "objective": "fastest"})),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "edgesplit.objective", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"fastest\""),
+        "{v}"
+    );
+}
