@@ -285,8 +285,14 @@ impl Env {
         if self.verbose {
             let r = match &a.result {
                 Ok(m) => format!(
-                    "TTFT {:.1} ms, e2e {:.1} ms, {} tok",
-                    m.ttft_ms, m.e2e_ms, m.completion_tokens
+                    "TTFT {:.1} ms, e2e {:.1} ms, {} tok{}",
+                    m.ttft_ms,
+                    m.e2e_ms,
+                    m.completion_tokens,
+                    m.mode.as_ref().map_or(String::new(), |mode| format!(
+                        ", chose {mode} (predicted e2e {:.0} ms)",
+                        m.predicted_ms.unwrap_or(f64::NAN)
+                    ))
                 ),
                 Err(e) => format!("FAILED: {e}"),
             };
