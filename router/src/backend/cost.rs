@@ -18,7 +18,9 @@
 //!   `k >= N` the answer ends there (as local); else `P/pL + x + r + 1/dP + (N-k)(q+1)/dP`
 //!   (the switch's floor is a round trip and a step); the laptop is busy `P/pL + k/dL`.
 //!
-//! A mode whose rates are not all measured yet is not predicted. Prefill of others' prompts
+//! A node's decode rate is measured from every answer it writes, times the answers it shared
+//! the node with (the mean of the counts at its start and end: approximate when others come
+//! and go during it). A mode whose rates are not all measured yet is not predicted. Prefill of others' prompts
 //! and the export are left out: they are small beside the terms kept (measured: a 2,000
 //! token prompt's export is ~1% of its prefill).
 
@@ -262,6 +264,20 @@ mod tests {
         }
     }
 
+    /// The choice among all four modes, `live` when none is predicted.
+    fn pick(m: &Measured, r: Request, objective: Objective) -> Choice {
+        choose(m, &r, objective, &Mode::ALL, Mode::Live)
+    }
+
+    /// A phone at 0.9x the laptop's speeds.
+    fn near_laptop_phone() -> Measured {
+        Measured {
+            phone_decode: Some(0.045),
+            phone_prefill: Some(0.9),
+            ..rates()
+        }
+    }
+
     fn approx(a: f64, b: f64) {
         assert!((a - b).abs() < 1e-6, "{a} != {b}");
     }
@@ -299,26 +315,14 @@ mod tests {
 
     #[test]
     fn latency_takes_the_soonest_and_a_slower_phone_loses_it() {
-        let c = choose(
-            &rates(),
-            &request(2000.0, 512.0, 0),
-            Objective::Latency,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let c = pick(&rates(), request(2000.0, 512.0, 0), Objective::Latency);
         assert_eq!(c.mode, Mode::Local, "{}", c.reason);
         // A phone as fast as the laptop, on a fast link, and a laptop with three answers
         // running: the split's decode no longer shares the laptop.
         let mut m = rates();
         m.phone_decode = Some(0.05);
         m.link = Some(125_000.0);
-        let c = choose(
-            &m,
-            &request(2000.0, 512.0, 3),
-            Objective::Latency,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let c = pick(&m, request(2000.0, 512.0, 3), Objective::Latency);
         assert!(matches!(c.mode, Mode::Live | Mode::After), "{}", c.reason);
     }
 
@@ -328,26 +332,12 @@ mod tests {
         // The phone is 2x slower: after / live keep the answer within 1.5x? after:
         // 2000 + 3686 + 5 + 20440 = 26,131 ms against local's 12,240: over the bound, so
         // offload keeps the answer on the laptop.
-        let c = choose(
-            &m,
-            &request(2000.0, 512.0, 0),
-            Objective::Offload,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
         assert_eq!(c.mode, Mode::Local, "{}", c.reason);
         // A phone at 0.9x the laptop: `after` is within the bound and frees the laptop
         // the most.
-        let mut m = rates();
-        m.phone_decode = Some(0.045);
-        m.phone_prefill = Some(0.9);
-        let c = choose(
-            &m,
-            &request(2000.0, 512.0, 0),
-            Objective::Offload,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let m = near_laptop_phone();
+        let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
         assert_eq!(c.mode, Mode::Phone, "{}", c.reason);
         let c = choose(
             &m,
@@ -361,25 +351,11 @@ mod tests {
 
     #[test]
     fn balanced_is_latency_on_an_idle_laptop_and_offload_on_a_busy_one() {
-        let mut m = rates();
-        m.phone_decode = Some(0.045);
-        m.phone_prefill = Some(0.9);
-        let idle = choose(
-            &m,
-            &request(500.0, 256.0, 0),
-            Objective::Balanced,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let m = near_laptop_phone();
+        let idle = pick(&m, request(500.0, 256.0, 0), Objective::Balanced);
         assert_eq!(idle.mode, Mode::Local, "{}", idle.reason);
         assert!(idle.reason.contains("latency"), "{}", idle.reason);
-        let busy = choose(
-            &m,
-            &request(500.0, 256.0, 2),
-            Objective::Balanced,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let busy = pick(&m, request(500.0, 256.0, 2), Objective::Balanced);
         assert_eq!(busy.mode, Mode::Phone, "{}", busy.reason);
         assert!(busy.reason.contains("offload"), "{}", busy.reason);
     }
@@ -389,13 +365,7 @@ mod tests {
         let mut m = rates();
         m.phone_prefill = None;
         assert_eq!(cost(Mode::Phone, &m, &request(100.0, 32.0, 0)), None);
-        let c = choose(
-            &m,
-            &request(100.0, 32.0, 0),
-            Objective::Offload,
-            &Mode::ALL,
-            Mode::Live,
-        );
+        let c = pick(&m, request(100.0, 32.0, 0), Objective::Offload);
         assert_ne!(c.mode, Mode::Phone);
         assert!(c.reason.contains("not yet measured: phone"), "{}", c.reason);
         // Nothing measured: the default mode, said as such.

@@ -494,6 +494,7 @@ impl Backend {
             load: self.load.clone(),
             laptop: Some(laptop),
             phone: None,
+            first_sent: std::time::Instant::now(),
         };
         tokio::spawn(split.run(pstream, fallback));
         Ok(started)

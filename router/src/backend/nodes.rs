@@ -273,6 +273,8 @@ pub(super) struct Load {
 pub(super) struct Busy {
     load: Arc<Load>,
     phone: bool,
+    /// Answers on the node when this one started (itself included).
+    at_start: u32,
 }
 
 impl Load {
@@ -286,11 +288,13 @@ impl Load {
 
     /// Counts an answer on the phone (the decode node) or the laptop until the guard drops.
     pub(super) fn take(self: &Arc<Self>, phone: bool) -> Busy {
-        self.counter(phone)
+        let before = self
+            .counter(phone)
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Busy {
             load: self.clone(),
             phone,
+            at_start: before + 1,
         }
     }
 
@@ -305,12 +309,15 @@ impl Load {
 }
 
 impl Busy {
-    /// Whether this answer is the only one on its node (its speed is then the node's own).
-    pub(super) fn alone(&self) -> bool {
-        self.load
+    /// How many answers shared the node with this one (itself included), taken as the mean
+    /// of the counts at its start and now: an engine steps its answers in turn, so one
+    /// answer's decode speed is about the node's divided by this.
+    pub(super) fn sharing(&self) -> f64 {
+        let now = self
+            .load
             .counter(self.phone)
-            .load(std::sync::atomic::Ordering::SeqCst)
-            == 1
+            .load(std::sync::atomic::Ordering::SeqCst);
+        (f64::from(self.at_start) + f64::from(now.max(1))) / 2.0
     }
 }
 
@@ -322,8 +329,7 @@ impl Drop for Busy {
     }
 }
 
-/// An answer counted on its node ([`Busy`]), whose end records the node's decode speed
-/// when it ran alone there (shared, an answer decodes at a fraction of the node's speed).
+/// An answer counted on its node ([`Busy`]), whose end records the node's decode speed.
 pub(super) struct Counted {
     pub(super) learned: Arc<std::sync::Mutex<Learned>>,
     pub(super) busy: Busy,
@@ -336,8 +342,8 @@ impl Counted {
     }
 }
 
-/// Records the decode speed a `Finished` event reports, when its answer ran alone on its
-/// node (`busy`).
+/// Records the node's decode speed from the one a `Finished` event reports for an answer
+/// that shared the node (`busy`) with others: the answer's speed x the answers sharing.
 pub(super) fn decoded(learned: &std::sync::Mutex<Learned>, busy: &Busy, ev: &super::Event) {
     if let super::Event::Finished {
         decode_tokens,
@@ -345,10 +351,8 @@ pub(super) fn decoded(learned: &std::sync::Mutex<Learned>, busy: &Busy, ev: &sup
         ..
     } = ev
     {
-        if busy.alone() {
-            lock(learned)
-                .rates
-                .decoded(busy.phone, *decode_tokens, *decode_ms);
-        }
+        lock(learned)
+            .rates
+            .decoded(busy.phone, *decode_tokens, *decode_ms / busy.sharing());
     }
 }

@@ -58,6 +58,9 @@ pub(super) struct SplitAnswer {
     pub(super) load: Arc<Load>,
     pub(super) laptop: Option<Busy>,
     pub(super) phone: Option<Busy>,
+    /// When the first token was forwarded: a live answer's tokens written on the laptop
+    /// until the switch or the end measure the laptop's decode speed.
+    pub(super) first_sent: std::time::Instant,
 }
 
 /// Longest wait for a live answer's state to be kept on the decode node after the answer
@@ -67,6 +70,17 @@ const KEEP_WAIT: Duration = Duration::from_secs(600);
 impl SplitAnswer {
     /// The decode node writes the rest of the answer: it counts there, no longer on the
     /// laptop.
+    /// The laptop wrote the live answer's tokens after the first since `first_sent`.
+    fn laptop_decoded(&self) {
+        if let Some(laptop) = &self.laptop {
+            let tokens = u32::try_from(self.sent.len().saturating_sub(1)).unwrap_or(u32::MAX);
+            let ms = self.first_sent.elapsed().as_secs_f64() * 1000.0;
+            lock(&self.learned)
+                .rates
+                .decoded(false, tokens, ms / laptop.sharing());
+        }
+    }
+
     fn hand_to_phone(&mut self) {
         self.laptop = None;
         self.phone = Some(self.load.take(true));
@@ -170,6 +184,7 @@ impl SplitAnswer {
                     }
                 }
                 Some(P::Finished(f)) => {
+                    self.laptop_decoded();
                     // Every token was written on the prefill node: none by a decode node.
                     let mut ev = token_event(
                         pb::TokenEvent {
@@ -273,6 +288,7 @@ impl SplitAnswer {
 
     /// The decode node holds the state up to the last token sent: it writes the rest.
     async fn switch(&mut self, sw: pb::Switched) -> Split {
+        self.laptop_decoded();
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         if sw.answered != answered {
             return Split::Failed(ApiError::upstream(
@@ -489,6 +505,7 @@ mod tests {
             load: Arc::default(),
             laptop: None,
             phone: None,
+            first_sent: std::time::Instant::now(),
         }
     }
 
