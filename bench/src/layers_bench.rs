@@ -140,8 +140,11 @@ pub async fn run(args: &LayersArgs) -> anyhow::Result<()> {
     let model = crate::model_path(&args.model);
     let first = args.profiles.first().context("no link profile")?.clone();
     let http = reqwest::Client::new();
+    // The layer split is served only behind the private link (a shared secret); the
+    // `local` baseline gets the same, so both pay for the same gRPC credential.
     let base = |dir: &str| StackConfig {
         phone_speed: args.devices.phone_speed,
+        secret: Some("the layer split bench's shared secret, 32 bytes or more".into()),
         ..StackConfig::new(model.clone(), args.n_ctx, threads, out.join(dir))
     };
 

@@ -95,8 +95,9 @@ pub struct Config {
     pub max_frame_bytes: usize,
     /// The layer split (issue 17): serve ggml's RPC here, for a prefill node's
     /// `--rpc-peer` to compute the model's last layers on this device. Behind the private
-    /// link (the shared secret; without one, loopback only); ggml's own server runs in a
-    /// child process (`edgesplit-rpc`) on loopback.
+    /// link: needs the shared secret (refused without it, `--insecure` or not); ggml's own
+    /// server runs in a child process (`edgesplit-rpc`) on loopback, which admits only
+    /// this node's connections.
     #[arg(long, env = "EDGESPLIT_RPC_LISTEN")]
     pub rpc_listen: Option<String>,
 }

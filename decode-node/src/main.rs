@@ -5,6 +5,9 @@ async fn main() -> anyhow::Result<()> {
     edgesplit_proto::service::init_tracing("info,llama-cpp-2=warn,llama_cpp_2=warn");
     let config = edgesplit_decode::Config::parse();
     edgesplit_engine::mem_budget_bytes().map_err(anyhow::Error::msg)?;
+    let has_secret =
+        edgesplit_proto::auth::Secret::load(config.node.secret_file.as_deref())?.is_some();
+    edgesplit_decode::rpc::check(config.rpc_listen.as_deref(), has_secret)?;
     if config.plan {
         return edgesplit_decode::print_plan(&config).await;
     }

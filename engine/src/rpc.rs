@@ -64,6 +64,19 @@ fn endpoint_c(endpoint: &str) -> Result<CString, RpcError> {
 /// # Errors
 /// The endpoint is not reached, does not answer, or speaks another version.
 pub fn probe(endpoint: &str, timeout: Duration) -> Result<(u8, u8, u8), RpcError> {
+    probe_after(endpoint, &[], timeout)
+}
+
+/// [`probe`], sending `first` before the HELLO (the decode node's token for its own
+/// `edgesplit-rpc` child, which admits no connection without it).
+///
+/// # Errors
+/// As [`probe`].
+pub fn probe_after(
+    endpoint: &str,
+    first: &[u8],
+    timeout: Duration,
+) -> Result<(u8, u8, u8), RpcError> {
     let fail = |what: &str, e: &dyn std::fmt::Display| {
         RpcError(format!("the RPC server at {endpoint}: {what}: {e}"))
     };
@@ -72,7 +85,8 @@ pub fn probe(endpoint: &str, timeout: Duration) -> Result<(u8, u8, u8), RpcError
     s.set_read_timeout(Some(timeout))
         .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|e| fail("socket", &e))?;
-    let mut hello = vec![CMD_HELLO];
+    let mut hello = first.to_vec();
+    hello.push(CMD_HELLO);
     hello.extend_from_slice(&(HELLO_REQUEST as u64).to_le_bytes());
     hello.extend_from_slice(&[0u8; HELLO_REQUEST]);
     s.write_all(&hello).map_err(|e| fail("HELLO", &e))?;

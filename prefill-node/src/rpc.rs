@@ -134,11 +134,59 @@ async fn relay(
     }
 }
 
+/// Whether the TCP connection from `from` to `to` (both on loopback) was made by this
+/// process: the forwarder serves ggml's client, which runs here, and no other process
+/// (ggml's protocol has no credential of its own). Linux: the connecting socket's inode
+/// from `/proc/net/tcp`, looked for among this process's descriptors.
+///
+/// # Errors
+/// `/proc` cannot be read (then nothing is admitted).
+fn made_here(from: std::net::SocketAddr, to: std::net::SocketAddr) -> std::io::Result<bool> {
+    let table = std::fs::read_to_string("/proc/net/tcp")?;
+    let Some(inode) = socket_inode(&table, from, to) else {
+        return Ok(false);
+    };
+    let wanted = format!("socket:[{inode}]");
+    for fd in std::fs::read_dir("/proc/self/fd")? {
+        if std::fs::read_link(fd?.path()).is_ok_and(|l| l.as_os_str() == wanted.as_str()) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The inode of the IPv4 socket in `table` (`/proc/net/tcp`'s text) whose local address
+/// is `local` and remote `remote`.
+fn socket_inode(
+    table: &str,
+    local: std::net::SocketAddr,
+    remote: std::net::SocketAddr,
+) -> Option<u64> {
+    // "0100007F:1F90": the address as the kernel's u32 in this machine's byte order, then
+    // the port.
+    let parse = |field: &str| -> Option<std::net::SocketAddr> {
+        let (ip, port) = field.split_once(':')?;
+        let ip = u32::from_str_radix(ip, 16).ok()?.to_ne_bytes();
+        Some(
+            (
+                std::net::Ipv4Addr::from(ip),
+                u16::from_str_radix(port, 16).ok()?,
+            )
+                .into(),
+        )
+    };
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let matches = f.len() > 9 && parse(f[1]) == Some(local) && parse(f[2]) == Some(remote);
+        matches.then(|| f[9].parse().ok()).flatten()
+    })
+}
+
 /// Starts the forwarder to `peer` and registers the peer's RPC device with ggml: the
 /// engine's `remote_layers` for `layers` layers.
 ///
 /// # Errors
-/// The peer is not a loopback address while the link is plain, or it cannot be reached,
+/// No shared secret is set, or the peer cannot be reached,
 /// refuses the link, or does not answer ggml's HELLO.
 pub async fn connect(
     peer: &str,
@@ -146,23 +194,31 @@ pub async fn connect(
     link: Link,
     counters: Arc<RpcCounters>,
 ) -> anyhow::Result<RemoteLayers> {
-    if !link.is_private() {
-        let loopback = peer
-            .parse::<std::net::SocketAddr>()
-            .is_ok_and(|a| a.ip().is_loopback());
-        anyhow::ensure!(
-            loopback,
-            "--rpc-peer {peer} is not on loopback and no shared secret is set: ggml's RPC \
-             would cross the network unauthenticated (set --secret-file on both devices)"
-        );
-    }
+    anyhow::ensure!(
+        link.is_private(),
+        "--rpc-peer {peer} needs the shared secret (--secret-file, EDGESPLIT_SECRET_FILE or \
+         EDGESPLIT_SECRET; the decode node's): its --rpc-listen serves only behind the \
+         private link"
+    );
     let local = TcpListener::bind("127.0.0.1:0").await?;
-    let endpoint = local.local_addr()?.to_string();
+    let at = local.local_addr()?;
+    let endpoint = at.to_string();
     let target = peer.to_string();
     tokio::spawn(async move {
         // The first connection is the probe's (below), the others ggml's own.
         let mut probe = true;
-        while let Ok((ggml, _)) = local.accept().await {
+        while let Ok((ggml, from)) = local.accept().await {
+            match made_here(from, at) {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(%from, "refused a connection to the RPC forwarder from another process");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(%from, error = %e, "refused a connection to the RPC forwarder: its process cannot be told (/proc/net/tcp)");
+                    continue;
+                }
+            }
             let (link, target, counters) = (link.clone(), target.clone(), counters.clone());
             let ggmls = !std::mem::replace(&mut probe, false);
             tokio::spawn(async move {
@@ -206,6 +262,7 @@ pub async fn connect(
         %peer,
         layers,
         device,
+        forwarder = %at,
         version = %format!("{}.{}.{}", version.0, version.1, version.2),
         "layer split: the last layers on the RPC peer"
     );
@@ -393,5 +450,46 @@ pub async fn plan(
             );
             Ok(p)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another process connecting to the forwarder's loopback port is told apart from
+    /// this one (ggml's client runs here).
+    #[test]
+    fn the_forwarder_tells_this_process_connections_from_another_s() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let _mine = std::net::TcpStream::connect(at).unwrap();
+        let (_a, from) = l.accept().unwrap();
+        assert!(made_here(from, at).unwrap());
+        let script = format!("exec 3<>/dev/tcp/127.0.0.1/{}; sleep 30", at.port());
+        let mut other = std::process::Command::new("bash")
+            .args(["-c", &script])
+            .spawn()
+            .unwrap();
+        let (_b, from) = l.accept().unwrap();
+        let theirs = made_here(from, at);
+        let _ = other.kill();
+        let _ = other.wait();
+        assert!(!theirs.unwrap());
+    }
+
+    #[test]
+    fn a_socket_is_found_in_proc_net_tcp_by_both_addresses() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:9C40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1111 1 0 100 0 0 10 0
+   1: 0100007F:D431 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 2222 1 0 20 4 30 10 -1
+   2: 0100007F:9C40 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 20 4 30 10 -1
+";
+        let a = |p: u16| std::net::SocketAddr::from(([127, 0, 0, 1], p));
+        if cfg!(target_endian = "little") {
+            assert_eq!(socket_inode(table, a(0xD431), a(0x9C40)), Some(2222));
+            assert_eq!(socket_inode(table, a(0x9C40), a(0xD431)), Some(3333));
+        }
+        assert_eq!(socket_inode(table, a(1), a(0x9C40)), None);
     }
 }

@@ -189,6 +189,10 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
         plain.is_err(),
         "a plain ggml client was answered: {plain:?}"
     );
+    // Nor does another process on this device that finds ggml's own loopback port: the
+    // child admits only its decode node's connections (they send its token first).
+    let ready = reported(&dir.join("decode.log"), "RPC server ready").await;
+    refused_unanswered(ready["child"].as_str().unwrap()).await;
 
     let prefill = spawn(
         "edgesplit-prefill",
@@ -206,6 +210,9 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
     )
     .await;
     assert_eq!(split_on["layers"].to_string(), layers, "{split_on}");
+    // The laptop's forwarder to the peer serves ggml's client in the prefill node's own
+    // process, no other (this test's process here).
+    refused_unanswered(split_on["forwarder"].as_str().unwrap()).await;
     let (router, base) = router_of(&dir, p["grpc"].as_str().unwrap(), &decode_grpc, &secret).await;
 
     // The reference: one device, the same model and context.
@@ -269,6 +276,17 @@ async fn a_layer_split_answer_is_the_one_device_answer(model: &'static str, laye
     assert!(common::value(&metrics, "edgesplit:rpc_round_trips_total") >= 64.0);
     drop(router);
     drop(prefill);
+}
+
+/// A plain ggml client at `endpoint` (loopback) gets no answer.
+async fn refused_unanswered(endpoint: &str) {
+    let at = endpoint.to_string();
+    let answer = tokio::task::spawn_blocking(move || {
+        edgesplit_engine::rpc::probe(&at, Duration::from_secs(10))
+    })
+    .await
+    .unwrap();
+    assert!(answer.is_err(), "{endpoint} answered: {answer:?}");
 }
 
 /// SmolLM2 (30 layers: the last 12 and the output layer on the peer).
@@ -453,19 +471,21 @@ async fn an_unreachable_or_unauthenticated_rpc_peer_is_a_clear_error_at_start() 
     let closed_addr = closed.local_addr().unwrap().to_string();
     drop(closed);
     for (what, peer, key) in [
-        ("down", closed_addr, &secret),
-        ("another secret", rpc, &other),
+        ("down", closed_addr, Some(&secret)),
+        ("another secret", rpc.clone(), Some(&other)),
+        ("no secret", rpc, None),
     ] {
         let log = dir.join(format!("prefill-{}.log", what.replace(' ', "-")));
-        let mut p = spawn(
-            "edgesplit-prefill",
-            &prefill_args(
-                common::SMOLLM2,
-                key,
-                &["--rpc-peer", &peer, "--rpc-layers", "4"],
-            ),
-            &log,
+        let mut args = prefill_args(
+            common::SMOLLM2,
+            key.unwrap_or(&secret),
+            &["--rpc-peer", &peer, "--rpc-layers", "4"],
         );
+        if key.is_none() {
+            let at = args.iter().position(|a| a == "--secret-file").unwrap();
+            args.drain(at..at + 2);
+        }
+        let mut p = spawn("edgesplit-prefill", &args, &log);
         let t0 = std::time::Instant::now();
         let status = loop {
             if let Some(s) = p.0.try_wait().unwrap() {
@@ -481,6 +501,31 @@ async fn an_unreachable_or_unauthenticated_rpc_peer_is_a_clear_error_at_start() 
         assert_eq!(status.code(), Some(1), "{what}: {status}\n{text}");
         assert!(text.contains("--rpc-peer"), "{what}: {text}");
     }
+}
+
+/// ggml's RPC is never served without the shared secret, `--insecure` or not (nothing is
+/// loaded first).
+#[test]
+fn the_rpc_listen_needs_the_shared_secret() {
+    let out = std::process::Command::new(bin("edgesplit-decode"))
+        .args(["--model", "/nonexistent.gguf", "--listen", "127.0.0.1:0"])
+        .args([
+            "--handoff-listen",
+            "127.0.0.1:0",
+            "--v1-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--rpc-listen", "127.0.0.1:0", "--insecure"])
+        .env_remove("EDGESPLIT_SECRET")
+        .env_remove("EDGESPLIT_SECRET_FILE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--rpc-listen 127.0.0.1:0 needs the shared secret"),
+        "{err}"
+    );
 }
 
 /// ggml's RPC server is never started on an address the network reaches.
