@@ -360,6 +360,10 @@ impl StateSink for Store {
         self.room(handoff_id, bytes)
     }
 
+    fn hold(&self, bytes: u64) -> Result<(), Nack> {
+        self.room("", bytes)
+    }
+
     fn release(&self, bytes: u64) {
         let _ = self
             .pieces

@@ -41,6 +41,14 @@ impl V2Codec {
         }
     }
 
+    /// This codec, asking `room` for each state frame's body when its header arrives
+    /// ([`frame::Decoder::with_room`]).
+    #[must_use]
+    pub fn with_room(mut self, room: std::sync::Arc<dyn frame::Room>) -> Self {
+        self.decoder = frame::Decoder::with_room(room);
+        self
+    }
+
     /// The cap on one frame's body.
     #[must_use]
     pub fn max_frame(&self) -> usize {

@@ -76,6 +76,32 @@ impl std::ops::AddAssign for Receipt {
     }
 }
 
+/// Room for state frame bodies, asked for when a state frame's header arrives, before any
+/// of its body is held (the decode node's store, whose cap counts what it holds and what
+/// is arriving).
+pub trait Room: Send + Sync {
+    /// Takes room for a body of `len` bytes, or says why there is none.
+    ///
+    /// # Errors
+    /// Why the room is not there (the receiver's NACK reason).
+    fn take(&self, len: usize) -> Result<(), String>;
+    /// Gives back room taken by [`Room::take`].
+    fn give(&self, len: usize);
+}
+
+/// Room taken for one frame's body, given back when it is dropped (the frame decoded, or
+/// its decoding failed).
+struct Taken {
+    room: std::sync::Arc<dyn Room>,
+    len: usize,
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.room.give(self.len);
+    }
+}
+
 /// A state frame being received: its checksum so far over the body's first `hashed`
 /// bytes; for a large frame, the body itself, moved out of the read buffer into a buffer of
 /// its own as it arrives.
@@ -89,6 +115,8 @@ struct Pending {
     /// A large frame's body so far ([`crate::buffers`]); `None`: the body stays in the
     /// read buffer until whole.
     body: Option<Vec<u8>>,
+    /// The room it was given, while it is received.
+    _room: Option<Taken>,
 }
 
 /// State frames whose body is at least this large are received into a buffer of their own
@@ -103,6 +131,7 @@ pub struct Decoder {
     pending: Option<Pending>,
     receipt: Option<Receipt>,
     pooled_min: usize,
+    room: Option<std::sync::Arc<dyn Room>>,
 }
 
 impl Default for Decoder {
@@ -111,11 +140,23 @@ impl Default for Decoder {
             pending: None,
             receipt: None,
             pooled_min: POOLED_MIN,
+            room: None,
         }
     }
 }
 
 impl Decoder {
+    /// A decoder that asks `room` for each state frame's body when its header arrives and
+    /// refuses the frame ([`FrameError::NoRoom`]) before holding any of its body when
+    /// there is none.
+    #[must_use]
+    pub fn with_room(room: std::sync::Arc<dyn Room>) -> Self {
+        Decoder {
+            room: Some(room),
+            ..Decoder::default()
+        }
+    }
+
     /// Decodes one frame from the front of `buf`, consuming it; `Ok(None)`: more bytes are
     /// needed (and `buf` has been reserved for them, within `max_frame`). Call it again
     /// with the same buffer, grown, and the same `check`.
@@ -166,17 +207,36 @@ impl Decoder {
         let total = HEADER_LEN + len;
         let stateful = matches!(kind, Kind::State | Kind::Part | Kind::Last);
         if stateful && len >= 32 {
-            let pooled = len >= self.pooled_min;
-            let p = self.pending.get_or_insert_with(|| Pending {
-                kind,
-                len,
-                digest: StateDigest::new(check),
-                hashed: 0,
-                started: std::time::Instant::now(),
-                hashing: std::time::Duration::ZERO,
-                // The declared length passed the cap above.
-                body: pooled.then(|| crate::buffers::take(len)),
-            });
+            if self.pending.is_none() {
+                // Room first: nothing of the body is held without it.
+                let room = match &self.room {
+                    Some(r) => {
+                        r.take(len).map_err(|reason| FrameError::NoRoom {
+                            len: len as u64,
+                            reason,
+                        })?;
+                        Some(Taken {
+                            room: r.clone(),
+                            len,
+                        })
+                    }
+                    None => None,
+                };
+                self.pending = Some(Pending {
+                    kind,
+                    len,
+                    digest: StateDigest::new(check),
+                    hashed: 0,
+                    started: std::time::Instant::now(),
+                    hashing: std::time::Duration::ZERO,
+                    // The declared length passed the cap above.
+                    body: (len >= self.pooled_min).then(|| crate::buffers::take(len)),
+                    _room: room,
+                });
+            }
+            let Some(p) = self.pending.as_mut() else {
+                return Ok(None);
+            };
             if p.body.is_some() {
                 buf.advance(HEADER_LEN);
                 return self.step_pooled(buf);

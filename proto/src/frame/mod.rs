@@ -321,6 +321,8 @@ pub enum FrameError {
     TooLarge { len: u64, max: u64 },
     #[error("malformed frame: {0}")]
     Malformed(String),
+    #[error("no room for a state frame of {len} bytes: {reason}")]
+    NoRoom { len: u64, reason: String },
     #[error("state frame checksum mismatch: the SHA-256 (HMAC-SHA256 on an authenticated link) over metadata, descriptors and payload does not match")]
     Checksum,
 }
@@ -336,6 +338,7 @@ impl FrameError {
             FrameError::UnknownType(_) => NackCode::UnexpectedFrame,
             FrameError::TooLarge { .. } => NackCode::FrameTooLarge,
             FrameError::Checksum => NackCode::ChecksumMismatch,
+            FrameError::NoRoom { .. } => NackCode::Capacity,
         }
     }
 }
@@ -875,5 +878,67 @@ mod tests {
                 Some(_) => prop_assert_eq!(got, vec![Err(FrameError::Checksum)]),
             }
         }
+    }
+
+    /// Room that admits bodies up to `free` bytes, counting what it gave.
+    struct Free(std::sync::atomic::AtomicUsize);
+
+    impl Room for Free {
+        fn take(&self, len: usize) -> Result<(), String> {
+            use std::sync::atomic::Ordering;
+            self.0
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(len))
+                .map(|_| ())
+                .map_err(|f| format!("{f} bytes free"))
+        }
+        fn give(&self, len: usize) {
+            self.0.fetch_add(len, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// The header alone decides: a state frame whose body exceeds the free room is refused
+    /// before any body byte has arrived; one that fits holds its room while it arrives and
+    /// gives it back once decoded.
+    #[test]
+    fn a_state_frame_takes_room_from_its_header_and_gives_it_back() {
+        let payload = Bytes::from(vec![1u8; 4096]);
+        let f = Frame::State(StateFrame {
+            handoff_id: "h".into(),
+            request_id: "r".into(),
+            tokens: vec![],
+            descriptors: crate::layout::describe(&payload).descriptors,
+            payload,
+        });
+        let mut wire = BytesMut::new();
+        encode(&f, &mut wire, DEFAULT_MAX_FRAME).unwrap();
+        let body = wire.len() - HEADER_LEN;
+        let room = std::sync::Arc::new(Free((body - 1).into()));
+        let mut dec = Decoder::with_room(room.clone());
+        let mut head = BytesMut::from(&wire[..HEADER_LEN]);
+        match dec.decode(&mut head, DEFAULT_MAX_FRAME, &Check::Sha256) {
+            Err(FrameError::NoRoom { len, reason }) => {
+                assert_eq!(len, body as u64);
+                assert_eq!(reason, format!("{} bytes free", body - 1));
+                assert_eq!(
+                    FrameError::NoRoom { len, reason }.nack_code(),
+                    NackCode::Capacity
+                );
+            }
+            other => panic!("expected NoRoom, got {other:?}"),
+        }
+        room.give(1);
+        let mut dec = Decoder::with_room(room.clone());
+        let mut buf = BytesMut::from(&wire[..HEADER_LEN + 10]);
+        assert_eq!(
+            dec.decode(&mut buf, DEFAULT_MAX_FRAME, &Check::Sha256),
+            Ok(None)
+        );
+        assert_eq!(room.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+        buf.extend_from_slice(&wire[HEADER_LEN + 10..]);
+        assert_eq!(
+            dec.decode(&mut buf, DEFAULT_MAX_FRAME, &Check::Sha256),
+            Ok(Some(f))
+        );
+        assert_eq!(room.0.load(std::sync::atomic::Ordering::SeqCst), body);
     }
 }

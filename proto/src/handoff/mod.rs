@@ -141,6 +141,8 @@ mod tests {
         refused: Mutex<Vec<NackCode>>,
         reserved: std::sync::atomic::AtomicU64,
         dropped: Mutex<Vec<String>>,
+        /// Room for bodies arriving (`hold`), counted with `reserved`; `None`: no limit.
+        room: Option<u64>,
     }
 
     impl StateSink for Sink {
@@ -156,6 +158,17 @@ mod tests {
             self.reserved
                 .fetch_add(bytes, std::sync::atomic::Ordering::SeqCst);
             Ok(())
+        }
+        fn hold(&self, bytes: u64) -> Result<(), Nack> {
+            let held = self.reserved.load(std::sync::atomic::Ordering::SeqCst);
+            match self.room {
+                Some(room) if held + bytes > room => Err(Nack {
+                    code: NackCode::Capacity,
+                    handoff_id: String::new(),
+                    reason: format!("{} bytes free", room - held),
+                }),
+                _ => self.reserve("", bytes),
+            }
         }
         fn release(&self, bytes: u64) {
             self.reserved
@@ -194,8 +207,15 @@ mod tests {
             let recv = {
                 let sink = sink.clone();
                 tokio::spawn(async move {
-                    let _ =
-                        serve_connection(b, &identity(), &limits, sink.as_ref(), None, false).await;
+                    let _ = serve_connection(
+                        b,
+                        &identity(),
+                        &limits,
+                        &(sink as Arc<dyn StateSink>),
+                        None,
+                        false,
+                    )
+                    .await;
                 })
             };
             let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
@@ -308,7 +328,7 @@ mod tests {
                     b,
                     &identity(),
                     &limits,
-                    sink.as_ref(),
+                    &(sink as Arc<dyn StateSink>),
                     receiver.as_ref(),
                     false,
                 )
@@ -320,6 +340,65 @@ mod tests {
         drop(framed);
         let _ = recv.await;
         (sent, sink)
+    }
+
+    /// A state frame announcing more than the receiver's free room is refused from its
+    /// header: the sender reads the NACK and its reason (the receiver reads the body
+    /// away, keeping none of it, instead of resetting the connection under the sender's
+    /// write: here a 64 KiB pipe that a 4 MiB frame fills), nothing is stored, and the
+    /// room is whole again. One that fits is delivered, its room given back.
+    #[tokio::test]
+    async fn a_frame_larger_than_the_free_room_is_refused_before_its_body() {
+        let limits = Limits {
+            frame: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        for (size, fits) in [(4 << 20, false), (1 << 20, true)] {
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let sink = Arc::new(Sink {
+                room: Some(2 << 20),
+                ..Sink::default()
+            });
+            let recv = {
+                let sink: Arc<dyn StateSink> = sink.clone();
+                tokio::spawn(async move {
+                    let _ = serve_connection(b, &identity(), &limits, &sink, None, false).await;
+                })
+            };
+            let payload = bytes::Bytes::from(vec![7u8; size]);
+            let big = StateFrame {
+                handoff_id: "big".into(),
+                request_id: "r".into(),
+                tokens: vec![],
+                descriptors: layout::describe(&payload).descriptors,
+                payload,
+            };
+            let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));
+            let sent = send_on(&mut framed, &identity(), big, &limits, None).await;
+            drop(framed);
+            let _ = recv.await;
+            if fits {
+                assert_eq!(sent.unwrap(), size as u64);
+                assert_eq!(*sink.accepted.lock().unwrap(), vec!["big".to_string()]);
+            } else {
+                match sent {
+                    Err(HandoffError::Refused(n)) => {
+                        assert_eq!(n.code, NackCode::Capacity);
+                        // The frame's body: the payload and its metadata.
+                        let body: usize = n
+                            .reason
+                            .strip_prefix("no room for a state frame of ")
+                            .and_then(|r| r.split(' ').next()?.parse().ok())
+                            .unwrap_or(0);
+                        assert!(body > size && body < size + 1024, "{}", n.reason);
+                        assert!(n.reason.ends_with(": 2097152 bytes free"), "{}", n.reason);
+                    }
+                    other => panic!("expected a capacity NACK, got {other:?}"),
+                }
+                assert!(sink.accepted.lock().unwrap().is_empty());
+            }
+            assert_eq!(sink.reserved.load(std::sync::atomic::Ordering::SeqCst), 0);
+        }
     }
 
     #[tokio::test]
@@ -380,7 +459,15 @@ mod tests {
             let recv = {
                 let (sink, k) = (sink.clone(), k.clone());
                 tokio::spawn(async move {
-                    serve_connection(b, &identity(), &limits, sink.as_ref(), Some(&k), false).await
+                    serve_connection(
+                        b,
+                        &identity(),
+                        &limits,
+                        &(sink as Arc<dyn StateSink>),
+                        Some(&k),
+                        false,
+                    )
+                    .await
                 })
             };
             let mut framed = Framed::new(a, V2Codec::new(limits.max_frame));

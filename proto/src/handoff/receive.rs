@@ -13,7 +13,7 @@ use tokio_util::codec::Framed;
 
 use crate::auth::{self, Secret};
 use crate::codec::{CodecError, V2Codec};
-use crate::frame::{Frame, Identity, Nack, NackCode, Receipt, StateFrame};
+use crate::frame::{Frame, FrameError, Identity, Nack, NackCode, Receipt, StateFrame};
 use crate::layout;
 use crate::link::Link;
 
@@ -41,7 +41,18 @@ pub trait StateSink: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Gives back room taken by [`StateSink::reserve`].
+    /// Takes room for a state frame's body of `bytes` while it arrives (from its header
+    /// on: a frame announcing more than the room left is refused before any of its body
+    /// is held), given back with [`StateSink::release`] once it is decoded. The default
+    /// sink has no limit.
+    ///
+    /// # Errors
+    /// A NACK (no room).
+    fn hold(&self, _bytes: u64) -> Result<(), Nack> {
+        Ok(())
+    }
+
+    /// Gives back room taken by [`StateSink::reserve`] or [`StateSink::hold`].
     fn release(&self, _bytes: u64) {}
 
     /// A live handoff's pieces were dropped before it completed (a refused piece, or its
@@ -208,6 +219,46 @@ fn check_descriptors(state: &StateFrame) -> Result<(), Nack> {
     Ok(())
 }
 
+/// The sink as the decoder's [`crate::frame::Room`].
+struct SinkRoom(Arc<dyn StateSink>);
+
+impl crate::frame::Room for SinkRoom {
+    fn take(&self, len: usize) -> Result<(), String> {
+        self.0.hold(len as u64).map_err(|n| n.reason)
+    }
+
+    fn give(&self, len: usize) {
+        self.0.release(len as u64);
+    }
+}
+
+/// Reads away the rest of a refused frame's body (`len` bytes after its header, some of
+/// them already in the read buffer), keeping none of it, within `deadline`: the sender,
+/// still writing it, then finishes and reads the NACK instead of a reset connection.
+async fn discard_body<S>(framed: &mut Framed<S, V2Codec>, len: u64, deadline: std::time::Duration)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let buffered = framed.read_buffer().len() as u64;
+    let mut left = (crate::frame::HEADER_LEN as u64 + len).saturating_sub(buffered);
+    framed.read_buffer_mut().clear();
+    let io = framed.get_mut();
+    let mut scratch = vec![0u8; 64 * 1024];
+    let _ = tokio::time::timeout(deadline, async {
+        while left > 0 {
+            let want = scratch
+                .len()
+                .min(usize::try_from(left).unwrap_or(usize::MAX));
+            match io.read(&mut scratch[..want]).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => left -= n as u64,
+            }
+        }
+    })
+    .await;
+}
+
 /// Serves one receiver connection until the peer closes, an error, or a refusal.
 ///
 /// # Errors
@@ -216,14 +267,16 @@ pub async fn serve_connection<S>(
     io: S,
     ours: &Identity,
     limits: &Limits,
-    sink: &dyn StateSink,
+    sink: &Arc<dyn StateSink>,
     secret: Option<&Secret>,
     sealed: bool,
 ) -> Result<(), HandoffError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut framed = Framed::new(io, V2Codec::over(limits.max_frame, sealed));
+    let codec = V2Codec::over(limits.max_frame, sealed).with_room(Arc::new(SinkRoom(sink.clone())));
+    let mut framed = Framed::new(io, codec);
+    let sink = sink.as_ref();
     let refuse = |n: Nack| {
         sink.refused(&n);
         n
@@ -303,6 +356,9 @@ where
             Err(e) => {
                 let n = refuse(error_nack(&e));
                 let _ = framed.send(Frame::Nack(n)).await;
+                if let HandoffError::Codec(CodecError::Frame(FrameError::NoRoom { len, .. })) = &e {
+                    discard_body(&mut framed, *len, limits.frame).await;
+                }
                 return Err(e);
             }
         };
@@ -406,15 +462,8 @@ pub async fn serve<F>(
         let (ours, sink, secret) = (ours.clone(), sink.clone(), secret.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = serve_connection(
-                stream,
-                &ours,
-                &limits,
-                sink.as_ref(),
-                secret.as_deref(),
-                sealed,
-            )
-            .await
+            if let Err(e) =
+                serve_connection(stream, &ours, &limits, &sink, secret.as_deref(), sealed).await
             {
                 tracing::warn!(%peer, error = %e, "handoff connection ended with an error");
             }
