@@ -601,9 +601,9 @@ fn shape(s: &Stream) -> Vec<(u32, u64, u32)> {
         .collect()
 }
 
-/// Synthetic states for the tests of this crate.
-#[cfg(test)]
-pub(crate) mod testing {
+/// Synthetic states for the tests of this crate and the fuzz targets (feature `testing`).
+#[cfg(any(test, feature = "testing"))]
+pub mod testing {
     use super::STATE_MAGIC;
 
     fn push32(v: &mut Vec<u8>, x: u32) {
@@ -614,14 +614,14 @@ pub(crate) mod testing {
     /// stream, 2 layers, K rows of 4 bytes and V rows (or, transposed, 2 elements of 2
     /// bytes) whose bytes encode (section, layer, position, byte) so that any misplaced
     /// byte shows.
-    pub(crate) fn synthetic(first: u32, cells: u32, v_trans: bool, sections: u32) -> Vec<u8> {
+    pub fn synthetic(first: u32, cells: u32, v_trans: bool, sections: u32) -> Vec<u8> {
         let spans: Vec<(u32, u32)> = (0..sections).map(|_| (first, cells)).collect();
         windowed(&spans, v_trans)
     }
 
     /// As [`synthetic`], with each section's own `(first, cells)`: a sliding window's
     /// section holds fewer, later positions than a full one.
-    pub(crate) fn windowed(spans: &[(u32, u32)], v_trans: bool) -> Vec<u8> {
+    pub fn windowed(spans: &[(u32, u32)], v_trans: bool) -> Vec<u8> {
         let mut v = Vec::new();
         push32(&mut v, STATE_MAGIC);
         push32(&mut v, 0);

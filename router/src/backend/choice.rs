@@ -59,6 +59,15 @@ impl Backend {
             .await
     }
 
+    /// How many tokens of `req`'s conversation the decode node holds (from its earlier
+    /// turns), when the request may reuse them (`cache_prompt`, a template that renders
+    /// a conversation's turns alike).
+    fn held(&self, req: &ValidRequest) -> Option<u32> {
+        (req.cache_prompt && self.renders_alike(&req.input))
+            .then(|| lock(&self.learned).conversations.find(&req.input))
+            .flatten()
+    }
+
     /// A new turn of a conversation the decode node holds goes on there when the choice
     /// says so and the node still holds it ([`Backend::continue_on_decode_node`]): `Ok`
     /// with its answer started. Else `Err` with how many tokens of the conversation the
@@ -69,11 +78,7 @@ impl Backend {
         transport: Transport,
         request_id: &str,
     ) -> Result<Started, u32> {
-        let mut held = if req.cache_prompt && self.renders_alike(&req.input) {
-            lock(&self.learned).conversations.find(&req.input)
-        } else {
-            None
-        };
+        let mut held = self.held(req);
         // The prefill node goes first when told to, or when it holds the conversation too
         // and is measured sooner per token: only the new part's KV then crosses.
         let prefill_node_first = held.is_some()
@@ -139,9 +144,8 @@ impl Backend {
         request_id: &str,
     ) -> Result<Started, ApiError> {
         let objective = req.objective.unwrap_or(self.config.objective);
-        let held = req.cache_prompt
-            && self.renders_alike(&req.input)
-            && lock(&self.learned).conversations.find(&req.input).is_some();
+        let held = self.held(req).is_some();
+        let chars = input_chars(&req.input);
         let default = mode_of(req.handoff.unwrap_or(self.config.handoff));
         let choice = if held {
             Choice {
@@ -157,7 +161,6 @@ impl Backend {
                 Some(m) => std::slice::from_ref(m),
                 None => &Mode::ALL,
             };
-            let chars = input_chars(&req.input);
             let (measured, prompt_tokens) = {
                 let l = lock(&self.learned);
                 (l.rates.measured(), l.rates.tokens_of(chars))
@@ -201,9 +204,7 @@ impl Backend {
             }
         };
         if let Some(tokens) = started.prompt_tokens {
-            lock(&self.learned)
-                .rates
-                .prompt_seen(input_chars(&req.input), tokens);
+            lock(&self.learned).rates.prompt_seen(chars, tokens);
         }
         let mut choice = choice;
         if held && started.placement == PrefilledOn::DecodeNode {

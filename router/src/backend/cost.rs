@@ -20,9 +20,9 @@
 //!
 //! A node's decode rate is measured from every answer it writes, times the answers it shared
 //! the node with (the mean of the counts at its start and end: approximate when others come
-//! and go during it). A mode whose rates are not all measured yet is not predicted. Prefill of others' prompts
-//! and the export are left out: they are small beside the terms kept (measured: a 2,000
-//! token prompt's export is ~1% of its prefill).
+//! and go during it). A mode whose rates are not all measured yet is not predicted.
+//! Prefill of others' prompts and the export are left out: they are small beside the
+//! terms kept (measured: a 2,000 token prompt's export is ~1% of its prefill).
 
 use std::fmt::Write as _;
 
