@@ -15,7 +15,8 @@ device, all CPU): the common prefix and whether the whole answer is the same.
   gpu local               all GPU (prefill and decode)
   gpu after               GPU prefill, the state crosses, CPU decode (the product's split)
   gpu live                GPU prefill and first tokens, CPU decode after the switch
-Then the 2,000-token prompt's prefill and TTFT, GPU against CPU, medians of repeats.
+First (so that a deadline cuts the comparison, not them) the longest prompt's prefill,
+TTFT and live switch, each router, medians of repeats.
 
 Writes OUT/agreement.json (every answer's ids and timing) and prints a summary.
 """
@@ -114,32 +115,6 @@ def main():
     for name in urls:
         ask(urls[name], "Hello there. " * 40, "local", None, None)
 
-    for seed in (None, 7):
-        for src, n, prompt in prompts(root):
-            if time.time() > DEADLINE:
-                result["stopped"] = "deadline"
-                save()
-                return summary(result)
-            row = {"source": src, "target_tokens": n, "seed": seed, "answers": {}}
-            for router, transport, handoff in MODES:
-                name = f"{router} {transport}" + (f" {handoff}" if handoff else "")
-                row["answers"][name] = ask(urls[router], prompt, transport, handoff, seed)
-            base = row["answers"]["cpu local"]["ids"]
-            row["prompt_tokens"] = row["answers"]["cpu local"]["prompt_tokens"]
-            row["common"] = {k: common(base, a["ids"]) for k, a in row["answers"].items()}
-            row["length"] = {k: len(a["ids"]) for k, a in row["answers"].items()}
-            # The chosen tokens' log-probabilities where both answers have the same context.
-            lp = row["answers"]["cpu local"]["logprobs"]
-            row["logprob_diff"] = {
-                k: [abs(x - y) for x, y in zip(lp[: row["common"][k]], a["logprobs"])]
-                for k, a in row["answers"].items()
-            }
-            rows.append(row)
-            print(f"[agree] {src} {row['prompt_tokens']} tokens seed={seed}: "
-                  + ", ".join(f"{k} {row['common'][k]}/{row['length'][k]}" for k in row["common"]),
-                  flush=True)
-            save()
-
     # Prefill speed: the longest prompt, each router local, and the live handoff's switch.
     src, n, prompt = [p for p in prompts(root) if p[1] == max(LENGTHS)][0]
     for router in urls:
@@ -162,10 +137,45 @@ def main():
                 "e2e_ms": statistics.median(r["e2e_ms"] for r in runs),
             }
             save()
+    for seed in (None, 7):
+        for src, n, prompt in prompts(root):
+            if time.time() > DEADLINE:
+                result["stopped"] = "deadline"
+                save()
+                summary(result)
+                return
+            row = {"source": src, "target_tokens": n, "seed": seed, "answers": {}}
+            for router, transport, handoff in MODES:
+                name = f"{router} {transport}" + (f" {handoff}" if handoff else "")
+                row["answers"][name] = ask(urls[router], prompt, transport, handoff, seed)
+            base = row["answers"]["cpu local"]["ids"]
+            row["prompt_tokens"] = row["answers"]["cpu local"]["prompt_tokens"]
+            row["common"] = {k: common(base, a["ids"]) for k, a in row["answers"].items()}
+            row["length"] = {k: len(a["ids"]) for k, a in row["answers"].items()}
+            # The chosen tokens' log-probabilities where both answers have the same context.
+            lp = row["answers"]["cpu local"]["logprobs"]
+            row["logprob_diff"] = {
+                k: [abs(x - y) for x, y in zip(lp[: row["common"][k]], a["logprobs"])]
+                for k, a in row["answers"].items()
+            }
+            rows.append(row)
+            print(f"[agree] {src} {row['prompt_tokens']} tokens seed={seed}: "
+                  + ", ".join(f"{k} {row['common'][k]}/{row['length'][k]}" for k in row["common"]),
+                  flush=True)
+            save()
+
     summary(result)
 
 
 def summary(result):
+    for k, v in result["speed"].items():
+        tps = v["prompt_tokens"] / v["prefill_ms"] * 1000 if v["prefill_ms"] else 0
+        after = v["switch_ms"] - v["ttft_ms"] if v["switch_ms"] else None
+        print(f"  speed {k:10s} {v['prompt_tokens']} prompt tokens, {v['runs']} runs: prefill "
+              f"{v['prefill_ms']:.0f} ms ({tps:.0f} tokens/s), TTFT {v['ttft_ms']:.0f} ms, e2e "
+              f"{v['e2e_ms']:.0f} ms"
+              + (f", switch {after:.0f} ms after the first token, decode node wrote "
+                 f"{v['decode_node_tokens']:.0f}" if after is not None else ""))
     rows = result["rows"]
     if not rows:
         print("[agree] no answers")
@@ -180,8 +190,6 @@ def summary(result):
               + (f"; |logprob diff| of the same tokens mean {statistics.mean(diffs):.5f} "
                  f"max {max(diffs):.5f} over {len(diffs)}" if diffs else "")
               + (f"; where they differ, first differing token at {sorted(firsts)}" if firsts else ""))
-    for k, s in result["speed"].items():
-        print(f"  speed {k}: {s}")
 
 
 if __name__ == "__main__":
