@@ -30,7 +30,7 @@ import urllib.request
 
 MAX_TOKENS = int(os.environ.get("AGREE_MAX_TOKENS", "128"))
 LENGTHS = [int(x) for x in os.environ.get("AGREE_LENGTHS", "32,128,512,1024,2000").split(",")]
-SOURCES = os.environ.get("AGREE_SOURCES", "README.md,ARCHITECTURE.md,docs/PROTOCOL.md").split(",")
+SOURCES = os.environ.get("AGREE_SOURCES", "README.md,ARCHITECTURE.md,proto/PROTOCOL.md").split(",")
 REPEATS = int(os.environ.get("AGREE_REPEATS", "3"))
 DEADLINE = time.time() + float(os.environ.get("AGREE_SECONDS", "400"))
 MODES = [
