@@ -78,6 +78,11 @@ mkdir -p "$SRC"
 if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
         tar -C "$ROOT" --null -T - -cf - | tar -C "$SRC" -xf -
+    # A file gone from the repository goes from the copy too: a module moved into a
+    # folder (frame.rs -> frame/mod.rs) would otherwise be found twice.
+    comm -13 <(git -C "$ROOT" ls-files --cached --others --exclude-standard | LC_ALL=C sort) \
+        <(cd "$SRC" && find . -type f | sed 's#^\./##' | LC_ALL=C sort) |
+        (cd "$SRC" && xargs -r -d '\n' rm -f --)
 else
     tar -C "$ROOT" --exclude=./target --exclude=./target-aarch64 --exclude=./.build \
         --exclude=./models -cf - . | tar -C "$SRC" -xf -
