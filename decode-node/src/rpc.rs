@@ -130,9 +130,9 @@ pub fn check(rpc_listen: Option<&str>, has_secret: bool) -> anyhow::Result<()> {
         anyhow::ensure!(
             has_secret,
             "--rpc-listen {addr} needs the shared secret (--secret-file, \
-             EDGESPLIT_SECRET_FILE or EDGESPLIT_SECRET; the prefill node's): ggml's RPC server has no \
-             authentication of its own, so it is served only behind the private link, \
-             --insecure or not"
+             EDGESPLIT_SECRET_FILE or EDGESPLIT_SECRET; the prefill node's): ggml's RPC \
+             server has no authentication of its own, so it is served only behind the \
+             private link, --insecure or not"
         );
     }
     Ok(())
