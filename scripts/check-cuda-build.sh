@@ -19,34 +19,18 @@ DIR="$(mktemp -d)"
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() {
-    for _ in $(seq 1 300); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done
-    echo "$1 never answered" >&2; return 1
-}
+# shellcheck source=scripts/loopback-stack.sh
+source "$ROOT/scripts/loopback-stack.sh"
+start_decode "$DIR/decode.log" "$BIN/edgesplit-decode" --model "$MODEL" --n-ctx 1024
 
-D=$(free_port); H=$(free_port); V=$(free_port)
-"$BIN/edgesplit-decode" --model "$MODEL" --n-ctx 1024 --listen "127.0.0.1:$D" \
-    --handoff-listen "127.0.0.1:$H" --v1-listen "127.0.0.1:$V" 2>"$DIR/decode.log" &
-PIDS+=($!)
-
-# Serves `prefill` (a binary) behind a router; sets ROUTER to the router's port. (Not in a
-# command substitution: that would wait for the services it starts.)
+# Serves `prefill` (a binary) behind a router; sets ROUTER to the router's URL.
 serve() {
-    local prefill="$1" name="$2" P M R
-    P=$(free_port); M=$(free_port); R=$(free_port)
-    "$prefill" --model "$MODEL" --n-ctx 1024 --listen "127.0.0.1:$P" \
-        --metrics-listen "127.0.0.1:$M" 2>"$DIR/$name.log" &
-    PIDS+=($!)
-    "$BIN/edgesplit-router" --listen "127.0.0.1:$R" --prefill-url "http://127.0.0.1:$P" \
-        --decode-url "http://127.0.0.1:$D" 2>"$DIR/router-$name.log" &
-    PIDS+=($!)
-    wait_http "http://127.0.0.1:$R/health"
-    ROUTER="$R"
+    start_prefill "$DIR/$2.log" "$1" --model "$MODEL" --n-ctx 1024
+    start_router "$DIR/router-$2.log" "$BIN/edgesplit-router"
 }
 
 ask() {
-    curl -sf "http://127.0.0.1:$1/v1/completions" -H 'content-type: application/json' -d \
+    curl -sf "$1/v1/completions" -H 'content-type: application/json' -d \
         "{\"prompt\": \"The river ran past the old mill and\", \"max_tokens\": 24,
           \"temperature\": 0, \"edgesplit\": {\"transport\": \"$2\"}}" |
         python3 -c 'import json,sys

@@ -24,51 +24,33 @@ mkdir -p "$OUT"
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() {
-    python3 - "$1" <<'EOF'
-import sys, time, urllib.request
-for _ in range(600):
-    try:
-        urllib.request.urlopen(sys.argv[1], timeout=2)
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.2)
-sys.exit(sys.argv[1] + " never answered")
-EOF
-}
-
-D=$(free_port); H=$(free_port); V=$(free_port)
-"$BIN/edgesplit-decode" --model "$MODEL" --n-ctx "$CTX" --listen "127.0.0.1:$D" \
-    --handoff-listen "127.0.0.1:$H" --v1-listen "127.0.0.1:$V" 2>"$OUT/decode.log" &
-PIDS+=($!)
+# shellcheck source=scripts/loopback-stack.sh
+source "$ROOT/scripts/loopback-stack.sh"
+start_decode "$OUT/decode.log" "$BIN/edgesplit-decode" --model "$MODEL" --n-ctx "$CTX"
 
 # serve NAME [ENV...] -- [PREFILL-ARGS...]: a prefill node of the CUDA build and its router;
 # appends "NAME": URL to URLS.
 URLS=""
 serve() {
-    local name="$1" P M R
+    local name="$1"
     shift
     local envs=()
     while [[ "$1" != "--" ]]; do envs+=("$1"); shift; done
     shift
-    P=$(free_port); M=$(free_port); R=$(free_port)
-    env "${envs[@]}" "$CUDA_BIN" --model "$MODEL" --n-ctx "$CTX" --listen "127.0.0.1:$P" \
-        --metrics-listen "127.0.0.1:$M" "$@" 2>"$OUT/prefill-$name.log" &
-    PIDS+=($!)
-    "$BIN/edgesplit-router" --listen "127.0.0.1:$R" --prefill-url "http://127.0.0.1:$P" \
-        --decode-url "http://127.0.0.1:$D" 2>"$OUT/router-$name.log" &
-    PIDS+=($!)
-    wait_http "http://127.0.0.1:$R/health"
-    URLS="$URLS${URLS:+, }\"$name\": \"http://127.0.0.1:$R\""
+    start_prefill "$OUT/prefill-$name.log" env "${envs[@]}" "$CUDA_BIN" --model "$MODEL" \
+        --n-ctx "$CTX" "$@"
+    start_router "$OUT/router-$name.log" "$BIN/edgesplit-router"
+    URLS="$URLS${URLS:+, }\"$name\": \"$ROUTER\""
 }
 
 serve cpu CUDA_VISIBLE_DEVICES= --
-serve gpu EDGESPLIT_UNUSED=1 --
-serve gpus EDGESPLIT_UNUSED=1 -- --stream-prefill
+serve gpu --
+serve gpus -- --stream-prefill
+# ggml logs only a CUDA failure at this level: none means the node found the GPU.
 for name in cpu gpu gpus; do
-    echo "[cuda-agreement] prefill-$name: $(grep -o 'ggml_cuda_init: [^[]*\|no CUDA devices[^[]*\|offloaded [0-9/]* layers to GPU' \
-        "$OUT/prefill-$name.log" | sort -u | tr '\n' ';')" >&2
+    said=$(sed 's/\x1b\[[0-9;]*m//g' "$OUT/prefill-$name.log" |
+        grep -o 'failed to initialize CUDA[^"]*' | sed 's/ *module=.*//' | head -1 || true)
+    echo "[cuda-agreement] prefill-$name: ${said:-CUDA initialized}" >&2
 done
 python3 "$ROOT/scripts/cuda_agreement.py" "{$URLS}" "$ROOT" "$OUT"
 echo "[cuda-agreement] report: $OUT/agreement.json" >&2
