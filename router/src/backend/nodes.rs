@@ -319,6 +319,14 @@ impl Busy {
             .load(std::sync::atomic::Ordering::SeqCst);
         (f64::from(self.at_start) + f64::from(now.max(1))) / 2.0
     }
+
+    /// Records the node's decode speed from this answer's `tokens` written in `ms`: the
+    /// answer's speed x the answers sharing the node.
+    pub(super) fn record(&self, learned: &std::sync::Mutex<Learned>, tokens: u32, ms: f64) {
+        lock(learned)
+            .rates
+            .decoded(self.phone, tokens, ms / self.sharing());
+    }
 }
 
 impl Drop for Busy {
@@ -351,8 +359,6 @@ pub(super) fn decoded(learned: &std::sync::Mutex<Learned>, busy: &Busy, ev: &sup
         ..
     } = ev
     {
-        lock(learned)
-            .rates
-            .decoded(busy.phone, *decode_tokens, *decode_ms / busy.sharing());
+        busy.record(learned, *decode_tokens, *decode_ms);
     }
 }

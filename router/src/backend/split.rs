@@ -68,19 +68,17 @@ pub(super) struct SplitAnswer {
 const KEEP_WAIT: Duration = Duration::from_secs(600);
 
 impl SplitAnswer {
-    /// The decode node writes the rest of the answer: it counts there, no longer on the
-    /// laptop.
     /// The laptop wrote the live answer's tokens after the first since `first_sent`.
     fn laptop_decoded(&self) {
         if let Some(laptop) = &self.laptop {
             let tokens = u32::try_from(self.sent.len().saturating_sub(1)).unwrap_or(u32::MAX);
             let ms = self.first_sent.elapsed().as_secs_f64() * 1000.0;
-            lock(&self.learned)
-                .rates
-                .decoded(false, tokens, ms / laptop.sharing());
+            laptop.record(&self.learned, tokens, ms);
         }
     }
 
+    /// The decode node writes the rest of the answer: it counts there, no longer on the
+    /// laptop.
     fn hand_to_phone(&mut self) {
         self.laptop = None;
         self.phone = Some(self.load.take(true));
