@@ -67,7 +67,10 @@ fn asset(kind: &'static str, body: &'static str) -> Response {
         .into_response()
 }
 
-fn node_json(r: Result<edgesplit_proto::pb::NodeInfo, crate::error::ApiError>, url: &str) -> Value {
+fn node_json(
+    r: Result<edgesplit_proto::pb::NodeInfo, crate::backend::Failure>,
+    url: &str,
+) -> Value {
     match r {
         Ok(i) => {
             let mut v = json!({

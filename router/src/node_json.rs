@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use crate::backend::Failure;
 
 /// A prefill node's layer split (`--rpc-peer`, issue 17) as `/health` and the dashboard
 /// show it.
@@ -21,7 +21,7 @@ pub(crate) fn layer_split(l: &edgesplit_proto::pb::LayerSplit) -> Value {
 }
 
 /// A node's `Info` (or why it is not known) as `/health` shows it.
-pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, ApiError>) -> Value {
+pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Value {
     match r {
         Ok(i) => {
             let mut v = json!({

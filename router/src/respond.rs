@@ -294,7 +294,7 @@ impl Answer {
                 self.timing.handoff_bytes = (bytes > 0).then_some(bytes);
                 Step::Nothing
             }
-            Event::Error(e) => Step::Failed(e),
+            Event::Error(e) => Step::Failed(e.into()),
         }
     }
 

@@ -5,9 +5,9 @@ use edgesplit_proto::error::ErrorCode;
 
 use super::cost::{self, Choice, Mode};
 use super::nodes::{lock, lock_info};
+use super::Failure;
 use super::{Backend, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
-use crate::error::ApiError;
 use crate::placement::input_chars;
 
 /// Answer tokens expected of a request that sets no `max_tokens`.
@@ -50,7 +50,7 @@ impl Backend {
         transport: Transport,
         request_id: &str,
         held: u32,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         let kv_per_token = lock_info(&self.last_decode_info)
             .as_ref()
             .map_or(0, |i| i.kv_bytes_per_token);
@@ -121,10 +121,10 @@ impl Backend {
         req: &ValidRequest,
         transport: Transport,
         chosen: Option<HandoffMode>,
-    ) -> Result<HandoffMode, ApiError> {
+    ) -> Result<HandoffMode, Failure> {
         Ok(match (transport, chosen.or(req.handoff)) {
             (Transport::V1, Some(HandoffMode::Live)) => {
-                return Err(ApiError::invalid(
+                return Err(Failure::invalid(
                     Some("edgesplit.handoff".into()),
                     "a live handoff goes over v2 only; use \"after\" with v1",
                 ))
@@ -142,7 +142,7 @@ impl Backend {
         &self,
         req: &ValidRequest,
         request_id: &str,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         let objective = req.objective.unwrap_or(self.config.objective);
         let held = self.held(req).is_some();
         let chars = input_chars(&req.input);

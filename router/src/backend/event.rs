@@ -5,8 +5,8 @@ use tokio::sync::mpsc;
 
 use edgesplit_proto::pb;
 
+use super::Failure;
 use crate::api::{HandoffMode, Transport};
-use crate::error::ApiError;
 
 /// Why an answer ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +88,7 @@ pub enum Event {
     Fallback {
         cause: String,
     },
-    Error(ApiError),
+    Error(Failure),
 }
 
 /// The node a token stream comes from (which wrote a token).

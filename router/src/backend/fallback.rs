@@ -9,9 +9,9 @@ use tokio::sync::mpsc;
 
 use super::event::finished_here;
 use super::stream::forward_prefill_node;
+use super::Failure;
 use super::{Authed, Backend, Event, FinishReason};
 use crate::api::ValidRequest;
-use crate::error::ApiError;
 
 /// What the router needs to finish an answer on the prefill node when the split fails.
 pub struct Fallback {
@@ -36,14 +36,14 @@ impl Fallback {
     /// Finishes the answer on the prefill node after the `sent` tokens (of `total`).
     pub(super) async fn resume(
         self,
-        cause: ApiError,
+        cause: Failure,
         sent: Vec<i32>,
         total: u32,
         tx: &mpsc::Sender<Event>,
         idle: Duration,
         param: &'static str,
     ) {
-        let why = cause.code.clone().unwrap_or_else(|| cause.kind.to_string());
+        let why = cause.name().to_string();
         tracing::warn!(
             request_id = %self.request.request_id,
             cause = %why,
@@ -69,13 +69,13 @@ impl Fallback {
             Ok(Ok(s)) => s.into_inner(),
             Ok(Err(st)) => {
                 let _ = tx
-                    .send(Event::Error(ApiError::from_status(&st, param)))
+                    .send(Event::Error(Failure::from_status(&st, param)))
                     .await;
                 return;
             }
             Err(_) => {
                 let _ = tx
-                    .send(Event::Error(ApiError::upstream(
+                    .send(Event::Error(Failure::upstream(
                         "timeout",
                         "the prefill node did not take over the answer in time",
                     )))

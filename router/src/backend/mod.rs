@@ -5,7 +5,7 @@
 //! transport; a split request ([`Backend::start_split`]) first asks `choice` whether a
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
-//! produces), `nodes` (what the router knows of the nodes), `choice` (where a request runs),
+//! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of the nodes), `choice` (where a request runs),
 //! `conversation` (transcripts and replays), `split` (a split answer after its first
 //! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
 //!
@@ -17,6 +17,7 @@ mod choice;
 mod conversation;
 pub mod cost;
 mod event;
+mod failure;
 mod fallback;
 mod nodes;
 mod split;
@@ -37,6 +38,7 @@ use tonic::transport::Channel;
 pub use choice::ContinueOn;
 use conversation::Transcript;
 pub use event::{Event, FinishReason, Node, PrefilledOn, Started};
+pub use failure::{Class, Failure};
 pub use fallback::Fallback;
 pub use nodes::HealthInfos;
 use nodes::{lock, lock_info, Counted, Learned, Load};
@@ -47,7 +49,7 @@ use stream::{forward_prefill_node, next_event};
 type Authed = InterceptedService<Channel, GrpcCredentials>;
 
 use crate::api::{HandoffMode, Input, Transport, ValidRequest};
-use crate::error::ApiError;
+
 use crate::tools::Tools;
 
 /// How the nodes are reached.
@@ -185,7 +187,7 @@ impl Backend {
         req: &ValidRequest,
         transport: Transport,
         request_id: &str,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         match transport {
             Transport::V2 | Transport::V1 => {
                 self.start_split(req, transport, request_id, None).await
@@ -211,7 +213,7 @@ impl Backend {
         request_id: &str,
         fallback: Option<String>,
         measure: bool,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         let busy = self.load.take(false);
         let param = input_param(&req.input);
         let mut client = self.prefill.clone();
@@ -262,7 +264,7 @@ impl Backend {
         transport: Transport,
         request_id: &str,
         max_uncached: Option<u32>,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         let busy = self.load.take(true);
         let param = input_param(&req.input);
         let mut preq = Self::prefill_request(req, request_id, None, 0);
@@ -281,10 +283,10 @@ impl Backend {
         let call = tokio::time::timeout(bound, client.local(preq)).await;
         let mut stream = match call {
             Ok(r) => r.map_err(|st| {
-                ApiError::from_status_of(&st, param, ("decode_unavailable", "the decode node"))
+                Failure::from_status_of(&st, param, ("decode_unavailable", "the decode node"))
             })?,
             Err(_) => {
-                return Err(ApiError::unavailable(
+                return Err(Failure::unavailable(
                     "decode_unavailable",
                     format!("the decode node did not answer within {bound:?}"),
                 ))
@@ -354,7 +356,7 @@ impl Backend {
         transport: Transport,
         request_id: &str,
         handoff: Option<HandoffMode>,
-    ) -> Result<Started, ApiError> {
+    ) -> Result<Started, Failure> {
         let param = input_param(&req.input);
         let base_max = match self.held_turn(req, transport, request_id).await {
             Ok(started) => return Ok(started),
@@ -510,11 +512,11 @@ impl Backend {
         (transport, mode): (Transport, HandoffMode),
         info: &pb::NodeInfo,
         base_max: u32,
-    ) -> Result<(tonic::Streaming<pb::PrefillEvent>, pb::FirstToken), ApiError> {
+    ) -> Result<(tonic::Streaming<pb::PrefillEvent>, pb::FirstToken), Failure> {
         let param = input_param(&req.input);
         let (addr, wire) = target(info, transport);
         if addr.is_empty() {
-            return Err(ApiError::unavailable(
+            return Err(Failure::unavailable(
                 "decode_unavailable",
                 format!(
                     "the decode node advertises no {} handoff address",
@@ -550,7 +552,7 @@ impl Backend {
             Some(pb::PrefillEvent {
                 event: Some(pb::prefill_event::Event::First(f)),
             }) => Ok((pstream, f)),
-            _ => Err(ApiError::upstream(
+            _ => Err(Failure::upstream(
                 "protocol_error",
                 "the prefill node did not send a first token",
             )),
@@ -561,11 +563,11 @@ impl Backend {
         &self,
         fut: impl std::future::Future<Output = Result<T, tonic::Status>>,
         param: &str,
-    ) -> Result<T, ApiError> {
+    ) -> Result<T, Failure> {
         match tokio::time::timeout(self.config.first_token_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(st)) => Err(ApiError::from_status(&st, param)),
-            Err(_) => Err(ApiError::upstream(
+            Ok(Err(st)) => Err(Failure::from_status(&st, param)),
+            Err(_) => Err(Failure::upstream(
                 "timeout",
                 "the prefill node did not produce a first token in time",
             )),
@@ -578,12 +580,12 @@ impl Backend {
         stream: &mut tonic::Streaming<pb::TokenEvent>,
         param: &str,
         who: &str,
-    ) -> Result<pb::Prefilled, ApiError> {
+    ) -> Result<pb::Prefilled, Failure> {
         match self.first_within(stream.message(), param).await? {
             Some(pb::TokenEvent {
                 event: Some(pb::token_event::Event::Prefilled(p)),
             }) => Ok(p),
-            _ => Err(ApiError::upstream(
+            _ => Err(Failure::upstream(
                 "protocol_error",
                 format!("{who} did not report its prefill"),
             )),

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use edgesplit_proto::link::HandshakeFailed;
 use edgesplit_proto::pb;
 
+use super::Failure;
 use super::{Backend, PrefilledOn};
 use crate::api::{Input, Transport};
-use crate::error::ApiError;
 use crate::placement::{Conversations, Rates};
 
 /// What the router learns from answers to place the next ones (`placement.rs`).
@@ -19,16 +19,13 @@ pub(super) struct Learned {
 }
 
 /// Both nodes' `Info` answers, prefill first.
-pub type HealthInfos = (
-    Result<pb::NodeInfo, ApiError>,
-    Result<pb::NodeInfo, ApiError>,
-);
+pub type HealthInfos = (Result<pb::NodeInfo, Failure>, Result<pb::NodeInfo, Failure>);
 
 /// Keeps a node's `Info` answer as its last known one; passes the call's result on.
 fn remember(
     last: &std::sync::Mutex<Option<pb::NodeInfo>>,
-    info: Result<pb::NodeInfo, ApiError>,
-) -> Result<pb::NodeInfo, ApiError> {
+    info: Result<pb::NodeInfo, Failure>,
+) -> Result<pb::NodeInfo, Failure> {
     if let Ok(i) = &info {
         *lock_info(last) = Some(i.clone());
     }
@@ -63,7 +60,7 @@ impl Backend {
     ///
     /// # Errors
     /// 503 when the node does not answer in time.
-    pub async fn prefill_info(&self) -> Result<pb::NodeInfo, ApiError> {
+    pub async fn prefill_info(&self) -> Result<pb::NodeInfo, Failure> {
         let mut c = self.prefill.clone();
         let info = self
             .info_within(
@@ -87,7 +84,7 @@ impl Backend {
     pub async fn prefill_info_fresh(
         &self,
         max_age: std::time::Duration,
-    ) -> Result<pb::NodeInfo, ApiError> {
+    ) -> Result<pb::NodeInfo, Failure> {
         let at = *self
             .prefill_info_at
             .lock()
@@ -162,7 +159,7 @@ impl Backend {
     ///
     /// # Errors
     /// 503 when the node does not answer in time.
-    pub async fn decode_info(&self) -> Result<pb::NodeInfo, ApiError> {
+    pub async fn decode_info(&self) -> Result<pb::NodeInfo, Failure> {
         let mut c = self.decode.clone();
         let asked = std::time::Instant::now();
         let info = self
@@ -184,11 +181,11 @@ impl Backend {
         call: impl std::future::Future<Output = Result<tonic::Response<pb::NodeInfo>, tonic::Status>>,
         code: &str,
         who: &str,
-    ) -> Result<pb::NodeInfo, ApiError> {
+    ) -> Result<pb::NodeInfo, Failure> {
         match tokio::time::timeout(self.config.info_timeout, call).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             // A misconfiguration, not an outage: retrying will not help.
-            Ok(Err(st)) if st.code() == tonic::Code::Unauthenticated => Err(ApiError::upstream(
+            Ok(Err(st)) if st.code() == tonic::Code::Unauthenticated => Err(Failure::upstream(
                 "auth_failed",
                 format!(
                     "{who} refused the router's credential ({}): give all three services the same secret",
@@ -197,12 +194,12 @@ impl Backend {
             )),
             Ok(Err(st)) => Err(match HandshakeFailed::find(&st) {
                 // The private link's handshake failed: another secret, or none, on the node.
-                Some(h) => ApiError::link_refused(who, h),
+                Some(h) => Failure::link_refused(who, h),
                 // A plain router whose node speaks only TLS reads the node's TLS alert as
                 // a broken HTTP/2 stream or a reset connection (which of them varies with
                 // timing): say what may have happened.
                 None if !self.config.link.is_private() => {
-                    ApiError::unavailable(
+                    Failure::unavailable(
                         code,
                         format!(
                             "{who} is not reachable: {} (if it has a shared secret, give the \
@@ -212,22 +209,22 @@ impl Backend {
                     )
                 }
                 // A connection that broke after its handshake (a status made here, with
-                // a source): said as `ApiError::from_status` says it.
+                // a source): said as `Failure::from_status` says it.
                 None => match std::error::Error::source(&st) {
-                    Some(source) => ApiError::unavailable(
+                    Some(source) => Failure::unavailable(
                         code,
                         format!(
                             "the connection to {who} broke: {} ({source})",
                             st.message()
                         ),
                     ),
-                    None => ApiError::unavailable(
+                    None => Failure::unavailable(
                         code,
                         format!("{who} is not reachable: {}", st.message()),
                     ),
                 },
             }),
-            Err(_) => Err(ApiError::unavailable(
+            Err(_) => Err(Failure::unavailable(
                 code,
                 format!("{who} did not answer within {:?}", self.config.info_timeout),
             )),
@@ -236,7 +233,7 @@ impl Backend {
 
     /// `Ok` when the prefill node serves a layer split (its last `Info`, else a fresh
     /// one); a 400 naming the transport otherwise.
-    pub(super) async fn layer_split_serving(&self) -> Result<(), ApiError> {
+    pub(super) async fn layer_split_serving(&self) -> Result<(), Failure> {
         let known = lock_info(&self.last_prefill_info).clone();
         let info = match known {
             Some(i) => i,
@@ -244,14 +241,14 @@ impl Backend {
         };
         match info.layer_split.as_ref().map(|l| l.state.as_str()) {
             Some("split") => Ok(()),
-            Some(state) => Err(ApiError::invalid(
+            Some(state) => Err(Failure::invalid(
                 Some("edgesplit.transport".to_string()),
                 format!(
                     "transport \"layers\": the prefill node's layer split is {state:?} (its RPC \
                      peer was lost; every layer is computed there): use \"local\""
                 ),
             )),
-            None => Err(ApiError::invalid(
+            None => Err(Failure::invalid(
                 Some("edgesplit.transport".to_string()),
                 "transport \"layers\": the prefill node serves no layer split (start it with \
                  --rpc-peer and --rpc-layers)",

@@ -15,16 +15,16 @@ use super::event::finished_here;
 use super::fallback::Fallback;
 use super::nodes::{decoded, lock, Busy, Learned, Load};
 use super::stream::{next_event, token_event};
+use super::Failure;
 use super::{Authed, Event, FinishReason, Node};
 use crate::api::HandoffMode;
-use crate::error::ApiError;
 
 /// How the split part of a request ended.
 enum Split {
     /// Finished, or the client went away.
     Over,
     /// The handoff or the decode node failed; the client has not seen an error yet.
-    Failed(ApiError),
+    Failed(Failure),
 }
 
 /// The handoff's report: the prefill node's `Prefill` stream after its first token, read
@@ -155,14 +155,14 @@ impl SplitAnswer {
             let event = match tokio::time::timeout(idle, pstream.message()).await {
                 Ok(Ok(Some(m))) => m.event,
                 Ok(Ok(None)) => {
-                    return Split::Failed(ApiError::upstream(
+                    return Split::Failed(Failure::upstream(
                         "stream_ended",
                         "the prefill node ended the live answer without finishing it",
                     ))
                 }
-                Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+                Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
                 Err(_) => {
-                    return Split::Failed(ApiError::upstream(
+                    return Split::Failed(Failure::upstream(
                         "timeout",
                         format!("no token from the prefill node within {idle:?}"),
                     ))
@@ -216,7 +216,7 @@ impl SplitAnswer {
                 }
                 Some(P::Switched(sw)) => return self.switch(sw).await,
                 Some(P::First(_) | P::Handoff(_) | P::Kept(_)) | None => {
-                    return Split::Failed(ApiError::upstream(
+                    return Split::Failed(Failure::upstream(
                         "protocol_error",
                         "unexpected event in the prefill node's live answer",
                     ))
@@ -289,7 +289,7 @@ impl SplitAnswer {
         self.laptop_decoded();
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         if sw.answered != answered {
-            return Split::Failed(ApiError::upstream(
+            return Split::Failed(Failure::upstream(
                 "protocol_error",
                 format!(
                     "the prefill node switched after token {} but sent {answered}",
@@ -330,9 +330,9 @@ impl SplitAnswer {
         let stream = match tokio::time::timeout(idle, decode.generate(self.generate.clone())).await
         {
             Ok(Ok(s)) => s.into_inner(),
-            Ok(Err(st)) => return Split::Failed(ApiError::from_status(&st, self.param)),
+            Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
             Err(_) => {
-                return Split::Failed(ApiError::upstream(
+                return Split::Failed(Failure::upstream(
                     "timeout",
                     format!("the decode node did not take the answer within {idle:?}"),
                 ))
@@ -348,7 +348,7 @@ impl SplitAnswer {
     fn on_handoff(
         &self,
         r: Result<Result<Option<pb::PrefillEvent>, tonic::Status>, tokio::task::JoinError>,
-    ) -> Result<Event, ApiError> {
+    ) -> Result<Event, Failure> {
         match r {
             Ok(Ok(Some(pb::PrefillEvent {
                 event: Some(pb::prefill_event::Event::Handoff(h)),
@@ -362,8 +362,8 @@ impl SplitAnswer {
                     hash_ms: Some(h.hash_ms),
                 }
             }),
-            Ok(Err(st)) => Err(ApiError::from_status(&st, self.param)),
-            _ => Err(ApiError::upstream(
+            Ok(Err(st)) => Err(Failure::from_status(&st, self.param)),
+            _ => Err(Failure::upstream(
                 "protocol_error",
                 "the prefill node ended without reporting the handoff",
             )),
@@ -393,7 +393,7 @@ impl SplitAnswer {
             };
             tokio::select! {
                 () = started => {
-                    return Err(Split::Failed(ApiError::upstream(
+                    return Err(Split::Failed(Failure::upstream(
                         "timeout",
                         format!("the decode node did not take the answer within {idle:?} of the handoff"),
                     )));
@@ -408,7 +408,7 @@ impl SplitAnswer {
                                 return Err(Split::Failed(e));
                             }
                         }
-                        return Err(Split::Failed(ApiError::from_status(&st, self.param)));
+                        return Err(Split::Failed(Failure::from_status(&st, self.param)));
                     }
                 },
                 h = &mut *handoff, if *handoff_pending => {

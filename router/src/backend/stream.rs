@@ -7,8 +7,8 @@ use edgesplit_proto::pb;
 use tokio::sync::mpsc;
 
 use super::nodes::Counted;
+use super::Failure;
 use super::{Event, FinishReason, Node};
-use crate::error::ApiError;
 
 /// `ev` of a stream from node `from`.
 pub(super) fn token_event(ev: pb::TokenEvent, with_prompt: bool, from: Node) -> Event {
@@ -38,7 +38,7 @@ pub(super) fn token_event(ev: pb::TokenEvent, with_prompt: bool, from: Node) -> 
             prompt_tokens: with_prompt.then_some(f.prompt_tokens),
             prefill_ms: with_prompt.then_some(f.prefill_ms),
         },
-        None => Event::Error(ApiError::upstream("protocol_error", "empty token event")),
+        None => Event::Error(Failure::upstream("protocol_error", "empty token event")),
     }
 }
 
@@ -58,15 +58,15 @@ pub(super) async fn next_event(
     };
     match tokio::time::timeout(idle, stream.message()).await {
         Ok(Ok(Some(m))) => token_event(m, with_prompt, node),
-        Ok(Ok(None)) => Event::Error(ApiError::upstream(
+        Ok(Ok(None)) => Event::Error(Failure::upstream(
             "stream_ended",
             format!("{name} ended the answer without finishing"),
         )),
         Ok(Err(st)) => Event::Error(match node {
-            Node::Prefill => ApiError::from_status(&st, param),
-            Node::Decode => ApiError::from_decode_stream(&st, param),
+            Node::Prefill => Failure::from_status(&st, param),
+            Node::Decode => Failure::from_decode_stream(&st, param),
         }),
-        Err(_) => Event::Error(ApiError::upstream(
+        Err(_) => Event::Error(Failure::upstream(
             "timeout",
             format!("no token from {name} within {idle:?}"),
         )),
