@@ -5,9 +5,10 @@
 //! transport; a split request ([`Backend::start_split`]) first asks `choice` whether a
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
-//! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of the nodes), `choice` (where a request runs),
-//! `conversation` (transcripts and replays), `split` (a split answer after its first
-//! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
+//! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
+//! the nodes), `choice` (where a request runs), `conversation` (transcripts and replays),
+//! `split` (a split answer after its first token), `fallback` (finishing on the prefill
+//! node), `stream` (reading a node's stream).
 //!
 //! Architecture invariant: the first token is forwarded as soon as the prefill node sends
 //! it; the KV handoff and the decode call happen after, concurrently with the client
