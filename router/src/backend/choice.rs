@@ -3,8 +3,9 @@
 
 use edgesplit_proto::error::ErrorCode;
 
-use super::cost::{self, Choice, Mode};
+use super::cost::{self, Choice};
 use super::nodes::{lock, lock_info};
+use super::route::{Route, Wire};
 use super::Failure;
 use super::{Backend, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
@@ -12,13 +13,6 @@ use crate::placement::input_chars;
 
 /// Answer tokens expected of a request that sets no `max_tokens`.
 const DEFAULT_ANSWER_TOKENS: f64 = 256.0;
-
-fn mode_of(h: HandoffMode) -> Mode {
-    match h {
-        HandoffMode::Live => Mode::Live,
-        HandoffMode::After => Mode::After,
-    }
-}
 
 /// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -114,26 +108,6 @@ impl Backend {
         Err(held.unwrap_or(0))
     }
 
-    /// A split answer's handoff mode: `chosen` (by `transport: "auto"`), else the
-    /// request's, else the router's; `after` over v1 (a live handoff over v1 is refused).
-    pub(super) fn handoff_mode(
-        &self,
-        req: &ValidRequest,
-        transport: Transport,
-        chosen: Option<HandoffMode>,
-    ) -> Result<HandoffMode, Failure> {
-        Ok(match (transport, chosen.or(req.handoff)) {
-            (Transport::V1, Some(HandoffMode::Live)) => {
-                return Err(Failure::invalid(
-                    Some("edgesplit.handoff".into()),
-                    "a live handoff goes over v2 only; use \"after\" with v1",
-                ))
-            }
-            (Transport::V1, _) => HandoffMode::After,
-            (_, m) => m.unwrap_or(self.config.handoff),
-        })
-    }
-
     /// `transport: "auto"`: the cost model's choice among the modes this request can take
     /// under its objective (`cost.rs`), then that mode's path. A conversation the decode
     /// node holds keeps today's placement rule (`held_turn`, `--continue-on`); a request
@@ -146,7 +120,7 @@ impl Backend {
         let objective = req.objective.unwrap_or(self.config.objective);
         let held = self.held(req).is_some();
         let chars = input_chars(&req.input);
-        let default = mode_of(req.handoff.unwrap_or(self.config.handoff));
+        let default = Route::split(Wire::V2, req.handoff.unwrap_or(self.config.handoff))?;
         let choice = if held {
             Choice {
                 mode: default,
@@ -156,10 +130,10 @@ impl Backend {
                 predicted: None,
             }
         } else {
-            let forced = req.handoff.map(mode_of);
-            let allowed: &[Mode] = match &forced {
+            let forced = req.handoff.map(|_| default);
+            let allowed: &[Route] = match &forced {
                 Some(m) => std::slice::from_ref(m),
-                None => &Mode::ALL,
+                None => &Route::CHOSEN,
             };
             let (measured, prompt_tokens) = {
                 let l = lock(&self.learned);
@@ -184,31 +158,15 @@ impl Backend {
             cost::choose(&measured, &request, objective, allowed, default)
         };
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
-        let mut started = match (held, choice.mode) {
-            (true, _) => {
-                self.start_split(req, Transport::V2, request_id, None)
-                    .await?
-            }
-            (false, Mode::Local) => self.start_local(req, request_id, None, true).await?,
-            (false, Mode::Phone) => {
-                self.on_decode_node(req, Transport::Phone, request_id, None)
-                    .await?
-            }
-            (false, Mode::Live) => {
-                self.start_split(req, Transport::V2, request_id, Some(HandoffMode::Live))
-                    .await?
-            }
-            (false, Mode::After) => {
-                self.start_split(req, Transport::V2, request_id, Some(HandoffMode::After))
-                    .await?
-            }
-        };
+        // A held conversation goes the default split way, where `held_turn` decides.
+        let route = if held { default } else { choice.mode };
+        let mut started = self.run(req, route, request_id).await?;
         if let Some(tokens) = started.prompt_tokens {
             lock(&self.learned).rates.prompt_seen(chars, tokens);
         }
         let mut choice = choice;
         if held && started.placement == PrefilledOn::DecodeNode {
-            choice.mode = Mode::Phone;
+            choice.mode = Route::Phone;
         }
         started.choice = Some(choice);
         Ok(started)

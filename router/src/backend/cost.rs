@@ -29,29 +29,7 @@ use std::fmt::Write as _;
 pub use crate::api::Objective;
 pub use crate::placement::Measured;
 
-/// Where and how a request runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Local,
-    Live,
-    After,
-    Phone,
-}
-
-impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::Local, Mode::Live, Mode::After, Mode::Phone];
-
-    /// Its name in the `edgesplit` object and the metrics.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Local => "local",
-            Mode::Live => "live",
-            Mode::After => "after",
-            Mode::Phone => "phone",
-        }
-    }
-}
+use super::route::{Route, Wire};
 
 /// How much later than the soonest mode's an `offload` answer may be expected to end.
 pub const OFFLOAD_BOUND: f64 = 1.5;
@@ -72,7 +50,7 @@ pub struct Request {
 /// A mode's prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cost {
-    pub mode: Mode,
+    pub mode: Route,
     /// Expected time to the end of the answer.
     pub e2e_ms: f64,
     /// Expected time the laptop's engine works on this request.
@@ -82,7 +60,7 @@ pub struct Cost {
 /// The choice for one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
-    pub mode: Mode,
+    pub mode: Route,
     /// Why, in words (the objective and the predictions compared).
     pub reason: String,
     /// The chosen mode's prediction (`None`: chosen without one, no rate measured).
@@ -91,7 +69,7 @@ pub struct Choice {
 
 /// The prediction of `mode`, or `None` while a rate it needs is not measured.
 #[must_use]
-pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
+pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
     let (p, n) = (r.prompt_tokens.max(0.0), r.answer_tokens.max(1.0));
     let laptop_share = f64::from(r.laptop_busy) + 1.0;
     let phone_share = f64::from(r.phone_busy) + 1.0;
@@ -100,7 +78,7 @@ pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
         Some((x, m.rtt_ms?))
     };
     Some(match mode {
-        Mode::Local => {
+        Route::Local => {
             let (pl, dl) = (m.laptop_prefill?, m.laptop_decode?);
             Cost {
                 mode,
@@ -108,7 +86,7 @@ pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
                 laptop_ms: p / pl + n / dl,
             }
         }
-        Mode::Phone => {
+        Route::Phone => {
             let (pp, dp, rtt) = (m.phone_prefill?, m.phone_decode?, m.rtt_ms?);
             Cost {
                 mode,
@@ -116,7 +94,7 @@ pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
                 laptop_ms: 0.0,
             }
         }
-        Mode::After => {
+        Route::After(Wire::V2) => {
             let (pl, dp) = (m.laptop_prefill?, m.phone_decode?);
             let (x, rtt) = crossing()?;
             Cost {
@@ -125,7 +103,7 @@ pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
                 laptop_ms: p / pl,
             }
         }
-        Mode::Live => {
+        Route::Live => {
             let (pl, dl, dp) = (m.laptop_prefill?, m.laptop_decode?, m.phone_decode?);
             let (x, rtt) = crossing()?;
             let k = x * dl / laptop_share;
@@ -143,6 +121,8 @@ pub fn cost(mode: Mode, m: &Measured, r: &Request) -> Option<Cost> {
                 }
             }
         }
+        // Not among `auto`'s choices: not modelled.
+        Route::Layers | Route::After(Wire::V1) => return None,
     })
 }
 
@@ -154,8 +134,8 @@ pub fn choose(
     m: &Measured,
     r: &Request,
     objective: Objective,
-    allowed: &[Mode],
-    fallback: Mode,
+    allowed: &[Route],
+    fallback: Route,
 ) -> Choice {
     let costs: Vec<Cost> = allowed
         .iter()
@@ -213,7 +193,7 @@ pub fn choose(
         );
     }
     reason.pop();
-    let unknown: Vec<Mode> = allowed
+    let unknown: Vec<Route> = allowed
         .iter()
         .copied()
         .filter(|mode| costs.iter().all(|c| c.mode != *mode))
@@ -228,7 +208,7 @@ pub fn choose(
     }
 }
 
-fn names(modes: &[Mode]) -> String {
+fn names(modes: &[Route]) -> String {
     modes
         .iter()
         .map(|m| m.as_str())
@@ -266,7 +246,7 @@ mod tests {
 
     /// The choice among all four modes, `live` when none is predicted.
     fn pick(m: &Measured, r: Request, objective: Objective) -> Choice {
-        choose(m, &r, objective, &Mode::ALL, Mode::Live)
+        choose(m, &r, objective, &Route::CHOSEN, Route::Live)
     }
 
     /// A phone at 0.9x the laptop's speeds.
@@ -286,16 +266,16 @@ mod tests {
     fn each_mode_is_predicted_by_its_formula() {
         let (m, r) = (rates(), request(2000.0, 512.0, 0));
         let x = 2000.0 * 23_040.0 / 12_500.0; // 3,686.4 ms to cross
-        let local = cost(Mode::Local, &m, &r).unwrap();
+        let local = cost(Route::Local, &m, &r).unwrap();
         approx(local.e2e_ms, 2000.0 + 512.0 / 0.05);
         approx(local.laptop_ms, local.e2e_ms);
-        let phone = cost(Mode::Phone, &m, &r).unwrap();
+        let phone = cost(Route::Phone, &m, &r).unwrap();
         approx(phone.e2e_ms, 5.0 + 2000.0 / 0.5 + 512.0 / 0.025);
         approx(phone.laptop_ms, 0.0);
-        let after = cost(Mode::After, &m, &r).unwrap();
+        let after = cost(Route::After(Wire::V2), &m, &r).unwrap();
         approx(after.e2e_ms, 2000.0 + x + 5.0 + 511.0 / 0.025);
         approx(after.laptop_ms, 2000.0);
-        let live = cost(Mode::Live, &m, &r).unwrap();
+        let live = cost(Route::Live, &m, &r).unwrap();
         let k = x * 0.05;
         approx(
             live.e2e_ms,
@@ -307,8 +287,8 @@ mod tests {
     #[test]
     fn a_short_answer_that_ends_before_the_state_crosses_is_local_in_all_but_name() {
         let (m, r) = (rates(), request(2000.0, 32.0, 0));
-        let live = cost(Mode::Live, &m, &r).unwrap();
-        let local = cost(Mode::Local, &m, &r).unwrap();
+        let live = cost(Route::Live, &m, &r).unwrap();
+        let local = cost(Route::Local, &m, &r).unwrap();
         approx(live.e2e_ms, local.e2e_ms);
         approx(live.laptop_ms, local.laptop_ms);
     }
@@ -316,14 +296,18 @@ mod tests {
     #[test]
     fn latency_takes_the_soonest_and_a_slower_phone_loses_it() {
         let c = pick(&rates(), request(2000.0, 512.0, 0), Objective::Latency);
-        assert_eq!(c.mode, Mode::Local, "{}", c.reason);
+        assert_eq!(c.mode, Route::Local, "{}", c.reason);
         // A phone as fast as the laptop, on a fast link, and a laptop with three answers
         // running: the split's decode no longer shares the laptop.
         let mut m = rates();
         m.phone_decode = Some(0.05);
         m.link = Some(125_000.0);
         let c = pick(&m, request(2000.0, 512.0, 3), Objective::Latency);
-        assert!(matches!(c.mode, Mode::Live | Mode::After), "{}", c.reason);
+        assert!(
+            matches!(c.mode, Route::Live | Route::After(Wire::V2)),
+            "{}",
+            c.reason
+        );
     }
 
     #[test]
@@ -333,30 +317,30 @@ mod tests {
         // 2000 + 3686 + 5 + 20440 = 26,131 ms against local's 12,240: over the bound, so
         // offload keeps the answer on the laptop.
         let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
-        assert_eq!(c.mode, Mode::Local, "{}", c.reason);
+        assert_eq!(c.mode, Route::Local, "{}", c.reason);
         // A phone at 0.9x the laptop: `after` is within the bound and frees the laptop
         // the most.
         let m = near_laptop_phone();
         let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
-        assert_eq!(c.mode, Mode::Phone, "{}", c.reason);
+        assert_eq!(c.mode, Route::Phone, "{}", c.reason);
         let c = choose(
             &m,
             &request(2000.0, 512.0, 0),
             Objective::Offload,
-            &[Mode::Local, Mode::Live, Mode::After],
-            Mode::Live,
+            &[Route::Local, Route::Live, Route::After(Wire::V2)],
+            Route::Live,
         );
-        assert_eq!(c.mode, Mode::After, "{}", c.reason);
+        assert_eq!(c.mode, Route::After(Wire::V2), "{}", c.reason);
     }
 
     #[test]
     fn balanced_is_latency_on_an_idle_laptop_and_offload_on_a_busy_one() {
         let m = near_laptop_phone();
         let idle = pick(&m, request(500.0, 256.0, 0), Objective::Balanced);
-        assert_eq!(idle.mode, Mode::Local, "{}", idle.reason);
+        assert_eq!(idle.mode, Route::Local, "{}", idle.reason);
         assert!(idle.reason.contains("latency"), "{}", idle.reason);
         let busy = pick(&m, request(500.0, 256.0, 2), Objective::Balanced);
-        assert_eq!(busy.mode, Mode::Phone, "{}", busy.reason);
+        assert_eq!(busy.mode, Route::Phone, "{}", busy.reason);
         assert!(busy.reason.contains("offload"), "{}", busy.reason);
     }
 
@@ -364,19 +348,19 @@ mod tests {
     fn a_rate_not_yet_measured_leaves_its_modes_out_and_says_so() {
         let mut m = rates();
         m.phone_prefill = None;
-        assert_eq!(cost(Mode::Phone, &m, &request(100.0, 32.0, 0)), None);
+        assert_eq!(cost(Route::Phone, &m, &request(100.0, 32.0, 0)), None);
         let c = pick(&m, request(100.0, 32.0, 0), Objective::Offload);
-        assert_ne!(c.mode, Mode::Phone);
+        assert_ne!(c.mode, Route::Phone);
         assert!(c.reason.contains("not yet measured: phone"), "{}", c.reason);
         // Nothing measured: the default mode, said as such.
         let c = choose(
             &Measured::default(),
             &request(100.0, 32.0, 0),
             Objective::Latency,
-            &Mode::ALL,
-            Mode::Live,
+            &Route::CHOSEN,
+            Route::Live,
         );
-        assert_eq!((c.mode, c.predicted), (Mode::Live, None));
+        assert_eq!((c.mode, c.predicted), (Route::Live, None));
         assert!(c.reason.contains("no rate measured yet"), "{}", c.reason);
     }
 
@@ -386,9 +370,13 @@ mod tests {
             &rates(),
             &request(2000.0, 512.0, 0),
             Objective::Latency,
-            &[Mode::After, Mode::Phone],
-            Mode::After,
+            &[Route::After(Wire::V2), Route::Phone],
+            Route::After(Wire::V2),
         );
-        assert!(matches!(c.mode, Mode::After | Mode::Phone), "{}", c.reason);
+        assert!(
+            matches!(c.mode, Route::After(Wire::V2) | Route::Phone),
+            "{}",
+            c.reason
+        );
     }
 }

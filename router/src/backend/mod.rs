@@ -6,7 +6,7 @@
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
 //! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
-//! the nodes), `choice` (where a request runs), `conversation` (transcripts and replays),
+//! the nodes), `route` (where and how a request runs, one type), `choice` (which route), `conversation` (transcripts and replays),
 //! `split` (a split answer after its first token), `fallback` (finishing on the prefill
 //! node), `stream` (reading a node's stream).
 //!
@@ -21,6 +21,7 @@ mod event;
 mod failure;
 mod fallback;
 mod nodes;
+mod route;
 mod split;
 mod stream;
 
@@ -43,6 +44,7 @@ pub use failure::{Class, Failure};
 pub use fallback::Fallback;
 pub use nodes::HealthInfos;
 use nodes::{lock, lock_info, Counted, Learned, Load};
+pub use route::{Route, Wire};
 use split::SplitAnswer;
 use stream::{forward_prefill_node, next_event};
 
@@ -189,18 +191,38 @@ impl Backend {
         transport: Transport,
         request_id: &str,
     ) -> Result<Started, Failure> {
-        match transport {
-            Transport::V2 | Transport::V1 => {
-                self.start_split(req, transport, request_id, None).await
+        match Route::named(transport, req.handoff, self.config.handoff)? {
+            Some(route) => self.run(req, route, request_id).await,
+            None => self.start_auto(req, request_id).await,
+        }
+    }
+
+    /// Starts `req` on `route` (named by the request, or chosen by `auto`).
+    async fn run(
+        &self,
+        req: &ValidRequest,
+        route: Route,
+        request_id: &str,
+    ) -> Result<Started, Failure> {
+        match route {
+            Route::Local => self.start_local(req, request_id, None, true).await,
+            Route::Phone => {
+                self.on_decode_node(req, Transport::Phone, request_id, None)
+                    .await
             }
-            Transport::Local => self.start_local(req, request_id, None, true).await,
-            Transport::Auto => self.start_auto(req, request_id).await,
-            Transport::Phone => self.on_decode_node(req, transport, request_id, None).await,
-            Transport::Layers => {
+            Route::Layers => {
                 self.layer_split_serving().await?;
                 let mut started = self.start_local(req, request_id, None, false).await?;
                 started.transport = Transport::Layers;
                 Ok(started)
+            }
+            Route::Live => {
+                self.start_split(req, Transport::V2, HandoffMode::Live, request_id)
+                    .await
+            }
+            Route::After(wire) => {
+                self.start_split(req, wire.transport(), HandoffMode::After, request_id)
+                    .await
             }
         }
     }
@@ -349,21 +371,20 @@ impl Backend {
     ///
     /// First, when the request continues a conversation the decode node holds, the decode
     /// node may prefill the new part itself ([`Backend::continue_on_decode_node`]); when it
-    /// refuses or cannot, the request is split as any other. `handoff`: the mode chosen for
-    /// it (`transport: "auto"`), else the request's or the router's.
+    /// refuses or cannot, the request is split as any other, in handoff `mode` over
+    /// `transport` (v2 or v1; a [`Route`]'s).
     async fn start_split(
         &self,
         req: &ValidRequest,
         transport: Transport,
+        mode: HandoffMode,
         request_id: &str,
-        handoff: Option<HandoffMode>,
     ) -> Result<Started, Failure> {
         let param = input_param(&req.input);
         let base_max = match self.held_turn(req, transport, request_id).await {
             Ok(started) => return Ok(started),
             Err(base_max) => base_max,
         };
-        let mode = self.handoff_mode(req, transport, handoff)?;
         let laptop = self.load.take(false);
         let last = lock_info(&self.last_decode_info).clone();
         let tried_early = last
