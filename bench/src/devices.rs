@@ -87,6 +87,7 @@ impl Devices {
         let quota = ((phone_speed * PERIOD_US as f64).round() as u64).max(1_000);
         let v1 = cgroup_root.join("cpu");
         let (group, procs) = if v1.join("cpu.cfs_quota_us").is_file() {
+            sweep(&v1);
             let group = v1.join(&name);
             make_group(&group)?;
             write(&group.join("cpu.cfs_period_us"), &PERIOD_US.to_string())?;
@@ -98,6 +99,7 @@ impl Devices {
         {
             // cgroup v2: the root may hand the cpu controller to its children.
             write(&cgroup_root.join("cgroup.subtree_control"), "+cpu")?;
+            sweep(cgroup_root);
             let group = cgroup_root.join(&name);
             make_group(&group)?;
             write(&group.join("cpu.max"), &format!("{quota} {PERIOD_US}"))?;
@@ -172,6 +174,35 @@ impl Drop for Devices {
         // Empty once its processes have exited; a group still in use stays (and says so).
         if let Err(e) = std::fs::remove_dir(&self.group) {
             eprintln!("could not remove {}: {e}", self.group.display());
+        }
+    }
+}
+
+/// Removes the phone groups of benches that are gone (killed before their `Drop`): a group
+/// is named after its bench's pid, and is removed once no process of that pid runs (the
+/// kernel refuses to remove a group that still holds a process; said, and left).
+fn sweep(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("edgesplit-phone-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        match std::fs::remove_dir(e.path()) {
+            Ok(()) => eprintln!(
+                "removed {}, left by a bench that was killed",
+                e.path().display()
+            ),
+            Err(err) => eprintln!("could not remove {}: {err}", e.path().display()),
         }
     }
 }
@@ -272,6 +303,42 @@ mod tests {
         for f in ["cpu.cfs_period_us", "cpu.cfs_quota_us"] {
             std::fs::remove_file(g.join(f)).unwrap();
         }
+        drop(d);
+        assert!(!g.exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A fake cgroup v2 tree: the root hands the cpu controller down, the group gets
+    /// `cpu.max` as "quota period"; a group a killed bench left (its pid gone) is removed
+    /// first, a live bench's kept.
+    #[test]
+    fn a_v2_group_is_made_and_a_killed_benchs_group_removed() {
+        if allowed_cpus().unwrap().len() < 2 {
+            let e = Devices::new(0.5, Path::new("/nonexistent")).unwrap_err();
+            assert!(e.to_string().contains("two CPUs"), "{e}");
+            return;
+        }
+        let root = std::env::temp_dir().join(format!("edgesplit-cg2-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory pids").unwrap();
+        // pid_max is at most 2^22 on Linux: this pid runs nowhere.
+        let stale = root.join("edgesplit-phone-4294967295");
+        let live = root.join("edgesplit-phone-1");
+        std::fs::create_dir(&stale).unwrap();
+        std::fs::create_dir(&live).unwrap();
+        let d = Devices::new(0.5, &root).unwrap();
+        assert!(!stale.exists() && live.exists());
+        assert_eq!(
+            std::fs::read_to_string(root.join("cgroup.subtree_control")).unwrap(),
+            "+cpu"
+        );
+        let g = root.join(format!("edgesplit-phone-{}", std::process::id()));
+        assert_eq!(
+            std::fs::read_to_string(g.join("cpu.max")).unwrap(),
+            "5000 10000"
+        );
+        assert_eq!(d.phone(&[PathBuf::from("prog")])[3], g.join("cgroup.procs"));
+        std::fs::remove_file(g.join("cpu.max")).unwrap();
         drop(d);
         assert!(!g.exists());
         std::fs::remove_dir_all(&root).unwrap();

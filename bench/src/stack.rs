@@ -23,6 +23,14 @@
 //! are bound first and pointed at the addresses once reported ([`Link::unconnected`]).
 //! With [`StackConfig::devices`] the laptop side and the phone side each run on a core of
 //! their own, the phone throttled ([`crate::devices`]).
+//!
+//! A stack does not outlive the process that started it, even one killed by a signal (no
+//! `Drop` then): every service is started through util-linux's `setpriv --pdeathsig KILL`,
+//! so the kernel kills it when the thread that started it ends (the bench's runtime
+//! threads live as long as the bench; a test's, as long as the test). Left: the instant
+//! between the fork and `setpriv`'s `prctl`. The decode node's ggml RPC child ends on its
+//! own when its stdin pipe from the node closes; a phone group left behind is removed by
+//! the next run ([`Devices::new`]).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -203,8 +211,8 @@ fn spawn(
     budget: Option<u64>,
 ) -> anyhow::Result<Child> {
     let file = std::fs::File::create(log)?;
-    let mut cmd = Command::new(&program[0]);
-    cmd.args(&program[1..]);
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--pdeathsig", "KILL"]).args(program);
     match secret {
         Some(s) => cmd.env("EDGESPLIT_SECRET", s),
         None => cmd.env_remove("EDGESPLIT_SECRET"),
@@ -220,7 +228,12 @@ fn spawn(
         .stdout(Stdio::null())
         .stderr(file)
         .spawn()
-        .with_context(|| format!("starting {}", program[0].display()))
+        .with_context(|| {
+            format!(
+                "starting {} (through `setpriv`, util-linux)",
+                program[0].display()
+            )
+        })
 }
 
 /// The fields of the first JSON line of `log` whose message is `message` (a service that
@@ -594,5 +607,90 @@ impl Drop for Guard {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A service does not outlive the process that started it, even one killed with
+    /// SIGKILL (no `Drop` runs): this test runs itself again as that process (the variable
+    /// below), which starts a service and prints its pid; the test kills it and watches
+    /// the service end (dead, or a zombie waiting for init to reap it).
+    #[test]
+    fn a_service_ends_with_the_bench_that_started_it() {
+        const CHILD: &str = "EDGESPLIT_TEST_PDEATH_LOG";
+        if let Some(log) = std::env::var_os(CHILD) {
+            let service = spawn(
+                &["sleep".into(), "60".into()],
+                &[],
+                log.as_ref(),
+                None,
+                None,
+            );
+            println!("service pid {}", service.unwrap().id());
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        let log = std::env::temp_dir().join(format!("edgesplit-pdeath-{}.log", std::process::id()));
+        let mut bench = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "stack::tests::a_service_ends_with_the_bench_that_started_it",
+            ])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env(CHILD, &log)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(bench.stdout.take().unwrap());
+        let pid = loop {
+            let mut line = String::new();
+            assert!(
+                std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+                "the child test printed no pid"
+            );
+            // After libtest's "test NAME ... " on the same line.
+            if let Some((_, p)) = line.trim().split_once("service pid ") {
+                break p.parse::<u32>().unwrap();
+            }
+        };
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| Some(s.rsplit_once(") ")?.1.chars().next()?))
+        };
+        let alive = |s: Option<char>| !matches!(s, None | Some('Z' | 'X'));
+        // Once `setpriv` has become the service (its `prctl` done; a stack's services are
+        // used only once they report an address, long after).
+        let t0 = Instant::now();
+        while std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .ok()
+            .as_deref()
+            != Some("sleep\n")
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "setpriv never ran the service"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            alive(state()),
+            "the service runs while its bench does: {:?}",
+            state()
+        );
+        bench.kill().unwrap();
+        bench.wait().unwrap();
+        let t0 = Instant::now();
+        while alive(state()) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the service outlived its bench"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_file(&log);
     }
 }
