@@ -659,7 +659,7 @@ mod tests {
         let state = || {
             std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .ok()
-                .and_then(|s| Some(s.rsplit_once(") ")?.1.chars().next()?))
+                .and_then(|s| s.rsplit_once(") ")?.1.chars().next())
         };
         let alive = |s: Option<char>| !matches!(s, None | Some('Z' | 'X'));
         // Once `setpriv` has become the service (its `prctl` done; a stack's services are
