@@ -30,8 +30,15 @@ pub(crate) trait Slots {
     /// else an empty one; else the least recently used.
     fn pick(&mut self, free: &[usize], want: Option<(&[i32], Reuse)>) -> usize;
     fn tokenize(&mut self, input: Input) -> Result<Vec<i32>, EngineError>;
-    /// Runs a whole prefill in `slot`.
-    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError>;
+    /// Runs a whole prefill in `slot`, calling `between` after every batch but the last:
+    /// there the scheduler steps the running answers once ([`Answers::step_all`]), so a
+    /// long prompt holds them up one batch at a time, not for its whole prefill.
+    fn prefill(
+        &mut self,
+        slot: usize,
+        job: &PrefillJob,
+        between: &mut dyn FnMut(&mut Self),
+    ) -> Result<PrefillOutput, EngineError>;
     /// Reads `tokens` in `slot` and sends, for each position, the log-probabilities of the
     /// next token (a measurement, not an answer).
     fn score(
@@ -44,13 +51,15 @@ pub(crate) trait Slots {
     ) -> Result<(), EngineError>;
     /// Sets an answer up in `slot` (prefill, import or rebuild) and emits what comes before
     /// the first decode step. `None` when the answer already ended (`summary.finish` says
-    /// why). The scheduler releases the slot when this fails or ends.
+    /// why). The scheduler releases the slot when this fails or ends. A prefill in it calls
+    /// `between` as [`Slots::prefill`] does.
     fn begin(
         &mut self,
         slot: usize,
         job: GenerateJob,
         events: &mpsc::UnboundedSender<GenEvent>,
         summary: &mut GenSummary,
+        between: &mut dyn FnMut(&mut Self),
     ) -> Result<Option<Self::Answer>, EngineError>;
     /// One decode step of the answer in `slot`: the token it samples, and whether the
     /// answer's budget is now spent.
@@ -96,21 +105,30 @@ struct Running<A> {
     in_flight: InFlight,
 }
 
+/// The answers being written.
+struct Answers<A> {
+    running: Vec<Running<A>>,
+    /// A running answer took a step in the last round (else, paced answers only wait).
+    stepped: bool,
+}
+
 /// Answers in different slots take turns, one token each, so a long answer does not hold
 /// up a short one; on a CPU node the turns share the cores rather than adding throughput
-/// (see `EngineConfig::n_parallel`). Prefills and answer starts run whole between rounds.
+/// (see `EngineConfig::n_parallel`). A prefill (or an answer's start) runs between rounds,
+/// and the running answers take a step between each two of its batches: each sequence is
+/// still prefilled in its own batches, in its own context, so no answer changes; a
+/// running answer waits at most one batch of another's prompt, not all of it (on one core
+/// a 2,000-token prompt took ~16 s, past the router's 15 s bound on a token).
 pub(crate) struct Scheduler<S: Slots> {
     slots: S,
     rx: mpsc::Receiver<Command>,
     /// Prefills and generations waiting for a free slot, oldest first.
     waiting: VecDeque<Command>,
-    running: Vec<Running<S::Answer>>,
+    answers: Answers<S::Answer>,
     /// Every `Engine` handle is gone: finish what was accepted, then stop.
     closed: bool,
     /// Test hook: live answers are paced ([`crate::EngineConfig::pace_live`]).
     pace_live: bool,
-    /// A running answer took a step in the last round (else, paced answers only wait).
-    stepped: bool,
 }
 
 impl<S: Slots> Scheduler<S> {
@@ -119,10 +137,12 @@ impl<S: Slots> Scheduler<S> {
             slots,
             rx,
             waiting: VecDeque::new(),
-            running: Vec::new(),
+            answers: Answers {
+                running: Vec::new(),
+                stepped: false,
+            },
             closed: false,
             pace_live: false,
-            stepped: false,
         }
     }
 
@@ -138,7 +158,7 @@ impl<S: Slots> Scheduler<S> {
     pub(crate) fn run(mut self) {
         loop {
             let mut next = None;
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.answers.running.is_empty() && self.waiting.is_empty() {
                 if !self.closed {
                     next = self.rx.blocking_recv();
                 }
@@ -159,10 +179,11 @@ impl<S: Slots> Scheduler<S> {
             }
             self.accept_queued();
             self.start_waiting();
-            self.stepped = false;
-            self.step_all();
+            self.answers.stepped = false;
+            self.answers.step_all(&mut self.slots, 0);
             register_exit_guard();
-            if !self.running.is_empty() && !self.stepped && self.waiting.is_empty() {
+            if !self.answers.running.is_empty() && !self.answers.stepped && self.waiting.is_empty()
+            {
                 // Only paced answers (the test hook) run, each waiting for its handoff's
                 // next snapshot: poll for it without spinning a core.
                 std::thread::sleep(Duration::from_micros(500));
@@ -185,7 +206,8 @@ impl<S: Slots> Scheduler<S> {
     }
 
     fn publish_active(&self, extra: usize) {
-        self.slots.publish_active(self.running.len() + extra);
+        self.slots
+            .publish_active(self.answers.running.len() + extra);
     }
 
     fn accept(&mut self, cmd: Command) {
@@ -217,7 +239,7 @@ impl<S: Slots> Scheduler<S> {
 
     fn free_slots(&self) -> Vec<usize> {
         (0..self.slots.count())
-            .filter(|s| self.running.iter().all(|r| r.slot != *s))
+            .filter(|s| self.answers.running.iter().all(|r| r.slot != *s))
             .collect()
     }
 
@@ -243,7 +265,10 @@ impl<S: Slots> Scheduler<S> {
                         Err(EngineError::Closed)
                     } else {
                         self.publish_active(1);
-                        let out = self.slots.prefill(slot, &job);
+                        let answers = &mut self.answers;
+                        let out = self
+                            .slots
+                            .prefill(slot, &job, &mut |s| answers.step_all(s, 1));
                         self.slots.release(slot, out.is_ok());
                         self.publish_active(0);
                         out
@@ -298,8 +323,14 @@ impl<S: Slots> Scheduler<S> {
         self.publish_active(1);
         let live = job.live.take();
         let paced = (self.pace_live && live.is_some()).then_some(0);
-        match self.slots.begin(slot, job, &events, &mut summary) {
-            Ok(Some(answer)) => self.running.push(Running {
+        let answers = &mut self.answers;
+        let begun = self
+            .slots
+            .begin(slot, job, &events, &mut summary, &mut |s| {
+                answers.step_all(s, 1)
+            });
+        match begun {
+            Ok(Some(answer)) => self.answers.running.push(Running {
                 slot,
                 answer,
                 events,
@@ -328,12 +359,16 @@ impl<S: Slots> Scheduler<S> {
         }
         self.publish_active(0);
     }
+}
 
+impl<A> Answers<A> {
     /// One step of every running answer, in slot order of their start.
-    fn step_all(&mut self) {
+    /// `extra`: slots in use beside the running answers (a prefill between whose batches
+    /// this runs).
+    fn step_all<S: Slots<Answer = A>>(&mut self, slots: &mut S, extra: usize) {
         let mut i = 0;
         while i < self.running.len() {
-            match self.step(i) {
+            match self.step(slots, i) {
                 Ok(false) => i += 1,
                 done => {
                     let Running {
@@ -348,13 +383,13 @@ impl<S: Slots> Scheduler<S> {
                         ..
                     } = self.running.remove(i);
                     if summary.finish == Finish::Handover {
-                        self.slots.handed_over(slot);
+                        slots.handed_over(slot);
                     }
                     if done.is_ok() && matches!(summary.finish, Finish::Stop | Finish::Length) {
-                        self.answer_at_end(slot, &mut answer, live, at_end);
+                        answer_at_end(slots, slot, &mut answer, live, at_end);
                     }
-                    self.slots.release(slot, done.is_ok());
-                    self.publish_active(0);
+                    slots.release(slot, done.is_ok());
+                    slots.publish_active(self.running.len() + extra);
                     summary.decode_ms = decoding_since.elapsed().as_secs_f64() * 1000.0;
                     drop(in_flight);
                     let _ = events.send(match done {
@@ -366,32 +401,8 @@ impl<S: Slots> Scheduler<S> {
         }
     }
 
-    /// An answer that ended by itself: the snapshot asked for at its end, if its asker
-    /// still waits (asks not yet read count too; the newest wins). Before the slot is
-    /// released, so the state is the answer's.
-    fn answer_at_end(
-        &mut self,
-        slot: usize,
-        answer: &mut S::Answer,
-        live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
-        mut at_end: Option<SnapshotAsk>,
-    ) {
-        if let Some(mut live) = live {
-            while let Ok(ask) = live.try_recv() {
-                if ask.at_end {
-                    at_end = Some(ask);
-                }
-            }
-        }
-        if let Some(ask) = at_end.filter(|a| !a.reply.is_closed()) {
-            let _ = ask
-                .reply
-                .send(self.slots.snapshot(slot, answer, ask.from, ask.digest));
-        }
-    }
-
     /// Steps running answer `i`; `Ok(true)` when it has ended (`summary.finish` says why).
-    fn step(&mut self, i: usize) -> Result<bool, EngineError> {
+    fn step<S: Slots<Answer = A>>(&mut self, slots: &mut S, i: usize) -> Result<bool, EngineError> {
         let r = &mut self.running[i];
         if r.events.is_closed() {
             r.summary.finish = Finish::Cancelled;
@@ -412,9 +423,7 @@ impl<S: Slots> Scheduler<S> {
                     r.at_end = Some(ask);
                     continue;
                 }
-                let snapshot = self
-                    .slots
-                    .snapshot(r.slot, &mut r.answer, ask.from, ask.digest);
+                let snapshot = slots.snapshot(r.slot, &mut r.answer, ask.from, ask.digest);
                 let stop = ask.stop && snapshot.is_ok();
                 let _ = ask.reply.send(snapshot);
                 if stop {
@@ -432,7 +441,7 @@ impl<S: Slots> Scheduler<S> {
             None => {}
         }
         self.stepped = true;
-        let (out, spent) = self.slots.step(r.slot, &mut r.answer)?;
+        let (out, spent) = slots.step(r.slot, &mut r.answer)?;
         r.summary.generated += 1;
         let eog = out.eog;
         if r.events.send(GenEvent::Token(out)).is_err() {
@@ -444,6 +453,30 @@ impl<S: Slots> Scheduler<S> {
             return Ok(true);
         }
         Ok(spent)
+    }
+}
+
+/// An answer that ended by itself: the snapshot asked for at its end, if its asker
+/// still waits (asks not yet read count too; the newest wins). Before the slot is
+/// released, so the state is the answer's.
+fn answer_at_end<S: Slots>(
+    slots: &mut S,
+    slot: usize,
+    answer: &mut S::Answer,
+    live: Option<mpsc::UnboundedReceiver<SnapshotAsk>>,
+    mut at_end: Option<SnapshotAsk>,
+) {
+    if let Some(mut live) = live {
+        while let Ok(ask) = live.try_recv() {
+            if ask.at_end {
+                at_end = Some(ask);
+            }
+        }
+    }
+    if let Some(ask) = at_end.filter(|a| !a.reply.is_closed()) {
+        let _ = ask
+            .reply
+            .send(slots.snapshot(slot, answer, ask.from, ask.digest));
     }
 }
 
@@ -479,7 +512,8 @@ mod tests {
     use crate::types::{Export, Start};
 
     /// A scripted slot set: an answer emits `max_tokens` tokens numbered by slot and step,
-    /// every call is logged, and a prompt token of -1 makes `begin` fail.
+    /// every call is logged, and a prompt token of -1 makes `begin` fail. A prompt is
+    /// prefilled one token per batch (`between` after each but the last).
     struct Fake {
         n: usize,
         log: Arc<Mutex<Vec<String>>>,
@@ -499,8 +533,14 @@ mod tests {
         fn tokenize(&mut self, _: Input) -> Result<Vec<i32>, EngineError> {
             Ok(vec![1, 2, 3])
         }
-        fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
+        fn prefill(
+            &mut self,
+            slot: usize,
+            job: &PrefillJob,
+            between: &mut dyn FnMut(&mut Self),
+        ) -> Result<PrefillOutput, EngineError> {
             self.log.lock().unwrap().push(format!("prefill {slot}"));
+            self.batches(job.tokens.len(), between);
             Ok(PrefillOutput {
                 prompt_tokens: job.tokens.clone(),
                 cached_tokens: 0,
@@ -516,10 +556,14 @@ mod tests {
             job: GenerateJob,
             _: &mpsc::UnboundedSender<GenEvent>,
             _: &mut GenSummary,
+            between: &mut dyn FnMut(&mut Self),
         ) -> Result<Option<FakeAnswer>, EngineError> {
             self.log.lock().unwrap().push(format!("begin {slot}"));
             if matches!(&job.start, Start::Prompt(p) if p == &[-1]) {
                 return Err(EngineError::Decode("scripted".into()));
+            }
+            if let Start::Prompt(p) = &job.start {
+                self.batches(p.len(), between);
             }
             Ok(Some(FakeAnswer {
                 step: 0,
@@ -581,6 +625,14 @@ mod tests {
         fn publish_active(&self, n: usize) {
             self.active
                 .store(n as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    impl Fake {
+        fn batches(&mut self, n: usize, between: &mut dyn FnMut(&mut Self)) {
+            for _ in 1..n {
+                between(self);
+            }
         }
     }
 
@@ -666,10 +718,17 @@ mod tests {
         }
 
         fn prefill(&mut self) -> oneshot::Receiver<Result<PrefillOutput, EngineError>> {
+            self.prefill_of(vec![1, 2])
+        }
+
+        fn prefill_of(
+            &mut self,
+            tokens: Vec<i32>,
+        ) -> oneshot::Receiver<Result<PrefillOutput, EngineError>> {
             let (reply, rx) = oneshot::channel();
             self.sched.accept(Command::Prefill {
                 job: PrefillJob {
-                    tokens: vec![1, 2],
+                    tokens,
                     params: SamplingParams::default(),
                     max_tokens: 4,
                     export: Export::None,
@@ -684,8 +743,8 @@ mod tests {
         /// One round of the run loop, without the channel.
         fn round(&mut self) {
             self.sched.start_waiting();
-            self.sched.stepped = false;
-            self.sched.step_all();
+            self.sched.answers.stepped = false;
+            self.sched.answers.step_all(&mut self.sched.slots, 0);
         }
 
         fn steps(&self) -> Vec<String> {
@@ -761,7 +820,7 @@ mod tests {
         }
         // Only the unpaced answer (slot 1) stepped.
         assert_eq!(h.steps(), ["step 1", "step 1", "step 1"]);
-        assert!(!h.sched.stepped, "the last round stepped nothing");
+        assert!(!h.sched.answers.stepped, "the last round stepped nothing");
         assert_eq!(ids(&drain(&mut plain)).len(), 3);
         let mut snap = ask(&asks, false);
         h.round();
@@ -818,7 +877,7 @@ mod tests {
             ]
         );
         assert_eq!(h.in_flight(), 0);
-        assert!(h.sched.running.is_empty());
+        assert!(h.sched.answers.running.is_empty());
         assert!(asks
             .send(SnapshotAsk {
                 stop: false,
@@ -1024,6 +1083,47 @@ mod tests {
         assert_eq!(out.prompt_tokens, [1, 2]);
         assert_eq!(h.in_flight(), 0);
         assert_eq!(h.log.lock().unwrap()[..], ["prefill 0", "keep 0"]);
+    }
+
+    /// A running answer takes a step between each two batches of another request's
+    /// prefill (a prefill command's, and an answer's start), and the slots in use are
+    /// counted with the prefilling one.
+    #[test]
+    fn running_answers_step_between_a_prefills_batches() {
+        let mut h = harness(3);
+        let mut a = h.generate(20);
+        h.round();
+        h.log.lock().unwrap().clear();
+        let mut p = h.prefill_of(vec![1, 2, 3, 4]);
+        h.round();
+        assert!(p.try_recv().unwrap().is_ok());
+        assert_eq!(
+            h.log.lock().unwrap()[..],
+            [
+                "prefill 1",
+                "step 0",
+                "step 0",
+                "step 0",
+                "keep 1",
+                "step 0"
+            ]
+        );
+        h.log.lock().unwrap().clear();
+        let _b = h.generate_from(Start::Prompt(vec![5, 6, 7]), 5);
+        h.round();
+        assert_eq!(
+            h.log.lock().unwrap()[..],
+            ["begin 1", "step 0", "step 0", "step 0", "step 1"]
+        );
+        // Every token of the running answer arrived, in order: 1 + 3 + 1 + 2 + 1 steps.
+        let got: Vec<i32> = drain(&mut a)
+            .iter()
+            .filter_map(|e| match e {
+                GenEvent::Token(t) => Some(t.id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, (1..=8).collect::<Vec<_>>());
     }
 
     #[test]

@@ -16,15 +16,18 @@ use super::{grammar, ms, Worker};
 impl Worker<'_> {
     /// Prefills `tokens` in `slot`, keeping the KV the slot holds for the first `keep` of
     /// them (from [`Worker::reusable`]; 0: from an empty slot), and samples the first
-    /// answer token (step 0).
+    /// answer token (step 0). `between` runs after every batch but the last (the scheduler
+    /// steps the other slots' running answers there; they use other contexts, so this
+    /// prefill's KV is the same whatever they do).
     pub(super) fn prefill(
         &mut self,
         slot: usize,
         tokens: &[i32],
         keep: usize,
         params: &SamplingParams,
+        between: &mut dyn FnMut(&mut Self),
     ) -> Result<TokenOut, EngineError> {
-        self.prefill_in_pieces(slot, tokens, keep, params, None)
+        self.prefill_in_pieces(slot, tokens, keep, params, None, between)
     }
 
     /// [`Worker::prefill`], sending the state after every batch but the last to `pieces`
@@ -37,6 +40,7 @@ impl Worker<'_> {
         keep: usize,
         params: &SamplingParams,
         pieces: Option<&mpsc::UnboundedSender<Snapshot>>,
+        between: &mut dyn FnMut(&mut Self),
     ) -> Result<TokenOut, EngineError> {
         // First: a schema that cannot be a grammar is refused before the prompt is read.
         let mut grammar = grammar(self.model, params, &[])?;
@@ -79,10 +83,13 @@ impl Worker<'_> {
                 .decode(&mut self.batch)
                 .map_err(|e| EngineError::Decode(e.to_string()))?;
             self.slots[slot].tokens.extend_from_slice(chunk);
-            if let (Some(tx), Some(from)) = (streamed, sent) {
-                if c < last_chunk {
+            if c < last_chunk {
+                if let (Some(tx), Some(from)) = (streamed, sent) {
                     sent = self.send_piece(slot, tokens, from, at + chunk.len(), tx);
                 }
+                // Other slots' steps reuse `self.batch`: the next batch refills it, and
+                // the last (whose logits are sampled below) is not followed by this.
+                between(self);
             }
         }
         let ctx = &self.slots[slot].ctx;
@@ -128,10 +135,13 @@ impl Worker<'_> {
         tx.send(piece).ok().map(|()| covered)
     }
 
+    /// A prefill command: the prompt prefilled (reusing what the slot holds), its first
+    /// token, and its state exported when the answer goes on elsewhere.
     pub(super) fn prefill_cmd(
         &mut self,
         slot: usize,
         job: &PrefillJob,
+        between: &mut dyn FnMut(&mut Self),
     ) -> Result<PrefillOutput, EngineError> {
         let PrefillJob {
             tokens,
@@ -142,37 +152,23 @@ impl Worker<'_> {
         } = job;
         self.check_fits(tokens.len(), *max_tokens)?;
         let keep = self.reusable(slot, tokens, *reuse);
-        let (first, state, prefill_ms, export_ms) =
-            self.prefill_export(slot, tokens, keep, params, *max_tokens, export)?;
+        let t0 = Instant::now();
+        let first = self.prefill(slot, tokens, keep, params, between)?;
+        let prefill_ms = ms(t0);
+        let t1 = Instant::now();
+        let continues = !first.eog && *max_tokens > 1;
+        let state = match export {
+            _ if !continues => None,
+            Export::None => None,
+            Export::Raw => Some(Exported::Raw(self.export(slot)?)),
+        };
         Ok(PrefillOutput {
             prompt_tokens: tokens.to_vec(),
             cached_tokens: keep as u32,
             first,
             prefill_ms,
             state,
-            export_ms,
+            export_ms: ms(t1),
         })
-    }
-
-    pub(super) fn prefill_export(
-        &mut self,
-        slot: usize,
-        tokens: &[i32],
-        keep: usize,
-        params: &SamplingParams,
-        max_tokens: u32,
-        export: &Export,
-    ) -> Result<(TokenOut, Option<Exported>, f64, f64), EngineError> {
-        let t0 = Instant::now();
-        let first = self.prefill(slot, tokens, keep, params)?;
-        let prefill_ms = ms(t0);
-        let t1 = Instant::now();
-        let continues = !first.eog && max_tokens > 1;
-        let state = match export {
-            _ if !continues => None,
-            Export::None => None,
-            Export::Raw => Some(Exported::Raw(self.export(slot)?)),
-        };
-        Ok((first, state, prefill_ms, ms(t1)))
     }
 }

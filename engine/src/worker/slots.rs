@@ -53,8 +53,13 @@ impl Slots for Worker<'_> {
         Worker::tokenize(self, input)
     }
 
-    fn prefill(&mut self, slot: usize, job: &PrefillJob) -> Result<PrefillOutput, EngineError> {
-        self.prefill_cmd(slot, job)
+    fn prefill(
+        &mut self,
+        slot: usize,
+        job: &PrefillJob,
+        between: &mut dyn FnMut(&mut Self),
+    ) -> Result<PrefillOutput, EngineError> {
+        self.prefill_cmd(slot, job, between)
     }
 
     fn begin(
@@ -63,6 +68,7 @@ impl Slots for Worker<'_> {
         job: GenerateJob,
         events: &mpsc::UnboundedSender<GenEvent>,
         summary: &mut GenSummary,
+        between: &mut dyn FnMut(&mut Self),
     ) -> Result<Option<Answer>, EngineError> {
         let GenerateJob {
             start,
@@ -106,7 +112,8 @@ impl Slots for Worker<'_> {
                 summary.prompt_tokens = count(tokens.len());
                 summary.cached_tokens = count(keep);
                 let t0 = Instant::now();
-                let first = self.prefill_in_pieces(slot, &tokens, keep, params, pieces.as_ref())?;
+                let first =
+                    self.prefill_in_pieces(slot, &tokens, keep, params, pieces.as_ref(), between)?;
                 drop(pieces);
                 summary.prefill_ms = ms(t0);
                 let prefilled = GenEvent::Prefilled {
@@ -179,7 +186,7 @@ impl Slots for Worker<'_> {
                 if held {
                     summary.cached_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
                 } else {
-                    self.prefill(slot, &prompt, keep, params)?;
+                    self.prefill(slot, &prompt, keep, params, between)?;
                 }
                 let mut history = prompt;
                 for &t in before {
@@ -265,7 +272,9 @@ impl Slots for Worker<'_> {
                 self.import(slot, state, &tokens[..from], from)?;
             }
             None if from > 0 => {
-                self.prefill(slot, &tokens[..from], 0, &SamplingParams::default())?;
+                // A measurement: nothing else steps between its batches.
+                let params = SamplingParams::default();
+                self.prefill(slot, &tokens[..from], 0, &params, &mut |_| {})?;
             }
             None => {}
         }

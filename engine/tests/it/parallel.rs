@@ -248,3 +248,123 @@ async fn the_wait_for_a_slot_is_bounded() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A long prompt prefilled in one slot holds an answer running in another up one batch
+/// at a time, not for its whole prefill (the scheduler steps running answers between a
+/// prefill's batches), and neither changes: the answer is the one written alone, the
+/// prefill's first token and state those of the prefill alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prefill_holds_a_running_answer_up_one_batch_at_a_time() {
+    let mut cfg = EngineConfig::new(model_path());
+    cfg.n_ctx = 2048;
+    // Small batches: many of them in a prompt this test can afford.
+    cfg.n_batch = 64;
+    let alone = Engine::start(cfg.clone()).await.unwrap();
+    cfg.n_parallel = 2;
+    let par = Engine::start(cfg).await.unwrap();
+
+    let short = alone
+        .tokenize(Input::chat(vec![(
+            "user",
+            "Tell me a long story about a dragon.",
+        )]))
+        .await
+        .unwrap();
+    let sentence = "The quick brown fox jumps over the lazy dog near the quiet river bank. ";
+    let long_text = sentence.repeat(70);
+    let long = alone
+        .tokenize(Input::chat(vec![("user", long_text.as_str())]))
+        .await
+        .unwrap();
+    assert!(long.len() > 900, "{} tokens", long.len());
+    let n = 300;
+    let greedy = SamplingParams::default;
+    let reference = collect(
+        alone
+            .generate(Start::Prompt(short.clone()), greedy(), n)
+            .await
+            .unwrap(),
+    )
+    .await;
+    let pre_alone = alone
+        .prefill(long.clone(), greedy(), 8, Export::Raw)
+        .await
+        .unwrap();
+
+    // The answer runs; once it has written a few tokens, the long prompt comes.
+    let mut rx = par
+        .generate(Start::Prompt(short.clone()), greedy(), n)
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    let mut at = Vec::new();
+    let mut last = None;
+    while let Some(ev) = rx.recv().await {
+        if let GenEvent::Token(t) = ev {
+            ids.push(t.id);
+            at.push(Instant::now());
+            if ids.len() == 5 {
+                break;
+            }
+        }
+    }
+    let p = par.clone();
+    let l = long.clone();
+    let sent = Instant::now();
+    let prefill = tokio::spawn(async move {
+        let out = p.prefill(l, greedy(), 8, Export::Raw).await.unwrap();
+        (out, Instant::now())
+    });
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token(t) => {
+                ids.push(t.id);
+                at.push(Instant::now());
+            }
+            GenEvent::Prefilled { .. } => {}
+            other => {
+                last = Some(other);
+                break;
+            }
+        }
+    }
+    let (pre, done) = prefill.await.unwrap();
+    assert!(matches!(last, Some(GenEvent::Done(_))), "{last:?}");
+    assert_eq!(ids, reference.ids, "the answer is the one written alone");
+    assert_eq!(
+        pre.first.id, pre_alone.first.id,
+        "the prefill's first token"
+    );
+    let (Some(Exported::Raw(a)), Some(Exported::Raw(b))) = (&pre.state, &pre_alone.state) else {
+        panic!("states exported")
+    };
+    assert!(a == b, "the prefill's state is the one prefilled alone");
+    // The answer ran through the prefill, and its longest wait then was a batch or so.
+    assert!(
+        *at.last().unwrap() > done,
+        "the answer ended before the prefill did"
+    );
+    let gaps: Vec<Duration> = at
+        .windows(2)
+        .filter(|w| w[1] > sent && w[0] < done)
+        .map(|w| w[1] - w[0])
+        .collect();
+    let longest = gaps.iter().max().copied().unwrap_or_default();
+    let batches = long.len().div_ceil(64);
+    eprintln!(
+        "prefill of {} tokens in {batches} batches: {:.0} ms; the running answer's longest gap then {longest:?} over {} tokens",
+        long.len(),
+        pre.prefill_ms,
+        gaps.len()
+    );
+    assert!(
+        longest.as_secs_f64() * 1000.0 < pre.prefill_ms / 4.0,
+        "the running answer waited {longest:?} during a {:.0} ms prefill",
+        pre.prefill_ms
+    );
+    assert!(
+        gaps.len() >= batches / 2,
+        "it stepped between the batches: {} tokens",
+        gaps.len()
+    );
+}
