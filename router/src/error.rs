@@ -1,10 +1,9 @@
-//! One table from failures to HTTP status + OpenAI error object.
+//! The error a client sees: an HTTP status and the OpenAI error object. The backend's
+//! failures become one in `server.rs` (`From<Failure> for ApiError`).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use edgesplit_proto::error::ErrorCode;
-
-use crate::backend::{Class, Failure};
 use serde_json::json;
 
 /// An error as the client sees it.
@@ -103,29 +102,6 @@ impl ApiError {
     }
 }
 
-/// The one table from the backend's failure classes to HTTP: an input error is a 400
-/// naming its field, a node that cannot take the request now a 503 with `Retry-After`, a
-/// node's failure a 502 under its code, the router's own a 500.
-impl From<Failure> for ApiError {
-    fn from(f: Failure) -> Self {
-        let (status, kind, retry_after) = match f.class {
-            Class::Input => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
-            Class::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", Some(1)),
-            Class::Upstream => (StatusCode::BAD_GATEWAY, "server_error", None),
-            Class::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
-        };
-        Self {
-            status,
-            message: f.message,
-            kind,
-            param: f.param,
-            code: f.code,
-            cause: f.cause,
-            retry_after,
-        }
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
@@ -134,50 +110,5 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Each class keeps its status, and a failure's own constructors agree with the
-    /// server's (`ApiError::unavailable`/`upstream`/`internal`/`invalid`).
-    #[test]
-    fn each_failure_class_maps_to_its_http_status() {
-        for (f, e) in [
-            (
-                Failure::invalid(Some("messages".into()), "m"),
-                ApiError::invalid(Some("messages".into()), "m"),
-            ),
-            (
-                Failure::unavailable("decode_unavailable", "m"),
-                ApiError::unavailable("decode_unavailable", "m"),
-            ),
-            (
-                Failure::upstream("timeout", "m"),
-                ApiError::upstream("timeout", "m"),
-            ),
-            (Failure::internal("m"), ApiError::internal("m")),
-        ] {
-            assert_eq!(ApiError::from(f), e);
-        }
-        let st = edgesplit_proto::error::status(
-            tonic::Code::Internal,
-            ErrorCode::ContextLengthExceeded,
-            "long",
-        );
-        let e = ApiError::from(Failure::from_status(&st, "prompt"));
-        assert_eq!(
-            (e.status, e.param.as_deref(), e.code.as_deref(), e.cause),
-            (
-                StatusCode::BAD_REQUEST,
-                Some("prompt"),
-                Some("context_length_exceeded"),
-                Some(ErrorCode::ContextLengthExceeded)
-            )
-        );
-        let e = ApiError::from(Failure::unavailable("decode_unavailable", "m"));
-        assert_eq!(e.retry_after, Some(1));
     }
 }
