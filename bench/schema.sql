@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS attempts (
     laptop_energy_j REAL,          -- RAPL package energy where the bench runs (NULL: see laptop_energy_note)
     laptop_energy_note TEXT,
     phone_energy_j REAL,           -- battery energy where the bench runs (NULL: see phone_energy_note)
-    phone_energy_note TEXT
+    phone_energy_note TEXT,
+    import_ms REAL                 -- the decode node's import of the state (a live handoff's: at the switch)
 );
 CREATE TABLE IF NOT EXISTS summaries (
     id INTEGER PRIMARY KEY,

@@ -81,6 +81,8 @@ pub struct Measure {
     pub prefill_tokens: Option<u64>,
     /// Ours, live handoff: ms from the request to the switch (none when there was none).
     pub switch_ms: Option<f64>,
+    /// Ours: the decode node's import of the state (a live handoff's: at the switch).
+    pub import_ms: Option<f64>,
     /// Ours: which node prefilled the prompt, and how many of its tokens' KV was reused.
     pub placement: Option<String>,
     pub cached_tokens: Option<u64>,
@@ -209,6 +211,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.decode_tps = es["decode_tokens_per_s"].as_f64();
                 m.prefill_tokens = es["prefill_tokens"].as_u64();
                 m.switch_ms = es["switch_ms"].as_f64();
+                m.import_ms = es["import_ms"].as_f64();
                 m.placement = es["placement"].as_str().map(str::to_string);
                 m.cached_tokens = es["cached_tokens"].as_u64();
                 m.phone_tokens = es["decode_node_tokens"].as_u64();

@@ -76,6 +76,13 @@ impl Record {
                  ALTER TABLE attempts ADD COLUMN phone_energy_note TEXT;",
             )?;
         }
+        // Records made before the import's column existed.
+        if db
+            .prepare("SELECT import_ms FROM attempts LIMIT 0")
+            .is_err()
+        {
+            db.execute_batch("ALTER TABLE attempts ADD COLUMN import_ms REAL;")?;
+        }
         let rev = std::process::Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])
             .output()
@@ -152,7 +159,8 @@ impl Record {
                         prompt_tokens = ?10, completion_tokens = ?11, prefill_ms = ?12,
                         handoff_bytes = ?13, handoff_ms = ?14, decode_tps = ?15, energy_j = ?16,
                         energy_note = ?17, text_sha256 = ?18, prefill_tokens = ?19,
-                        switch_ms = ?20, phone_tokens = ?21, laptop_cpu_ms = ?22 WHERE id = ?1",
+                        switch_ms = ?20, phone_tokens = ?21, laptop_cpu_ms = ?22,
+                        import_ms = ?23 WHERE id = ?1",
                     params![
                         id,
                         now(),
@@ -176,6 +184,7 @@ impl Record {
                         m.switch_ms,
                         m.phone_tokens.map(|n| n as i64),
                         m.laptop_cpu_ms,
+                        m.import_ms,
                     ],
                 )?;
             }
@@ -337,6 +346,7 @@ mod tests {
             "laptop_cpu_ms",
             "laptop_energy_note",
             "phone_energy_j",
+            "import_ms",
         ] {
             assert!(
                 rec.db

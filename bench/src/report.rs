@@ -66,6 +66,7 @@ const METRICS: &[Metric] = &[
     ("itl_max_ms", |m| m.itl_ms.iter().copied().reduce(f64::max)),
     ("gap_1_2_ms", |m| m.itl_ms.first().copied()),
     ("switch_ms", |m| m.switch_ms),
+    ("import_ms", |m| m.import_ms),
     ("prefill_tokens", |m| m.prefill_tokens.map(|n| n as f64)),
     ("phone_tokens", |m| m.phone_tokens.map(|n| n as f64)),
     ("laptop_cpu_ms", |m| m.laptop_cpu_ms),

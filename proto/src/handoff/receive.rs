@@ -134,10 +134,19 @@ impl Pieces<'_> {
             return Err(nack(NackCode::Internal, handoff_id, "no pieces held"));
         };
         self.sink.release(held.bytes);
+        let t0 = std::time::Instant::now();
         let payloads: Vec<&[u8]> = held.frames.iter().map(|f| &f.payload[..]).collect();
         let out = crate::buffers::POOL.take(usize::try_from(held.bytes).unwrap_or(0));
         let joined = crate::splice::join_from(&payloads, held.first, out)
             .map_err(|e| nack(NackCode::Malformed, handoff_id, e.to_string()))?;
+        // At the switch: the answer waits for this (docs/BENCHMARKS.md, the switch's floor).
+        tracing::info!(
+            handoff_id,
+            pieces = held.frames.len(),
+            bytes = joined.len(),
+            join_ms = t0.elapsed().as_secs_f64() * 1000.0,
+            "live handoff's pieces joined"
+        );
         let first = &held.frames[0];
         let whole = StateFrame {
             handoff_id: first.handoff_id.clone(),
