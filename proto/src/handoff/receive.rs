@@ -79,6 +79,9 @@ struct Held {
     bytes: u64,
     /// What receiving them took, summed.
     receipt: Receipt,
+    /// The buffer the pieces will be joined into, claimed at the first piece (the largest
+    /// kept, warm), so that the pieces' own buffers are not it: the join is at the switch.
+    out: Option<Vec<u8>>,
 }
 
 impl Pieces<'_> {
@@ -112,6 +115,7 @@ impl Pieces<'_> {
                 first: span.start,
                 bytes: size,
                 receipt,
+                out: crate::buffers::POOL.take_largest(),
             };
             self.held.insert(id, held);
             return Ok(size);
@@ -136,7 +140,16 @@ impl Pieces<'_> {
         self.sink.release(held.bytes);
         let t0 = std::time::Instant::now();
         let payloads: Vec<&[u8]> = held.frames.iter().map(|f| &f.payload[..]).collect();
-        let out = crate::buffers::POOL.take(usize::try_from(held.bytes).unwrap_or(0));
+        let needed = usize::try_from(held.bytes).unwrap_or(0);
+        let out = match held.out {
+            Some(b) if b.capacity() >= needed => b,
+            claimed => {
+                if let Some(b) = claimed {
+                    crate::buffers::give(b);
+                }
+                crate::buffers::POOL.take(needed)
+            }
+        };
         let joined = crate::splice::join_from(&payloads, held.first, out)
             .map_err(|e| nack(NackCode::Malformed, handoff_id, e.to_string()))?;
         // At the switch: the answer waits for this (docs/BENCHMARKS.md, the switch's floor).
@@ -166,6 +179,9 @@ impl Pieces<'_> {
     fn drop_handoff(&mut self, handoff_id: &str, reason: &str) {
         if let Some(held) = self.held.remove(handoff_id) {
             self.sink.release(held.bytes);
+            if let Some(b) = held.out {
+                crate::buffers::give(b);
+            }
         }
         self.sink.dropped(handoff_id, reason);
     }
@@ -176,6 +192,9 @@ impl Drop for Pieces<'_> {
         for (id, held) in self.held.drain() {
             tracing::info!(handoff_id = %id, bytes = held.bytes, "live handoff ended before its last piece; dropped");
             self.sink.release(held.bytes);
+            if let Some(b) = held.out {
+                crate::buffers::give(b);
+            }
             self.sink
                 .dropped(&id, "the handoff's connection ended before its last piece");
         }
