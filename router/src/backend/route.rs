@@ -67,7 +67,7 @@ impl Route {
         }
     }
 
-    /// A split over `transport` (v2 or v1) in `mode`.
+    /// A split over `wire` in handoff `mode`.
     ///
     /// # Errors
     /// A live handoff over v1 (400 naming `edgesplit.handoff`).
