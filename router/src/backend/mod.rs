@@ -6,9 +6,9 @@
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
 //! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
-//! the nodes), `route` (where and how a request runs, one type), `choice` (which route), `conversation` (transcripts and replays),
-//! `split` (a split answer after its first token), `fallback` (finishing on the prefill
-//! node), `stream` (reading a node's stream).
+//! the nodes), `route` (where and how a request runs, one type), `choice` (which route),
+//! `conversation` (transcripts and replays), `split` (a split answer after its first
+//! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
 //!
 //! Architecture invariant: the first token is forwarded as soon as the prefill node sends
 //! it; the KV handoff and the decode call happen after, concurrently with the client
@@ -52,7 +52,6 @@ use stream::{forward_prefill_node, next_event};
 type Authed = InterceptedService<Channel, GrpcCredentials>;
 
 use crate::api::{HandoffMode, Input, Transport, ValidRequest};
-
 use crate::tools::Tools;
 
 /// How the nodes are reached.
