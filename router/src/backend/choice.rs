@@ -4,15 +4,13 @@
 use edgesplit_proto::error::ErrorCode;
 
 use super::cost::{self, Choice};
+use super::load::answer_tokens;
 use super::nodes::{lock, lock_info};
 use super::route::{Route, Wire};
 use super::Failure;
 use super::{Backend, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
 use crate::placement::input_chars;
-
-/// Answer tokens expected of a request that sets no `max_tokens`.
-const DEFAULT_ANSWER_TOKENS: f64 = 256.0;
 
 /// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -143,17 +141,11 @@ impl Backend {
                 .as_ref()
                 .or(lock_info(&self.last_prefill_info).as_ref())
                 .map_or(0, |i| i.kv_bytes_per_token);
-            let (laptop_busy, phone_busy) = self.load.now();
             let request = cost::Request {
                 prompt_tokens,
-                answer_tokens: if req.max_tokens > 0 {
-                    f64::from(req.max_tokens)
-                } else {
-                    DEFAULT_ANSWER_TOKENS
-                },
+                answer_tokens: answer_tokens(req),
                 kv_bytes_per_token,
-                laptop_busy,
-                phone_busy,
+                backlog: self.load.backlog(),
             };
             cost::choose(&measured, &request, objective, allowed, default)
         };

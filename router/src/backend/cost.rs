@@ -1,28 +1,35 @@
 //! The cost model (issue 39): for one request, how long each mode is expected to take to the
 //! end of its answer and how long it keeps the laptop (the prefill node) busy, from the
-//! rates the router measured; and the choice among the modes under the user's objective.
+//! rates the router measured and the work each node has queued; and the choice among the
+//! modes under the user's objective.
 //!
 //! The modes: `local` (the laptop alone), `live` (split, the laptop writes until the state
 //! has crossed, then the phone), `after` (split, the phone writes from the second token
 //! once the state has crossed), `phone` (the decode node prefills and writes; only tokens
-//! cross). With `P` prompt tokens to prefill, `N` answer tokens, `b` other answers running
-//! on the laptop and `q` on the phone (each engine steps its answers in turn, so an answer's
-//! decode rate is the node's divided by the answers sharing it), `pL`/`dL` the laptop's
+//! cross). With `P` prompt tokens to prefill, `N` answer tokens, `pL`/`dL` the laptop's
 //! prefill/decode rates, `pP`/`dP` the phone's, `g` the link's goodput, `r` its round trip
-//! and `x = P kv / g` the state's crossing:
+//! and `x = P kv / g` the state's crossing; and `L(s)`/`F(s)` the time to the end of `s` ms
+//! of work on the laptop/phone given the work its other answers have left (each engine
+//! shares its time among its answers: `s + sum(min(left_i, s))`, [`finish_ms`]; `s` on an
+//! idle node):
 //!
-//! - local: `P/pL + N (b+1)/dL`; the laptop is busy `P/pL + N/dL`.
-//! - phone: `r + P/pP + N (q+1)/dP`; the laptop is not busy.
-//! - after: `P/pL + x + r + (N-1)(q+1)/dP`; the laptop is busy `P/pL`.
-//! - live: the laptop writes `k = x dL/(b+1)` tokens while the state crosses; when
-//!   `k >= N` the answer ends there (as local); else `P/pL + x + r + 1/dP + (N-k)(q+1)/dP`
-//!   (the switch's floor is a round trip and a step); the laptop is busy `P/pL + k/dL`.
+//! - local: `L(P/pL + N/dL)`; the laptop is busy `P/pL + N/dL`.
+//! - phone: `r + F(P/pP + N/dP)`; the laptop is not busy.
+//! - after: `L(P/pL) + x + r + F((N-1)/dP)`; the laptop is busy `P/pL`.
+//! - live: the laptop writes `k = x dL / b` tokens while the state crosses (`b`: the answers
+//!   sharing the laptop, this one included); when `k >= N` the answer ends there (as
+//!   local); else `L(P/pL) + x + r + 1/dP + F((N-k)/dP)` (the switch's floor is a round trip
+//!   and a step); the laptop is busy `P/pL + k/dL`.
 //!
-//! A node's decode rate is measured from every answer it writes, times the answers it shared
-//! the node with (the mean of the counts at its start and end: approximate when others come
-//! and go during it). A mode whose rates are not all measured yet is not predicted.
-//! Prefill of others' prompts and the export are left out: they are small beside the
-//! terms kept (measured: a 2,000 token prompt's export is ~1% of its prefill).
+//! The work other answers have left is each one's expected work (the same rates) worked
+//! off as the node shares its time (`load.rs`): counting answers alone saw a phone filling
+//! up with long prefills as a phone with a few answers. A node's decode rate is measured
+//! from every answer it writes, times the answers it shared the node with (the mean of the
+//! counts at its start and end: approximate when others come and go during it); a prefill
+//! rate is measured as the node ran it, between other answers' steps. A mode whose rates
+//! are not all measured yet is not predicted. The export is left out (measured: a 2,000
+//! token prompt's is ~1% of its prefill), and so is the phone's work ending while the state
+//! crosses (its backlog is read at the request's start).
 
 use std::fmt::Write as _;
 
@@ -35,16 +42,33 @@ use super::route::{Route, Wire};
 pub const OFFLOAD_BOUND: f64 = 1.5;
 
 /// One request as the model sees it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Request {
     /// Prompt tokens to prefill (an estimate before the node tokenizes it).
     pub prompt_tokens: f64,
     /// Answer tokens expected (`max_tokens`, or the measured mean).
     pub answer_tokens: f64,
     pub kv_bytes_per_token: u64,
-    /// Other answers running on each node.
-    pub laptop_busy: u32,
-    pub phone_busy: u32,
+    /// The other answers on each node and the work each has left.
+    pub backlog: Backlog,
+}
+
+/// What each node has to do now: the work (ms of the node's time) each of its answers has
+/// left.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Backlog {
+    pub laptop: Vec<f64>,
+    pub phone: Vec<f64>,
+}
+
+/// The end of a new answer of `work_ms` on a node whose answers have `left` ms of work
+/// each, when the node shares its time equally among the answers with work left: its own
+/// work plus, from each other answer, the time they share (the other's whole rest when
+/// that ends first, else as much as its own).
+#[must_use]
+pub fn finish_ms(work_ms: f64, left: &[f64]) -> f64 {
+    let s = work_ms.max(0.0);
+    s + left.iter().map(|&l| l.clamp(0.0, s)).sum::<f64>()
 }
 
 /// A mode's prediction.
@@ -71,8 +95,8 @@ pub struct Choice {
 #[must_use]
 pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
     let (p, n) = (r.prompt_tokens.max(0.0), r.answer_tokens.max(1.0));
-    let laptop_share = f64::from(r.laptop_busy) + 1.0;
-    let phone_share = f64::from(r.phone_busy) + 1.0;
+    let on_laptop = |s: f64| finish_ms(s, &r.backlog.laptop);
+    let on_phone = |s: f64| finish_ms(s, &r.backlog.phone);
     let crossing = || -> Option<(f64, f64)> {
         let x = p * r.kv_bytes_per_token as f64 / m.link?;
         Some((x, m.rtt_ms?))
@@ -82,7 +106,7 @@ pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
             let (pl, dl) = (m.laptop_prefill?, m.laptop_decode?);
             Cost {
                 mode,
-                e2e_ms: p / pl + n * laptop_share / dl,
+                e2e_ms: on_laptop(p / pl + n / dl),
                 laptop_ms: p / pl + n / dl,
             }
         }
@@ -90,7 +114,7 @@ pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
             let (pp, dp, rtt) = (m.phone_prefill?, m.phone_decode?, m.rtt_ms?);
             Cost {
                 mode,
-                e2e_ms: rtt + p / pp + n * phone_share / dp,
+                e2e_ms: rtt + on_phone(p / pp + n / dp),
                 laptop_ms: 0.0,
             }
         }
@@ -99,24 +123,25 @@ pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
             let (x, rtt) = crossing()?;
             Cost {
                 mode,
-                e2e_ms: p / pl + x + rtt + (n - 1.0) * phone_share / dp,
+                e2e_ms: on_laptop(p / pl) + x + rtt + on_phone((n - 1.0) / dp),
                 laptop_ms: p / pl,
             }
         }
         Route::Live => {
             let (pl, dl, dp) = (m.laptop_prefill?, m.laptop_decode?, m.phone_decode?);
             let (x, rtt) = crossing()?;
-            let k = x * dl / laptop_share;
+            let sharing = 1.0 + r.backlog.laptop.iter().filter(|&&l| l > 0.0).count() as f64;
+            let k = x * dl / sharing;
             if k >= n {
                 Cost {
                     mode,
-                    e2e_ms: p / pl + n * laptop_share / dl,
+                    e2e_ms: on_laptop(p / pl + n / dl),
                     laptop_ms: p / pl + n / dl,
                 }
             } else {
                 Cost {
                     mode,
-                    e2e_ms: p / pl + x + rtt + 1.0 / dp + (n - k) * phone_share / dp,
+                    e2e_ms: on_laptop(p / pl) + x + rtt + 1.0 / dp + on_phone((n - k) / dp),
                     laptop_ms: p / pl + k / dl,
                 }
             }
@@ -155,8 +180,9 @@ pub fn choose(
             predicted: None,
         };
     };
+    let laptop_busy = r.backlog.laptop.len();
     let effective = match objective {
-        Objective::Balanced if r.laptop_busy == 0 => Objective::Latency,
+        Objective::Balanced if laptop_busy == 0 => Objective::Latency,
         Objective::Balanced => Objective::Offload,
         o => o,
     };
@@ -178,7 +204,7 @@ pub fn choose(
         let _ = write!(
             reason,
             " ({} answers on the laptop: {})",
-            r.laptop_busy,
+            laptop_busy,
             effective.as_str()
         );
     }
@@ -234,13 +260,17 @@ mod tests {
         }
     }
 
-    fn request(p: f64, n: f64, laptop_busy: u32) -> Request {
+    /// A request with `laptop_busy` other answers on the laptop, each with more work left
+    /// than this one has.
+    fn request(p: f64, n: f64, laptop_busy: usize) -> Request {
         Request {
             prompt_tokens: p,
             answer_tokens: n,
             kv_bytes_per_token: 23_040,
-            laptop_busy,
-            phone_busy: 0,
+            backlog: Backlog {
+                laptop: vec![1e9; laptop_busy],
+                phone: Vec::new(),
+            },
         }
     }
 
@@ -285,6 +315,77 @@ mod tests {
     }
 
     #[test]
+    fn a_new_answer_ends_after_its_work_and_what_it_shares() {
+        assert_eq!(finish_ms(100.0, &[]), 100.0);
+        // Two answers with more left than it: it gets a third of the node throughout.
+        assert_eq!(finish_ms(100.0, &[500.0, 800.0]), 300.0);
+        // One with less: it ends first, having taken its 30 ms of the shared time.
+        assert_eq!(finish_ms(100.0, &[30.0, 800.0]), 230.0);
+        // Three short answers weigh less than one long prefill, which counting answers
+        // did not see.
+        assert_eq!(finish_ms(100.0, &[5.0, 5.0, 5.0]), 115.0);
+        assert_eq!(finish_ms(100.0, &[30_000.0]), 200.0);
+        // Nothing left (done as expected, not yet ended): no share.
+        assert_eq!(finish_ms(100.0, &[0.0]), 100.0);
+    }
+
+    #[test]
+    fn each_mode_waits_for_the_work_queued_on_the_nodes_it_uses() {
+        let (m, idle) = (rates(), request(2000.0, 512.0, 0));
+        let mut r = idle.clone();
+        r.backlog = Backlog {
+            laptop: vec![1_000.0],
+            phone: vec![3_000.0, 50_000.0],
+        };
+        let c = |mode, r: &Request| cost(mode, &m, r).unwrap();
+        // local: 12,240 ms of work, sharing 1,000 with the laptop's other answer.
+        approx(c(Route::Local, &r).e2e_ms, 12_240.0 + 1_000.0);
+        approx(c(Route::Local, &r).laptop_ms, 12_240.0);
+        // phone: 24,480 ms of work, 3,000 + 24,480 shared on the phone.
+        approx(
+            c(Route::Phone, &r).e2e_ms,
+            5.0 + 24_480.0 + 3_000.0 + 24_480.0,
+        );
+        // after: the prefill shares the laptop (1,000), the answer the phone (3,000 +
+        // its own 20,440).
+        approx(
+            c(Route::After(Wire::V2), &r).e2e_ms,
+            c(Route::After(Wire::V2), &idle).e2e_ms + 1_000.0 + 3_000.0 + 20_440.0,
+        );
+        // live: the laptop is shared while the state crosses, so it writes half the
+        // tokens (k), and the phone writes the rest sharing its time.
+        let x = 2000.0 * 23_040.0 / 12_500.0;
+        let k = x * 0.05 / 2.0;
+        let phone_part = (512.0 - k) / 0.025;
+        approx(
+            c(Route::Live, &r).e2e_ms,
+            3_000.0 + x + 5.0 + 40.0 + phone_part + 3_000.0 + phone_part,
+        );
+        approx(c(Route::Live, &r).laptop_ms, 2_000.0 + k / 0.05);
+    }
+
+    #[test]
+    fn a_phone_filled_with_long_prefills_is_not_where_offload_sends_the_next() {
+        // A slow link (10 Mbit/s: a 2,000-token state crosses in ~37 s), a busy laptop:
+        // balanced offloads, and an idle phone is within the bound.
+        let mut m = rates();
+        m.link = Some(1_250.0);
+        let mut r = request(2000.0, 128.0, 0);
+        r.backlog.laptop = vec![20_000.0];
+        let c = pick(&m, r.clone(), Objective::Balanced);
+        assert_eq!(c.mode, Route::Phone, "{}", c.reason);
+        // Three answers on the phone, each a long prefill still ahead (30 s of its time):
+        // three answers, as before, but now seen as the phone's next 90 s.
+        r.backlog.phone = vec![30_000.0; 3];
+        let c = pick(&m, r.clone(), Objective::Balanced);
+        assert_eq!(c.mode, Route::Local, "{}", c.reason);
+        // The same three answers near their ends (0.5 s left each): the phone again.
+        r.backlog.phone = vec![500.0; 3];
+        let c = pick(&m, r, Objective::Balanced);
+        assert_eq!(c.mode, Route::Phone, "{}", c.reason);
+    }
+
+    #[test]
     fn a_short_answer_that_ends_before_the_state_crosses_is_local_in_all_but_name() {
         let (m, r) = (rates(), request(2000.0, 32.0, 0));
         let live = cost(Route::Live, &m, &r).unwrap();
@@ -297,12 +398,22 @@ mod tests {
     fn latency_takes_the_soonest_and_a_slower_phone_loses_it() {
         let c = pick(&rates(), request(2000.0, 512.0, 0), Objective::Latency);
         assert_eq!(c.mode, Route::Local, "{}", c.reason);
-        // A phone as fast as the laptop, on a fast link, and a laptop with three answers
-        // running: the split's decode no longer shares the laptop.
+        // A phone that decodes as fast as the laptop, on a fast link, and a laptop with
+        // three long answers running: the idle phone alone is soonest (its prefill at half
+        // the laptop's speed beats a quarter of the laptop's), then the split (its decode
+        // no longer shares the laptop).
         let mut m = rates();
         m.phone_decode = Some(0.05);
         m.link = Some(125_000.0);
         let c = pick(&m, request(2000.0, 512.0, 3), Objective::Latency);
+        assert_eq!(c.mode, Route::Phone, "{}", c.reason);
+        let c = choose(
+            &m,
+            &request(2000.0, 512.0, 3),
+            Objective::Latency,
+            &[Route::Local, Route::Live, Route::After(Wire::V2)],
+            Route::Live,
+        );
         assert!(
             matches!(c.mode, Route::Live | Route::After(Wire::V2)),
             "{}",

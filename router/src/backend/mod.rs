@@ -6,7 +6,7 @@
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
 //! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
-//! the nodes), `route` (where and how a request runs, one type), `choice` (which route),
+//! the nodes), `load` (the work queued on each node), `route` (where and how a request runs, one type), `choice` (which route),
 //! `conversation` (transcripts and replays), `split` (a split answer after its first
 //! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
 //!
@@ -20,6 +20,7 @@ pub mod cost;
 mod event;
 mod failure;
 mod fallback;
+mod load;
 mod nodes;
 mod route;
 mod split;
@@ -42,8 +43,9 @@ use conversation::Transcript;
 pub use event::{Event, FinishReason, Node, PrefilledOn, Started};
 pub use failure::{Class, Failure};
 pub use fallback::Fallback;
+use load::{answer_tokens, Counted, Load, Work};
 pub use nodes::HealthInfos;
-use nodes::{lock, lock_info, Counted, Learned, Load};
+use nodes::{lock, lock_info, Learned};
 pub use route::{Route, Wire};
 use split::SplitAnswer;
 use stream::{forward_prefill_node, next_event};
@@ -236,7 +238,9 @@ impl Backend {
         fallback: Option<String>,
         measure: bool,
     ) -> Result<Started, Failure> {
-        let busy = self.load.take(false);
+        let busy = self
+            .load
+            .take_work(&self.learned, false, Work::of(req, &self.learned));
         let param = input_param(&req.input);
         let mut client = self.prefill.clone();
         let preq = Self::prefill_request(req, request_id, None, 0);
@@ -247,6 +251,7 @@ impl Backend {
         let p = self
             .prefilled(&mut stream, param, "the prefill node")
             .await?;
+        busy.prefilled(&self.learned, Work::answer(answer_tokens(req)));
         let (tx, rx) = mpsc::channel(64);
         let idle = self.config.token_idle_timeout;
         if let Some(cause) = fallback {
@@ -287,7 +292,9 @@ impl Backend {
         request_id: &str,
         max_uncached: Option<u32>,
     ) -> Result<Started, Failure> {
-        let busy = self.load.take(true);
+        let busy = self
+            .load
+            .take_work(&self.learned, true, Work::of(req, &self.learned));
         let param = input_param(&req.input);
         let mut preq = Self::prefill_request(req, request_id, None, 0);
         preq.max_uncached = max_uncached;
@@ -318,6 +325,7 @@ impl Backend {
         let p = self
             .prefilled(&mut stream, param, "the decode node")
             .await?;
+        busy.prefilled(&self.learned, Work::answer(answer_tokens(req)));
         lock(&self.learned).rates.prefilled(
             true,
             p.prompt_tokens.saturating_sub(p.cached_tokens),
@@ -384,7 +392,8 @@ impl Backend {
             Ok(started) => return Ok(started),
             Err(base_max) => base_max,
         };
-        let laptop = self.load.take(false);
+        let (laptop_work, written_while_crossing) = self.split_work(req, mode);
+        let laptop = self.load.take_work(&self.learned, false, laptop_work);
         let last = lock_info(&self.last_decode_info).clone();
         let tried_early = last
             .as_ref()
@@ -469,6 +478,7 @@ impl Backend {
             first.prompt_tokens.saturating_sub(first.cached_tokens),
             first.prefill_ms,
         );
+        laptop.prefilled(&self.learned, Work::answer(written_while_crossing));
         let (tx, rx) = mpsc::channel(64);
         let started = Started {
             transport,
@@ -517,6 +527,7 @@ impl Backend {
             load: self.load.clone(),
             laptop: Some(laptop),
             phone: None,
+            answer_tokens: answer_tokens(req),
             first_sent: std::time::Instant::now(),
         };
         tokio::spawn(split.run(pstream, fallback));

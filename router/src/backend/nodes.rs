@@ -1,8 +1,6 @@
 //! What the router knows of the nodes: their last `Info` answers and their refresh, and
 //! what it learns from answers (conversations held, measured rates) to place the next ones.
 
-use std::sync::Arc;
-
 use edgesplit_proto::link::HandshakeFailed;
 use edgesplit_proto::pb;
 
@@ -254,108 +252,5 @@ impl Backend {
                  --rpc-peer and --rpc-layers)",
             )),
         }
-    }
-}
-
-/// The answers running on each node, as the router started them: what the cost model's
-/// load terms read (`cost::Request::laptop_busy`, `phone_busy`).
-#[derive(Debug, Default)]
-pub(super) struct Load {
-    laptop: std::sync::atomic::AtomicU32,
-    phone: std::sync::atomic::AtomicU32,
-}
-
-/// One answer counted on a node while it is held.
-#[derive(Debug)]
-pub(super) struct Busy {
-    load: Arc<Load>,
-    phone: bool,
-    /// Answers on the node when this one started (itself included).
-    at_start: u32,
-}
-
-impl Load {
-    fn counter(&self, phone: bool) -> &std::sync::atomic::AtomicU32 {
-        if phone {
-            &self.phone
-        } else {
-            &self.laptop
-        }
-    }
-
-    /// Counts an answer on the phone (the decode node) or the laptop until the guard drops.
-    pub(super) fn take(self: &Arc<Self>, phone: bool) -> Busy {
-        let before = self
-            .counter(phone)
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Busy {
-            load: self.clone(),
-            phone,
-            at_start: before + 1,
-        }
-    }
-
-    /// Answers running on the laptop and on the phone.
-    pub(super) fn now(&self) -> (u32, u32) {
-        let get = |phone| {
-            self.counter(phone)
-                .load(std::sync::atomic::Ordering::SeqCst)
-        };
-        (get(false), get(true))
-    }
-}
-
-impl Busy {
-    /// How many answers shared the node with this one (itself included), taken as the mean
-    /// of the counts at its start and now: an engine steps its answers in turn, so one
-    /// answer's decode speed is about the node's divided by this.
-    pub(super) fn sharing(&self) -> f64 {
-        let now = self
-            .load
-            .counter(self.phone)
-            .load(std::sync::atomic::Ordering::SeqCst);
-        (f64::from(self.at_start) + f64::from(now.max(1))) / 2.0
-    }
-
-    /// Records the node's decode speed from this answer's `tokens` written in `ms`: the
-    /// answer's speed x the answers sharing the node.
-    pub(super) fn record(&self, learned: &std::sync::Mutex<Learned>, tokens: u32, ms: f64) {
-        lock(learned)
-            .rates
-            .decoded(self.phone, tokens, ms / self.sharing());
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.load
-            .counter(self.phone)
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-/// An answer counted on its node ([`Busy`]), whose end records the node's decode speed.
-pub(super) struct Counted {
-    pub(super) learned: Arc<std::sync::Mutex<Learned>>,
-    pub(super) busy: Busy,
-}
-
-impl Counted {
-    /// Records a `Finished` event's decode speed.
-    pub(super) fn seen(&self, ev: &super::Event) {
-        decoded(&self.learned, &self.busy, ev);
-    }
-}
-
-/// Records the node's decode speed from the one a `Finished` event reports for an answer
-/// that shared the node (`busy`) with others: the answer's speed x the answers sharing.
-pub(super) fn decoded(learned: &std::sync::Mutex<Learned>, busy: &Busy, ev: &super::Event) {
-    if let super::Event::Finished {
-        decode_tokens,
-        decode_ms,
-        ..
-    } = ev
-    {
-        busy.record(learned, *decode_tokens, *decode_ms);
     }
 }

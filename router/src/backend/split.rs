@@ -13,7 +13,8 @@ use tokio::sync::mpsc;
 use super::conversation::{finishes, Transcript};
 use super::event::finished_here;
 use super::fallback::Fallback;
-use super::nodes::{decoded, lock, Busy, Learned, Load};
+use super::load::{decoded, Busy, Load, Work};
+use super::nodes::{lock, Learned};
 use super::stream::{next_event, token_event};
 use super::Failure;
 use super::{Authed, Event, FinishReason, Node};
@@ -58,6 +59,9 @@ pub(super) struct SplitAnswer {
     pub(super) load: Arc<Load>,
     pub(super) laptop: Option<Busy>,
     pub(super) phone: Option<Busy>,
+    /// The answer tokens the request is expected to write (`load::answer_tokens`): what
+    /// is left of them is the work counted on the node that writes the rest.
+    pub(super) answer_tokens: f64,
     /// When the first token was forwarded: a live answer's tokens written on the laptop
     /// until the switch or the end measure the laptop's decode speed.
     pub(super) first_sent: std::time::Instant,
@@ -81,7 +85,13 @@ impl SplitAnswer {
     /// laptop.
     fn hand_to_phone(&mut self) {
         self.laptop = None;
-        self.phone = Some(self.load.take(true));
+        let left = Work::answer(self.tokens_left());
+        self.phone = Some(self.load.take_work(&self.learned, true, left));
+    }
+
+    /// The answer tokens expected still.
+    fn tokens_left(&self) -> f64 {
+        (self.answer_tokens - self.sent.len() as f64).max(0.0)
     }
 
     pub(super) async fn run(
@@ -97,7 +107,8 @@ impl SplitAnswer {
             Some(fb) => {
                 self.phone = None;
                 if self.laptop.is_none() {
-                    self.laptop = Some(self.load.take(false));
+                    let left = Work::answer(self.tokens_left());
+                    self.laptop = Some(self.load.take_work(&self.learned, false, left));
                 }
                 fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
                     .await
@@ -503,6 +514,7 @@ mod tests {
             load: Arc::default(),
             laptop: None,
             phone: None,
+            answer_tokens: 0.0,
             first_sent: std::time::Instant::now(),
         }
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use edgesplit_proto::pb;
 use tokio::sync::mpsc;
 
-use super::nodes::Counted;
+use super::load::Counted;
 use super::Failure;
 use super::{Event, FinishReason, Node};
 
