@@ -137,6 +137,9 @@ impl Backend {
                 let l = lock(&self.learned);
                 (l.rates.measured(), l.rates.tokens_of(chars))
             };
+            if measured.phone_prefill.is_none() && allowed.contains(&Route::Phone) {
+                self.probe_phone_prefill(req);
+            }
             let kv_bytes_per_token = lock_info(&self.last_decode_info)
                 .as_ref()
                 .or(lock_info(&self.last_prefill_info).as_ref())

@@ -6,7 +6,8 @@
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
 //! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
-//! the nodes), `load` (the work queued on each node), `route` (where and how a request runs, one type), `choice` (which route),
+//! the nodes), `load` (the work queued on each node), `probe` (the phone's prefill speed,
+//! probed), `route` (where and how a request runs, one type), `choice` (which route),
 //! `conversation` (transcripts and replays), `split` (a split answer after its first
 //! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
 //!
@@ -22,6 +23,7 @@ mod failure;
 mod fallback;
 mod load;
 mod nodes;
+mod probe;
 mod route;
 mod split;
 mod stream;

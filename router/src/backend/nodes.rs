@@ -14,6 +14,8 @@ use crate::placement::{Conversations, Rates};
 pub(super) struct Learned {
     pub(super) conversations: Conversations,
     pub(super) rates: Rates,
+    /// When the decode node's prefill speed was last probed (`probe.rs`).
+    pub(super) probed: Option<std::time::Instant>,
 }
 
 /// Both nodes' `Info` answers, prefill first.

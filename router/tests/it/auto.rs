@@ -94,6 +94,36 @@ async fn auto_chooses_from_what_it_measured_and_answers_as_one_device() {
     );
 }
 
+/// No client names `phone`, so nothing but the probe measures the phone's prefill: the
+/// first `auto` request that finds it unmeasured starts the probe in the background, and
+/// then the phone alone is predicted too (`backend/probe.rs`).
+#[tokio::test]
+async fn an_unmeasured_phone_is_probed_and_then_weighed() {
+    let s = common::start(common::StackOptions::new(common::SMOLLM2));
+    let (local, _) = ask(&s, json!({"transport": "local"})).await;
+    let (o, e) = ask(&s, json!({"transport": "auto", "objective": "latency"})).await;
+    assert_eq!(o, local, "{e}");
+    assert!(e["reason"].as_str().unwrap().contains("phone"), "{e}");
+    // The link, the round trip and the phone's decode: an `after` split.
+    let (o, e) = ask(&s, json!({"transport": "v2", "handoff": "after"})).await;
+    assert_eq!(o, local, "{e}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        let (o, e) = ask(&s, json!({"transport": "auto", "objective": "latency"})).await;
+        assert_eq!(o, local, "{e}");
+        let reason = e["reason"].as_str().unwrap();
+        if !reason.contains("not yet measured") {
+            assert!(reason.contains(" phone "), "{e}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the phone's prefill was not probed: {e}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
 #[tokio::test]
 async fn an_unknown_objective_is_a_400_naming_it() {
     let s = common::start(common::StackOptions::new(common::SMOLLM2));
