@@ -140,10 +140,7 @@ impl Backend {
             if measured.phone_prefill.is_none() && allowed.contains(&Route::Phone) {
                 self.probe_phone_prefill(req);
             }
-            let kv_bytes_per_token = lock_info(&self.last_decode_info)
-                .as_ref()
-                .or(lock_info(&self.last_prefill_info).as_ref())
-                .map_or(0, |i| i.kv_bytes_per_token);
+            let kv_bytes_per_token = self.kv_bytes_per_token();
             let request = cost::Request {
                 prompt_tokens,
                 answer_tokens: answer_tokens(req),

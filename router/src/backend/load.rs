@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::cost::Backlog;
-use super::nodes::{lock, lock_info, Learned};
+use super::nodes::{lock, Learned};
 use crate::api::{HandoffMode, ValidRequest};
 use crate::placement::{input_chars, Measured};
 
@@ -139,9 +139,7 @@ impl super::Backend {
     /// returned too for the correction after the prefill.
     pub(super) fn split_work(&self, req: &ValidRequest, mode: HandoffMode) -> (Work, f64) {
         let whole = Work::of(req, &self.learned);
-        let kv = lock_info(&self.last_decode_info)
-            .as_ref()
-            .map_or(0, |i| i.kv_bytes_per_token);
+        let kv = self.kv_bytes_per_token();
         let m = lock(&self.learned).rates.measured();
         let written = match (mode, m.link, m.laptop_decode) {
             (HandoffMode::Live, Some(g), Some(d)) if g > 0.0 => {

@@ -44,6 +44,16 @@ pub(super) fn lock(l: &std::sync::Mutex<Learned>) -> std::sync::MutexGuard<'_, L
 }
 
 impl Backend {
+    /// KV bytes per token of the model, as the decode node's last `Info` said (else the
+    /// prefill node's; 0 before either answered): what the cost model's crossing and a
+    /// split's expected work read.
+    pub(super) fn kv_bytes_per_token(&self) -> u64 {
+        lock_info(&self.last_decode_info)
+            .as_ref()
+            .or(lock_info(&self.last_prefill_info).as_ref())
+            .map_or(0, |i| i.kv_bytes_per_token)
+    }
+
     /// The prefill node's gRPC URL.
     #[must_use]
     pub fn prefill_url(&self) -> String {
