@@ -53,4 +53,4 @@ PREFILL=$!
 trap 'kill "$PREFILL" 2>/dev/null || true' EXIT
 "$BIN/edgesplit-router" --listen "${ROUTER_LISTEN:-0.0.0.0:8080}" \
     --prefill-url "http://${PREFILL_LISTEN:-127.0.0.1:50051}" \
-    --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}" --transport "${TRANSPORT:-v2}"
+    --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}" --transport "${TRANSPORT:-auto}"

@@ -64,7 +64,11 @@ r = json.load(sys.stdin)
 t = r["edgesplit"]
 print("\nanswer:", r["choices"][0]["message"]["content"])
 print("\nusage: %(prompt_tokens)d prompt + %(completion_tokens)d completion tokens" % r["usage"])
-print("path:  prefill node -> %s handoff (%s bytes in %.1f ms) -> decode node" % (t["transport"], t["handoff_bytes"], t["handoff_ms"] or 0))
+print("mode:  %s, chosen by the router (%s)" % (t.get("mode"), t.get("reason")))
+if t.get("handoff_bytes"):
+    print("path:  prefill node -> %s handoff (%s bytes in %.1f ms) -> decode node wrote %s tokens" % (t["transport"], t["handoff_bytes"], t["handoff_ms"] or 0, t["decode_node_tokens"]))
+else:
+    print("path:  %s, no state crossed" % t["transport"])
 print("time:  TTFT %.1f ms, prefill %.1f ms, decode %.1f tokens/s" % (t["ttft_ms"] or 0, t["prefill_ms"] or 0, t["decode_tokens_per_s"] or 0))
 '
 cat >&2 <<MSG

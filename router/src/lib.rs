@@ -54,12 +54,13 @@ pub struct Config {
         default_value = "http://127.0.0.1:50052"
     )]
     pub decode_url: String,
-    /// Default transport: v2 (disaggregated, framed TCP), v1 (disaggregated, llama.cpp state
-    /// file by HTTP upload), local (both phases on the prefill node), layers (local on a
-    /// prefill node with a layer split, `--rpc-peer`), phone (both phases on the decode
-    /// node) or auto (the router chooses local, v2 live or after, or phone per request from
-    /// measured rates, the link and the load, under `--objective`).
-    #[arg(long, default_value = "v2", value_parser = Transport::parse)]
+    /// Default transport: auto (the default: the router chooses local, v2 live or after, or
+    /// phone per request from measured rates, the link and the load, under `--objective`;
+    /// a v2 split while nothing is measured), v2 (every request split, framed TCP), v1
+    /// (disaggregated, llama.cpp state file by HTTP upload), local (both phases on the
+    /// prefill node), layers (local on a prefill node with a layer split, `--rpc-peer`) or
+    /// phone (both phases on the decode node).
+    #[arg(long, default_value = "auto", value_parser = Transport::parse)]
     pub transport: Transport,
     /// What `--transport auto` optimizes (a request's `edgesplit.objective` overrides it):
     /// latency (the soonest expected end of the answer), offload (the least prefill-node

@@ -152,7 +152,24 @@ impl Backend {
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
         // A held conversation goes the default split way, where `held_turn` decides.
         let route = if held { default } else { choice.mode };
-        let mut started = self.run(req, route, request_id).await?;
+        let mut started = match self.run(req, route, request_id).await {
+            // The phone it chose could not take the answer (gone, asleep, or it refused
+            // what the laptop would serve): the laptop answers under the fallback policy,
+            // as a split that finds no decode node does, and says so (`fallback`).
+            Err(e) if route == Route::Phone && self.config.fallback => {
+                tracing::warn!(
+                    request_id,
+                    reason = %e.message,
+                    "the phone chosen could not take the answer; answering on the prefill node"
+                );
+                let mut started = self
+                    .start_local(req, request_id, Some(e.name().to_string()), true)
+                    .await?;
+                started.transport = Transport::Phone;
+                started
+            }
+            r => r?,
+        };
         if let Some(tokens) = started.prompt_tokens {
             lock(&self.learned).rates.prompt_seen(chars, tokens);
         }

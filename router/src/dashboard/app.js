@@ -109,7 +109,7 @@ async function refreshStatus() {
   // The `layers` transport is offered while the prefill node serves a layer split.
   const layers = $('transport-layers');
   layers.hidden = layers.disabled = !(ls && ls.state === 'split');
-  if (layers.disabled && $('transport').value === 'layers') $('transport').value = 'v2';
+  if (layers.disabled && $('transport').value === 'layers') $('transport').value = 'auto';
   const d = s.decode;
   const drows = nodeRows(d);
   if (d.up) {

@@ -2,6 +2,8 @@
 //! measured; whatever it chooses, the answer is the one-device answer, and the answer says
 //! which mode, why, and what was predicted.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use serde_json::{json, Value};
 
 use crate::common::{self, Outcome};
@@ -122,6 +124,79 @@ async fn an_unmeasured_phone_is_probed_and_then_weighed() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
+}
+
+/// The router's default is its own choice: a request that names nothing is `auto` under
+/// `balanced`. On a router that has measured nothing, that is a live v2 split (the path the
+/// demo shows), and the answer says so and why.
+#[tokio::test]
+async fn a_request_that_names_nothing_is_the_routers_choice() {
+    let s = common::start(common::StackOptions::new(common::SMOLLM2));
+    let mut plain = body(Value::Null);
+    plain.as_object_mut().unwrap().remove("edgesplit");
+    let (o, e) = common::send(&s, PATH, &plain, true).await;
+    assert_eq!(
+        (&e["mode"], &e["objective"]),
+        (&json!("live"), &json!("balanced")),
+        "{e}"
+    );
+    assert!(
+        e["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no rate measured yet"),
+        "{e}"
+    );
+    assert_eq!(e["transport"], "v2", "{e}");
+    common::assert_split(&e, o.completion_tokens);
+    let (local, _) = ask(&s, json!({"transport": "local"})).await;
+    assert_eq!(o, local.without_ids(), "{e}");
+    // And `common::run_plain`'s checks hold for what it chooses once it has measured.
+    let o = common::run_plain(&s, PATH, &plain, false).await;
+    assert_eq!(o, local.without_ids());
+}
+
+/// Set: the proxy in front of the decode node's gRPC listener refuses everything.
+static PHONE_GONE: AtomicBool = AtomicBool::new(false);
+
+fn phone_proxy(target: String) -> String {
+    common::cuttable_proxy(target, &PHONE_GONE)
+}
+
+/// `auto` chose the phone alone, and the phone cannot take the answer (here: gone since it
+/// was measured): the laptop answers, as a split that finds no decode node does, and the
+/// answer says so. (A client that names `phone` gets the 503 instead: `phone` is never
+/// answered elsewhere.)
+#[tokio::test]
+async fn a_phone_chosen_but_gone_is_answered_on_the_laptop() {
+    let mut o = common::StackOptions::new(common::SMOLLM2);
+    o.decode_proxy = Some(phone_proxy);
+    let s = common::start(o);
+    let (local, _) = ask(&s, json!({"transport": "local"})).await;
+    for es in [
+        json!({"transport": "v2", "handoff": "after"}),
+        json!({"transport": "phone"}),
+    ] {
+        let (o, e) = ask(&s, es).await;
+        assert_eq!(o, local, "{e}");
+    }
+    PHONE_GONE.store(true, Ordering::SeqCst);
+    // `offload`: the least laptop time among the modes that end in time; the phone alone
+    // takes none, and on this loopback pair it ends about when the laptop alone does.
+    let (o, e) = ask(&s, json!({"transport": "auto", "objective": "offload"})).await;
+    assert_eq!(e["mode"], "phone", "{e}");
+    // Refused at connect, or the kept connection cut as it was used: either says so.
+    let unavailable = [json!("decode_unavailable"), json!("node_unavailable")];
+    assert!(unavailable.contains(&e["fallback"]), "{e}");
+    assert_eq!(e["decode_node_tokens"], 0, "{e}");
+    assert_eq!(o, local, "{e}");
+    let (status, _, v) = common::post(
+        &format!("{}{PATH}", s.router),
+        &body(json!({"transport": "phone"})),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    assert!(unavailable.contains(&v["error"]["code"]), "{v}");
 }
 
 #[tokio::test]

@@ -22,28 +22,7 @@ static DECODE_DEAD: AtomicBool = AtomicBool::new(false);
 
 /// Forwards to the decode node's gRPC listener until [`DECODE_DEAD`] is set.
 fn killable_proxy(target: String) -> String {
-    let (addr, l) = common::proxy_listener();
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = l.accept().await {
-            if DECODE_DEAD.load(Ordering::SeqCst) {
-                continue; // dropped: connection refused, in effect
-            }
-            let target = target.clone();
-            tokio::spawn(async move {
-                let mut outbound = TcpStream::connect(target).await.unwrap();
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                    () = async {
-                        while !DECODE_DEAD.load(Ordering::SeqCst) {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                    } => {}
-                }
-                // Both sockets dropped here: the router sees the node vanish mid-stream.
-            });
-        }
-    });
-    addr
+    common::cuttable_proxy(target, &DECODE_DEAD)
 }
 
 /// Set: the proxy in front of the decode node stops forwarding, both ways, and holds the

@@ -43,10 +43,12 @@ async fn a_slow_loris_sender_is_cut_off_and_others_are_served() {
         }
     });
 
-    // Meanwhile the node serves a real request through the same listener.
+    // Meanwhile the node serves a real request through the same listener (a split, named:
+    // the router's own choice might answer on the laptop alone).
     let (st, _, v) = common::post(
         &format!("{}/v1/chat/completions", s.router),
-        &json!({"messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"temperature":0}),
+        &json!({"messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"temperature":0,
+                "edgesplit": {"transport": "v2"}}),
     )
     .await;
     assert_eq!(st, 200, "{v}");

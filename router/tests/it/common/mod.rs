@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -464,6 +465,33 @@ pub fn proxy_listener() -> (String, TcpListener) {
     (addr, TcpListener::from_std(l).unwrap())
 }
 
+/// A proxy to `target` that forwards until `cut` is set, then drops every connection and
+/// refuses new ones (a node gone, as its peers see it). Returns its address.
+pub fn cuttable_proxy(target: String, cut: &'static AtomicBool) -> String {
+    let (addr, l) = proxy_listener();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = l.accept().await {
+            if cut.load(Ordering::SeqCst) {
+                continue; // dropped: connection refused, in effect
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(target).await.unwrap();
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    () = async {
+                        while !cut.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    } => {}
+                }
+                // Both sockets dropped here: the peer sees the node vanish mid-stream.
+            });
+        }
+    });
+    addr
+}
+
 /// A gauge (no labels) of the router's `/metrics`.
 pub async fn gauge(stack: &Stack, name: &str) -> Option<i64> {
     let text = metrics_text(stack).await;
@@ -646,6 +674,13 @@ pub async fn run(
     streamed: bool,
 ) -> Outcome {
     let (outcome, edgesplit) = run_reporting(stack, path, body, transport, streamed).await;
+    assert_written_as(transport, &edgesplit, outcome.completion_tokens);
+    outcome
+}
+
+/// Who wrote an answer over `transport` (`local`, `phone`, else a split), as its
+/// `edgesplit` object reports it.
+fn assert_written_as(transport: &str, edgesplit: &Value, completion_tokens: u64) {
     if transport == "local" {
         assert_eq!(edgesplit["first_token_from"], "prefill", "{edgesplit}");
         assert_eq!(edgesplit["decode_node_tokens"], 0, "{edgesplit}");
@@ -653,11 +688,10 @@ pub async fn run(
         // The decode node alone: it prefilled and wrote everything, no state crossed.
         assert_eq!(edgesplit["placement"], "decode_node", "{edgesplit}");
         assert!(edgesplit["handoff_bytes"].is_null(), "{edgesplit}");
-        assert_split(&edgesplit, outcome.completion_tokens);
+        assert_split(edgesplit, completion_tokens);
     } else {
-        assert_split(&edgesplit, outcome.completion_tokens);
+        assert_split(edgesplit, completion_tokens);
     }
-    outcome
 }
 
 /// `body` on `stack` through `path`: `local` (the reference, returned), then `local`
@@ -762,16 +796,27 @@ pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
 }
 
 /// `body` as a client sends it: no `edgesplit` field, streamed or not; the router's
-/// defaults choose the transport and the handoff mode. Returns the outcome (no token ids)
-/// and the answer's `edgesplit` object, after checking that the default (a live V2 split)
-/// ran and the decode node wrote the answer after the switch ([`assert_split`]).
+/// defaults choose: `transport: "auto"` under the `balanced` objective. Returns the outcome
+/// (no token ids) after checking that the answer says which mode was chosen and why, and
+/// that the mode really ran (a split's decode node wrote the answer after the switch,
+/// [`assert_split`]; the phone alone wrote all of it).
 pub async fn run_plain(stack: &Stack, path: &str, body: &Value, streamed: bool) -> Outcome {
     assert!(body.get("edgesplit").is_none(), "{body}");
     let (outcome, e) = send(stack, path, body, streamed).await;
-    assert_eq!(e["transport"], "v2", "{e}");
-    assert_eq!(e["handoff_mode"], "live", "{e}");
+    assert_eq!(e["objective"], "balanced", "{e}");
+    assert!(e["reason"].as_str().is_some_and(|r| !r.is_empty()), "{e}");
     assert!(e.get("token_ids").is_none(), "{e}");
-    assert_split(&e, outcome.completion_tokens);
+    let (transport, handoff) = match e["mode"].as_str() {
+        Some("local") => ("local", None),
+        Some("phone") => ("phone", None),
+        Some(m @ ("live" | "after")) => ("v2", Some(m)),
+        _ => panic!("the default is not the router's choice: {e}"),
+    };
+    assert_eq!(e["transport"], transport, "{e}");
+    if let Some(m) = handoff {
+        assert_eq!(e["handoff_mode"], m, "{e}");
+    }
+    assert_written_as(transport, &e, outcome.completion_tokens);
     outcome
 }
 
