@@ -157,16 +157,8 @@ impl Backend {
             // what the laptop would serve): the laptop answers under the fallback policy,
             // as a split that finds no decode node does, and says so (`fallback`).
             Err(e) if route == Route::Phone && self.config.fallback => {
-                tracing::warn!(
-                    request_id,
-                    reason = %e.message,
-                    "the phone chosen could not take the answer; answering on the prefill node"
-                );
-                let mut started = self
-                    .start_local(req, request_id, Some(e.name().to_string()), true)
-                    .await?;
-                started.transport = Transport::Phone;
-                started
+                self.answer_here_instead(req, request_id, &e, Transport::Phone)
+                    .await?
             }
             r => r?,
         };

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use super::event::finished_here;
 use super::stream::forward_prefill_node;
 use super::Failure;
-use super::{Authed, Backend, Event, FinishReason};
+use super::{Authed, Backend, Event, FinishReason, Started, Transport};
 use crate::api::ValidRequest;
 
 /// What the router needs to finish an answer on the prefill node when the split fails.
@@ -29,6 +29,29 @@ impl Backend {
             request: Self::prefill_request(req, request_id, None, 0),
             first_token_timeout: self.config.first_token_timeout,
         })
+    }
+
+    /// The decode node cannot take an answer that has not started (gone, asleep, or it
+    /// refused): the prefill node answers it under the fallback policy, `fallback` naming
+    /// `cause`, and the answer reports `transport` as asked (or as `auto` chose).
+    pub(super) async fn answer_here_instead(
+        &self,
+        req: &ValidRequest,
+        request_id: &str,
+        cause: &Failure,
+        transport: Transport,
+    ) -> Result<Started, Failure> {
+        tracing::warn!(
+            request_id,
+            cause = cause.name(),
+            reason = %cause.message,
+            "the decode node cannot take the answer; answering on the prefill node"
+        );
+        let mut started = self
+            .start_local(req, request_id, Some(cause.name().to_string()), true)
+            .await?;
+        started.transport = transport;
+        Ok(started)
     }
 }
 

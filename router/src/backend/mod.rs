@@ -440,17 +440,9 @@ impl Backend {
         let decode_info = match decode_info {
             Ok(i) => i,
             Err(e) if self.config.fallback && e.code.as_deref() == Some("decode_unavailable") => {
-                tracing::warn!(
-                    request_id,
-                    reason = %e.message,
-                    "no decode node; answering on the prefill node"
-                );
-                let mut started = self
-                    .start_local(req, request_id, Some("decode_unavailable".into()), true)
-                    .await?;
-                // Reported as asked, with `fallback` saying what happened instead.
-                started.transport = transport;
-                return Ok(started);
+                return self
+                    .answer_here_instead(req, request_id, &e, transport)
+                    .await;
             }
             Err(e) => return Err(e),
         };
