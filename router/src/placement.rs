@@ -187,7 +187,15 @@ pub struct Rates {
     /// The prefill node's prefill speed in its colocated answers (for the cost model only:
     /// the placement rules above read split prefills, as they always have).
     local_prefill: Ewma,
+    /// The length in tokens of the answers whose request set no `max_tokens` (each ended
+    /// by itself: a stop, a tool call, or the context's end).
+    answer_tokens: Ewma,
 }
+
+/// Answer tokens expected of a request that sets no `max_tokens`, until such an answer
+/// has ended (llama-server's and OpenAI's own default lengths are far longer; this is a
+/// chat turn's order of size).
+pub const DEFAULT_ANSWER_TOKENS: f64 = 256.0;
 
 /// Characters per token until measured (English text in a BPE vocabulary).
 const DEFAULT_CHARS_PER_TOKEN: f64 = 4.0;
@@ -250,6 +258,23 @@ impl Rates {
     #[must_use]
     pub fn tokens_of(&self, chars: usize) -> f64 {
         chars as f64 / self.chars_per_token.0.unwrap_or(DEFAULT_CHARS_PER_TOKEN)
+    }
+
+    /// An answer whose request set no `max_tokens` ended after `tokens` tokens.
+    pub fn answered(&mut self, tokens: u32) {
+        self.answer_tokens.add(f64::from(tokens));
+    }
+
+    /// The answer tokens a request with `max_tokens` (0: none set) is expected to write:
+    /// `max_tokens`, else the mean length of the answers that set none
+    /// ([`DEFAULT_ANSWER_TOKENS`] until one has ended).
+    #[must_use]
+    pub fn expected_answer(&self, max_tokens: u32) -> f64 {
+        if max_tokens > 0 {
+            f64::from(max_tokens)
+        } else {
+            self.answer_tokens.0.unwrap_or(DEFAULT_ANSWER_TOKENS)
+        }
     }
 
     /// An `Info` call to the decode node took `ms` there and back.
@@ -323,6 +348,23 @@ mod tests {
 
     fn chat(msgs: &[(&str, &str)]) -> Input {
         Input::Chat(msgs.iter().map(|(r, c)| Message::text(*r, *c)).collect())
+    }
+
+    /// A request's `max_tokens` is what it is expected to write; without one, the mean
+    /// length of the answers that set none, the default before any ended.
+    #[test]
+    fn an_answer_without_max_tokens_is_expected_as_long_as_recent_ones() {
+        let mut r = Rates::default();
+        assert_eq!(r.expected_answer(0), DEFAULT_ANSWER_TOKENS);
+        assert_eq!(r.expected_answer(24), 24.0);
+        r.answered(40);
+        assert_eq!(r.expected_answer(0), 40.0);
+        assert_eq!(r.expected_answer(24), 24.0);
+        r.answered(80);
+        assert!((r.expected_answer(0) - 52.0).abs() < 1e-9);
+        // An empty answer says nothing of the next one's length.
+        r.answered(0);
+        assert!((r.expected_answer(0) - 52.0).abs() < 1e-9);
     }
 
     #[test]

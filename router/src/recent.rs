@@ -100,12 +100,14 @@ pub struct Timing {
     /// `transport: "auto"`: the mode the router chose (`local`, `live`, `after`, `phone`),
     /// under which objective, why (the predictions compared), and the chosen mode's
     /// predicted time to the end of the answer and laptop time (`None`: chosen without a
-    /// prediction). The actual end is `e2e_ms`.
+    /// prediction), and the answer tokens it expected (`max_tokens`, else the mean length
+    /// of the recent answers that set none). The actual end is `e2e_ms`.
     pub mode: Option<&'static str>,
     pub objective: Option<&'static str>,
     pub reason: Option<String>,
     pub predicted_ms: Option<f64>,
     pub predicted_laptop_ms: Option<f64>,
+    pub predicted_tokens: Option<u32>,
 }
 
 impl RecentAnswer {

@@ -67,6 +67,8 @@ pub struct Answer {
     logprobs_sent: usize,
     /// The tool calls read from the answer's end (then `finish` is `ToolCalls`).
     calls: Vec<Call>,
+    /// Called with the answer's length once it has ended well (`measuring_length`).
+    length_meter: Option<Box<dyn FnOnce(u32) + Send>>,
 }
 
 impl Answer {
@@ -97,7 +99,16 @@ impl Answer {
             logprobs: Vec::new(),
             logprobs_sent: 0,
             calls: Vec::new(),
+            length_meter: None,
         }
+    }
+
+    /// Tells `meter` this answer's length (its completion tokens) once it has ended well;
+    /// not when it fails.
+    #[must_use]
+    pub fn measuring_length(mut self, meter: Box<dyn FnOnce(u32) + Send>) -> Self {
+        self.length_meter = Some(meter);
+        self
     }
 
     /// Records this answer into `metrics` as it goes.
@@ -112,7 +123,12 @@ impl Answer {
     pub fn on_event(&mut self, ev: Event) -> Step {
         let is_token = matches!(ev, Event::Token { .. });
         let step = match self.fold(ev) {
-            Step::Done(rest) => Step::Done(self.read_calls(rest)),
+            Step::Done(rest) => {
+                if let Some(meter) = self.length_meter.take() {
+                    meter(self.completion_tokens);
+                }
+                Step::Done(self.read_calls(rest))
+            }
             step => step,
         };
         let Some(obs) = &self.observer else {
@@ -767,6 +783,36 @@ mod tests {
             logprobs: None,
             from: Node::Prefill,
         }
+    }
+
+    /// The meter hears the length of an answer that ended well, once; not of one that
+    /// failed.
+    #[test]
+    fn the_length_meter_hears_an_answer_that_ended() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::sync::Arc;
+        let heard = Arc::new(AtomicU32::new(u32::MAX));
+        let meter = |h: &Arc<AtomicU32>| -> Box<dyn FnOnce(u32) + Send> {
+            let h = h.clone();
+            Box::new(move |n| h.store(n, Ordering::SeqCst))
+        };
+        let mut a = answer(Endpoint::Chat, false, vec![]).measuring_length(meter(&heard));
+        a.on_event(token("a"));
+        a.on_event(token("b"));
+        assert_eq!(heard.load(Ordering::SeqCst), u32::MAX);
+        a.on_event(token("c"));
+        assert!(matches!(
+            a.on_event(finished(FinishReason::Stop)),
+            Step::Done(_)
+        ));
+        assert_eq!(heard.load(Ordering::SeqCst), 3);
+
+        let failed = Arc::new(AtomicU32::new(u32::MAX));
+        let mut b = answer(Endpoint::Chat, false, vec![]).measuring_length(meter(&failed));
+        b.on_event(token("a"));
+        let e = crate::backend::Failure::upstream("timeout", "gone");
+        assert!(matches!(b.on_event(Event::Error(e)), Step::Failed(_)));
+        assert_eq!(failed.load(Ordering::SeqCst), u32::MAX);
     }
 
     fn with_tools() -> Answer {

@@ -227,6 +227,9 @@ async fn serve_inner(
         started.prefill_ms,
     )
     .observed(observer);
+    if req.max_tokens == 0 {
+        answer = answer.measuring_length(s.backend.answer_length_meter());
+    }
     answer.timing.placement = Some(started.placement.as_str());
     (answer.timing.prefill_arch, answer.timing.decode_arch) =
         s.backend.archs(started.transport, started.placement);
@@ -236,6 +239,7 @@ async fn serve_inner(
         answer.timing.objective = Some(req.objective.unwrap_or(s.objective).as_str());
         answer.timing.predicted_ms = choice.predicted.map(|c| c.e2e_ms);
         answer.timing.predicted_laptop_ms = choice.predicted.map(|c| c.laptop_ms);
+        answer.timing.predicted_tokens = choice.answer_tokens.map(|t| t.round() as u32);
         answer.timing.reason = Some(choice.reason);
     }
     if req.stream {

@@ -4,7 +4,6 @@
 use edgesplit_proto::error::ErrorCode;
 
 use super::cost::{self, Choice};
-use super::load::answer_tokens;
 use super::nodes::{lock, lock_info};
 use super::route::{Route, Wire};
 use super::Failure;
@@ -126,6 +125,7 @@ impl Backend {
                          (--continue-on)"
                     .into(),
                 predicted: None,
+                answer_tokens: None,
             }
         } else {
             let forced = req.handoff.map(|_| default);
@@ -133,9 +133,13 @@ impl Backend {
                 Some(m) => std::slice::from_ref(m),
                 None => &Route::CHOSEN,
             };
-            let (measured, prompt_tokens) = {
+            let (measured, prompt_tokens, answer_tokens) = {
                 let l = lock(&self.learned);
-                (l.rates.measured(), l.rates.tokens_of(chars))
+                (
+                    l.rates.measured(),
+                    l.rates.tokens_of(chars),
+                    l.rates.expected_answer(req.max_tokens),
+                )
             };
             if measured.phone_prefill.is_none() && allowed.contains(&Route::Phone) {
                 self.probe_phone_prefill(req);
@@ -143,7 +147,7 @@ impl Backend {
             let kv_bytes_per_token = self.kv_bytes_per_token();
             let request = cost::Request {
                 prompt_tokens,
-                answer_tokens: answer_tokens(req),
+                answer_tokens,
                 kv_bytes_per_token,
                 backlog: self.load.backlog(),
             };

@@ -89,6 +89,9 @@ pub struct Choice {
     pub reason: String,
     /// The chosen mode's prediction (`None`: chosen without one, no rate measured).
     pub predicted: Option<Cost>,
+    /// The answer tokens the choice expected (`Request::answer_tokens`; `None`: chosen
+    /// by a rule that does not weigh them).
+    pub answer_tokens: Option<f64>,
 }
 
 /// The prediction of `mode`, or `None` while a rate it needs is not measured.
@@ -178,6 +181,7 @@ pub fn choose(
                 names(allowed)
             ),
             predicted: None,
+            answer_tokens: Some(r.answer_tokens),
         };
     };
     let laptop_busy = r.backlog.laptop.len();
@@ -231,6 +235,7 @@ pub fn choose(
         mode: chosen.mode,
         reason,
         predicted: Some(chosen),
+        answer_tokens: Some(r.answer_tokens),
     }
 }
 

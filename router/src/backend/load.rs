@@ -25,16 +25,9 @@ use super::nodes::{lock, Learned};
 use crate::api::{HandoffMode, ValidRequest};
 use crate::placement::{input_chars, Measured};
 
-/// Answer tokens expected of a request that sets no `max_tokens`.
-const DEFAULT_ANSWER_TOKENS: f64 = 256.0;
-
-/// The answer tokens `req` is expected to write: its `max_tokens`, else the default.
-pub(super) fn answer_tokens(req: &ValidRequest) -> f64 {
-    if req.max_tokens > 0 {
-        f64::from(req.max_tokens)
-    } else {
-        DEFAULT_ANSWER_TOKENS
-    }
+/// The answer tokens `req` is expected to write ([`crate::placement::Rates::expected_answer`]).
+pub(super) fn answer_tokens(req: &ValidRequest, learned: &Mutex<Learned>) -> f64 {
+    lock(learned).rates.expected_answer(req.max_tokens)
 }
 
 /// The work queues of both nodes.
@@ -105,11 +98,17 @@ impl Work {
     /// A whole request on one node: its prompt (estimated from its characters, as the
     /// cost model does, until the node has tokenized it) and its answer.
     pub(super) fn of(req: &ValidRequest, learned: &Mutex<Learned>) -> Work {
+        let l = lock(learned);
         Work {
-            prefill: lock(learned).rates.tokens_of(input_chars(&req.input)),
-            decode: answer_tokens(req),
+            prefill: l.rates.tokens_of(input_chars(&req.input)),
+            decode: l.rates.expected_answer(req.max_tokens),
             extra_ms: 0.0,
         }
+    }
+
+    /// Only the answer `req` is expected to write.
+    pub(super) fn answer_of(req: &ValidRequest, learned: &Mutex<Learned>) -> Work {
+        Work::answer(answer_tokens(req, learned))
     }
 
     /// Only answer tokens.

@@ -253,7 +253,7 @@ impl Backend {
         let p = self
             .prefilled(&mut stream, param, "the prefill node")
             .await?;
-        busy.prefilled(&self.learned, Work::answer(answer_tokens(req)));
+        busy.prefilled(&self.learned, Work::answer_of(req, &self.learned));
         let (tx, rx) = mpsc::channel(64);
         let idle = self.config.token_idle_timeout;
         if let Some(cause) = fallback {
@@ -327,7 +327,7 @@ impl Backend {
         let p = self
             .prefilled(&mut stream, param, "the decode node")
             .await?;
-        busy.prefilled(&self.learned, Work::answer(answer_tokens(req)));
+        busy.prefilled(&self.learned, Work::answer_of(req, &self.learned));
         lock(&self.learned).rates.prefilled(
             true,
             p.prompt_tokens.saturating_sub(p.cached_tokens),
@@ -521,7 +521,7 @@ impl Backend {
             load: self.load.clone(),
             laptop: Some(laptop),
             phone: None,
-            answer_tokens: answer_tokens(req),
+            answer_tokens: answer_tokens(req, &self.learned),
             first_sent: std::time::Instant::now(),
         };
         tokio::spawn(split.run(pstream, fallback));

@@ -54,6 +54,15 @@ impl Backend {
             .map_or(0, |i| i.kv_bytes_per_token)
     }
 
+    /// What records the length of an answer whose request set no `max_tokens` once it has
+    /// ended, for the cost model to expect of the next such request
+    /// ([`crate::placement::Rates::expected_answer`]).
+    #[must_use]
+    pub fn answer_length_meter(&self) -> Box<dyn FnOnce(u32) + Send> {
+        let learned = self.learned.clone();
+        Box::new(move |tokens| lock(&learned).rates.answered(tokens))
+    }
+
     /// The prefill node's gRPC URL.
     #[must_use]
     pub fn prefill_url(&self) -> String {

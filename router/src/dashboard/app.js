@@ -161,6 +161,7 @@ const FIGURES = [
   ['mode', 'mode (auto)', (v) => v || '-'],
   ['reason', 'why', (v) => v || '-'],
   ['predicted_ms', 'predicted end', (v) => v ? fmt(v, 0) + ' ms' : '-'],
+  ['predicted_tokens', 'predicted answer', (v) => v ? v + ' tokens' : '-'],
   ['first_token_from', 'first token from', (v) => v],
   ['fallback', 'fallback', (v) => v || 'none'],
   ['finish_reason', 'finish', (v) => v],

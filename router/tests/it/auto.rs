@@ -217,3 +217,32 @@ async fn an_unknown_objective_is_a_400_naming_it() {
         "{v}"
     );
 }
+
+/// A request that sets no `max_tokens` is expected to write as many tokens as the recent
+/// answers that set none (256 before one has ended), not the default at every request: the
+/// choice weighed `predicted_tokens`. A `max_tokens` is what its request is expected to
+/// write, and an answer cut by one says nothing of the others' length.
+#[tokio::test]
+async fn an_answer_without_max_tokens_is_expected_as_long_as_recent_ones() {
+    let s = common::start(common::StackOptions::new(common::SMOLLM2));
+    let open = |extra: Value| {
+        let mut b = common::chat_body(
+            json!([{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]),
+            json!({"temperature": 0, "edgesplit": {"transport": "auto"}}),
+        );
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (first, e) = common::send(&s, PATH, &open(json!({})), false).await;
+    assert_eq!(first.finish_reason, "stop", "{e}");
+    assert!(first.completion_tokens < 256, "{e}");
+    assert_eq!(e["predicted_tokens"], 256, "{e}");
+    let (o, e) = common::send(&s, PATH, &open(json!({"max_tokens": 5})), false).await;
+    assert_eq!(o.completion_tokens, 5, "{e}");
+    assert_eq!(e["predicted_tokens"], 5, "{e}");
+    let (o, e) = common::send(&s, PATH, &open(json!({})), false).await;
+    assert_eq!(o, first, "{e}");
+    assert_eq!(e["predicted_tokens"], first.completion_tokens, "{e}");
+}
