@@ -104,6 +104,8 @@ struct Cell {
     laptop_cpu_ms_per_request: Option<f64>,
     /// Requests that the router finished on the prefill node (`edgesplit.fallback`).
     fallbacks: usize,
+    /// `auto` modes: how many answers the router chose each mode for (`edgesplit.mode`).
+    choices: BTreeMap<String, usize>,
     errors: Vec<String>,
 }
 
@@ -294,9 +296,13 @@ async fn cell(
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let (mut phone, mut tokens, mut wrong, mut fallbacks) = (0u64, 0u64, 0, 0);
     let mut errors = Vec::new();
+    let mut choices = BTreeMap::new();
     for (i, a) in &done {
         match &a.result {
             Ok(m) => {
+                if let Some(mode) = &m.mode {
+                    *choices.entry(mode.clone()).or_insert(0) += 1;
+                }
                 ttft.push(m.ttft_ms);
                 e2e.push(m.e2e_ms);
                 phone += m.phone_tokens.unwrap_or(0);
@@ -327,12 +333,26 @@ async fn cell(
         phone_share: (tokens > 0).then(|| phone as f64 / tokens as f64),
         laptop_cpu_ms_per_request: cpu.filter(|_| completed > 0).map(|c| c / completed as f64),
         fallbacks,
+        choices,
         errors,
     })
 }
 
 fn f(x: Option<f64>, digits: usize) -> String {
     x.map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+/// `auto`'s choices of a cell, most chosen first ("local 19, phone 9"); `-` for none.
+fn choices_text(choices: &BTreeMap<String, usize>) -> String {
+    let mut v: Vec<(&String, &usize)> = choices.iter().collect();
+    v.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    if v.is_empty() {
+        return "-".into();
+    }
+    v.iter()
+        .map(|(m, n)| format!("{m} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn markdown(
@@ -353,11 +373,11 @@ fn markdown(
     );
     let _ = writeln!(
         md,
-        "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local |"
+        "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local | auto's choices |"
     );
     let _ = writeln!(
         md,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let local: BTreeMap<(&str, usize), &Cell> = cells
         .iter()
@@ -371,7 +391,7 @@ fn markdown(
             base.and_then(|b| Some(c.laptop_cpu_ms_per_request? / b.laptop_cpu_ms_per_request?));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} / {} | {} / {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} / {} | {} / {} | {} | {} | {} | {} |",
             c.profile,
             c.clients,
             c.mode,
@@ -388,6 +408,7 @@ fn markdown(
             f(c.phone_share, 2),
             f(c.laptop_cpu_ms_per_request, 0),
             f(cpu_ratio, 2),
+            choices_text(&c.choices),
         );
     }
     for c in cells.iter().filter(|c| !c.errors.is_empty()) {
@@ -403,6 +424,16 @@ fn markdown(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn autos_choices_are_listed_most_chosen_first() {
+        let mut c = BTreeMap::new();
+        assert_eq!(choices_text(&c), "-");
+        c.insert("after".to_string(), 4);
+        c.insert("local".to_string(), 19);
+        c.insert("phone".to_string(), 4);
+        assert_eq!(choices_text(&c), "local 19, after 4, phone 4");
+    }
 
     #[test]
     fn the_mix_is_every_pair_in_a_fixed_order() {
