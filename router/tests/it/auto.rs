@@ -225,24 +225,23 @@ async fn an_unknown_objective_is_a_400_naming_it() {
 #[tokio::test]
 async fn an_answer_without_max_tokens_is_expected_as_long_as_recent_ones() {
     let s = common::start(common::StackOptions::new(common::SMOLLM2));
-    let open = |extra: Value| {
-        let mut b = common::chat_body(
-            json!([{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]),
-            json!({"temperature": 0, "edgesplit": {"transport": "auto"}}),
-        );
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        b
-    };
-    let (first, e) = common::send(&s, PATH, &open(json!({})), false).await;
+    let question = json!([{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]);
+    let open = common::chat_body(
+        question.clone(),
+        json!({"temperature": 0, "edgesplit": {"transport": "auto"}}),
+    );
+    let capped = common::chat_body(
+        question,
+        json!({"temperature": 0, "max_tokens": 5, "edgesplit": {"transport": "auto"}}),
+    );
+    let (first, e) = common::send(&s, PATH, &open, false).await;
     assert_eq!(first.finish_reason, "stop", "{e}");
     assert!(first.completion_tokens < 256, "{e}");
     assert_eq!(e["predicted_tokens"], 256, "{e}");
-    let (o, e) = common::send(&s, PATH, &open(json!({"max_tokens": 5})), false).await;
+    let (o, e) = common::send(&s, PATH, &capped, false).await;
     assert_eq!(o.completion_tokens, 5, "{e}");
     assert_eq!(e["predicted_tokens"], 5, "{e}");
-    let (o, e) = common::send(&s, PATH, &open(json!({})), false).await;
+    let (o, e) = common::send(&s, PATH, &open, false).await;
     assert_eq!(o, first, "{e}");
     assert_eq!(e["predicted_tokens"], first.completion_tokens, "{e}");
 }
