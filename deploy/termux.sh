@@ -26,21 +26,14 @@ run pkg install -y rust clang cmake make python binutils protobuf patch
 if command -v termux-wake-lock >/dev/null || ((DRY)); then run termux-wake-lock; fi
 
 cd "$ROOT"
-# The pinned llama-cpp-sys-2 (workspace Cargo.toml), copied out of cargo's registry and
-# patched; the registry's copy stays untouched.
+# The workspace's llama-cpp-sys-2 (vendor/, the pinned crate with patches/README.md's
+# patches), copied and patched once more for a native Android build; vendor/ stays as it is.
 VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
 PATCHED="$ROOT/target/phone/llama-cpp-sys-2-$VERSION"
-run cargo fetch
-SRC="${CARGO_HOME:-$HOME/.cargo}/registry/src/*/llama-cpp-sys-2-$VERSION"
 if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
     run rm -rf "$PATCHED"
     run mkdir -p "$ROOT/target/phone"
-    if ((DRY)); then
-        echo "+ cp -r $SRC $PATCHED"
-    else
-        # shellcheck disable=SC2086 # the glob picks the registry folder
-        cp -r $SRC "$PATCHED"
-    fi
+    run cp -r "$ROOT/vendor/llama-cpp-sys-2" "$PATCHED"
     run patch -p1 -d "$PATCHED" -i "$ROOT/patches/llama-cpp-sys-2-android-native.patch"
     run touch "$PATCHED/.edgesplit-patched"
 fi

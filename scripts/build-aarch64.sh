@@ -17,9 +17,9 @@
 #
 # Toolchain: Debian's `rustc-web`/`cargo-web` (1.96, /usr/bin/rustc, /usr/bin/cargo) with
 # its aarch64 standard library; rustup's toolchain stays the default for everything else.
-# The same pinned crates (Cargo.lock). One patch, on a copy of the pinned
-# llama-cpp-sys-2 (patches/llama-cpp-sys-2-aarch64-arch.patch): its build script pins
-# ggml's ARM baseline to armv8-a for aarch64 Linux, after the caller's settings.
+# The same pinned crates (Cargo.lock) and the workspace's vendored llama-cpp-sys-2, whose
+# build script takes ggml's ARM baseline from GGML_CPU_ARM_ARCH
+# (patches/llama-cpp-sys-2-aarch64-arch.patch).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TARGET=aarch64-unknown-linux-gnu
@@ -51,28 +51,13 @@ fi
 # the background, so that no apt run of its own races this one).
 [[ "${1:-}" == "--packages" ]] && exit 0
 
-# --- the patched copy of the pinned llama-cpp-sys-2 ----------------------------------------
 cd "$ROOT"
-VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
-PATCHED="$OUT/llama-cpp-sys-2-$VERSION"
-if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
-    log "patching a copy of llama-cpp-sys-2 $VERSION (its ARM baseline)"
-    /usr/bin/cargo fetch --locked >/dev/null
-    # shellcheck disable=SC2206 # the glob picks the registry folder
-    src=(${CARGO_HOME:-$HOME/.cargo}/registry/src/*/llama-cpp-sys-2-"$VERSION")
-    rm -rf "$PATCHED"
-    mkdir -p "$OUT"
-    cp -r "${src[0]}" "$PATCHED"
-    patch -s -p1 -d "$PATCHED" -i "$ROOT/patches/llama-cpp-sys-2-aarch64-arch.patch"
-    touch "$PATCHED/.edgesplit-patched"
-fi
 
 # --- the build ---------------------------------------------------------------------------
-# In a copy of the workspace's sources (target-aarch64/src): the patch makes cargo write the
-# patched crate's source into that copy's Cargo.lock, never the repository's, which a build
-# for this machine may be reading at the same time (scripts/test.sh runs both at once).
-# Cargo changes only the patched crate's entry: every other crate is the locked one. tar
-# keeps the files' times, so an unchanged file is not rebuilt.
+# In a copy of the workspace's sources (target-aarch64/src): cargo-web may rewrite that
+# copy's Cargo.lock, never the repository's, which a build for this machine may be reading
+# at the same time (scripts/test.sh runs both at once). tar keeps the files' times, so an
+# unchanged file is not rebuilt.
 SRC="$OUT/src"
 mkdir -p "$SRC"
 if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
@@ -100,8 +85,7 @@ RUSTC=/usr/bin/rustc \
     CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
     BINDGEN_EXTRA_CLANG_ARGS="--sysroot=/usr/aarch64-linux-gnu" \
     GGML_CPU_ARM_ARCH="$ARCH" \
-    /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" "${packages[@]}" \
-    --config "patch.crates-io.llama-cpp-sys-2.path=\"$PATCHED\"" >&2
+    /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" "${packages[@]}" >&2
 BIN="$OUT/$TARGET/release/edgesplit-decode"
 file "$BIN" >&2 || true
 echo "$BIN"

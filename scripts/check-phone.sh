@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # What of the phone build (issue 20) can run on this x86_64 machine, run by scripts/test.sh:
-#  1. patches/llama-cpp-sys-2-android-native.patch and llama-cpp-sys-2-aarch64-arch.patch
-#     (scripts/build-aarch64.sh) apply cleanly to the llama-cpp-sys-2 the workspace pins
-#     (this fails when the pin moves and a patch no longer applies);
+#  1. patches/llama-cpp-sys-2-android-native.patch (deploy/termux.sh) applies cleanly to
+#     the workspace's llama-cpp-sys-2 (vendor/; scripts/check-vendor.sh checks that folder);
 #  2. the proto crate builds with PROTOC pointing at Debian's protobuf-compiler, as it does
 #     with Termux's (its own target folder, so the main build is not invalidated);
 #  3. each phone-side script's --dry-run prints the commands it would run.
@@ -14,16 +13,11 @@ fail() { echo "[phone] FAILED: $*" >&2; exit 1; }
 
 VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
 [[ -n "$VERSION" ]] || fail "no exact llama-cpp-sys-2 pin in Cargo.toml"
-cargo fetch -q
-SRC="$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -maxdepth 1 -mindepth 1 -type d \
-    -exec test -d "{}/llama-cpp-sys-2-$VERSION" \; -print -quit)/llama-cpp-sys-2-$VERSION"
-[[ -f "$SRC/build.rs" ]] || fail "llama-cpp-sys-2 $VERSION not in cargo's registry"
+SRC="$ROOT/vendor/llama-cpp-sys-2"
+[[ -f "$SRC/build.rs" ]] || fail "no vendor/llama-cpp-sys-2"
 patch -p1 --dry-run --force -d "$SRC" -i "$ROOT/patches/llama-cpp-sys-2-android-native.patch" >/dev/null \
-    || fail "the Android patch does not apply to llama-cpp-sys-2 $VERSION"
-echo "[phone] the Android patch applies to llama-cpp-sys-2 $VERSION" >&2
-patch -p1 --dry-run --force -d "$SRC" -i "$ROOT/patches/llama-cpp-sys-2-aarch64-arch.patch" >/dev/null \
-    || fail "the aarch64 patch (scripts/build-aarch64.sh) does not apply to llama-cpp-sys-2 $VERSION"
-echo "[phone] the aarch64 patch applies to llama-cpp-sys-2 $VERSION" >&2
+    || fail "the Android patch does not apply to the vendored llama-cpp-sys-2 $VERSION"
+echo "[phone] the Android patch applies to the vendored llama-cpp-sys-2 $VERSION" >&2
 
 PROTOC_BIN="$(command -v protoc)" || fail "no protoc (apt-get install protobuf-compiler)"
 out="$(PROTOC="$PROTOC_BIN" cargo check --release -p edgesplit-proto \

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Sourced by the scripts that start the services by hand on loopback (check-cuda-build.sh,
-# cuda-agreement.sh, threads-agreement.sh): a free port, waiting for a URL, and a decode
+# cuda-agreement.sh): a free port, waiting for a URL, and a decode
 # node, prefill node or router started with its ports picked. Each start appends its
 # process to PIDS (the caller kills them on exit) and logs to the file it is given.
 # (Not in a command substitution: that would wait for the services they start.)

@@ -42,6 +42,8 @@ if ((${#missing[@]})); then
 fi
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
+echo "[test] the vendored llama-cpp-sys-2 is the registry's plus patches/ (scripts/check-vendor.sh)" >&2
+bash scripts/check-vendor.sh
 echo "[test] the phone build (scripts/check-phone.sh)" >&2
 bash scripts/check-phone.sh
 # The official OpenAI Python client, pinned, for router/tests/it/openai_client.rs (strict

@@ -24,6 +24,9 @@ pub struct ModelInfo {
     /// the nodes; `platform::Platform`).
     pub arch: String,
     pub kernels: String,
+    /// The engine's threads (`--threads`). Any count gives the same answer
+    /// (patches/ggml-cpu-fa-split-kv-fixed-chunks.patch); reported for speed, not checked.
+    pub threads: u32,
     pub type_k: u32,
     pub type_v: u32,
     pub flash_attn: bool,
@@ -91,6 +94,7 @@ impl ModelInfo {
             build_id: platform.build_id,
             arch: platform.arch,
             kernels: platform.kernels,
+            threads: u32::try_from(config.n_threads.max(1)).unwrap_or(1),
             type_k: config.cache_type_k.ggml_type(),
             type_v: config.cache_type_v.ggml_type(),
             flash_attn,

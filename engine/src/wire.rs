@@ -43,6 +43,7 @@ impl ModelInfo {
             build_id: self.build_id.clone(),
             arch: self.arch.clone(),
             kernels: self.kernels.clone(),
+            threads: self.threads,
             has_chat_template: self.has_chat_template,
             flash_attn: self.flash_attn,
             type_k: self.type_k,

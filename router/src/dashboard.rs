@@ -81,6 +81,7 @@ fn node_json(
             "build_id": i.build_id,
             "arch": i.arch,
             "kernels": i.kernels,
+            "threads": i.threads,
             "n_ctx": i.n_ctx,
             "flash_attn": i.flash_attn,
             "mem_available_bytes": i.mem_available_bytes,

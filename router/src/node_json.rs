@@ -31,6 +31,7 @@ pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Valu
             "build_id": i.build_id,
             "arch": i.arch,
             "kernels": i.kernels,
+            "threads": i.threads,
             "n_ctx": i.n_ctx,
             "flash_attn": i.flash_attn,
             "kv_bytes_per_token": i.kv_bytes_per_token,

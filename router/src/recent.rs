@@ -97,6 +97,11 @@ pub struct Timing {
     /// one device's.
     pub prefill_arch: Option<String>,
     pub decode_arch: Option<String>,
+    /// The state crossed between the nodes: whether they compute with the same numerics
+    /// (architecture and kernels; `Backend::same_numerics`). `true`: the answer is
+    /// token-for-token one device's, whatever either node's thread count. `false`: it agrees
+    /// up to the first rounding difference that changes a token.
+    pub same_numerics: Option<bool>,
     /// `transport: "auto"`: the mode the router chose (`local`, `live`, `after`, `phone`),
     /// under which objective, why (the predictions compared), and the chosen mode's
     /// predicted time to the end of the answer and laptop time (`None`: chosen without a

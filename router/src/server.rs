@@ -233,6 +233,9 @@ async fn serve_inner(
     answer.timing.placement = Some(started.placement.as_str());
     (answer.timing.prefill_arch, answer.timing.decode_arch) =
         s.backend.archs(started.transport, started.placement);
+    answer.timing.same_numerics = s
+        .backend
+        .same_numerics(started.transport, started.placement);
     answer.timing.cached_tokens = started.cached_tokens;
     if let Some(choice) = started.choice {
         answer.timing.mode = Some(choice.mode.as_str());

@@ -142,6 +142,30 @@ impl Backend {
         (prefill, decode)
     }
 
+    /// When both nodes took part in an answer (the state crossed, or the decode node
+    /// continued a conversation the prefill node began): whether they compute with the same
+    /// numerics, from their last `Info`: the same CPU architecture and kernels (the build id
+    /// is equal, or the handshake refused the state; the thread counts change nothing).
+    /// `Some(false)`: the answer may part from either device's own after a rounding
+    /// difference (PROTOCOL.md, "Compatibility"). `None`: one node, or an `Info` not known.
+    #[must_use]
+    pub fn same_numerics(&self, transport: Transport, placement: PrefilledOn) -> Option<bool> {
+        if placement == PrefilledOn::DecodeNode
+            || !matches!(transport, Transport::V1 | Transport::V2)
+        {
+            return None;
+        }
+        let numerics = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
+            lock_info(l)
+                .as_ref()
+                .filter(|i| !i.arch.is_empty())
+                .map(|i| (i.arch.clone(), i.kernels.clone()))
+        };
+        let prefill = numerics(&self.last_prefill_info)?;
+        let decode = numerics(&self.last_decode_info)?;
+        Some(prefill == decode)
+    }
+
     /// Whether the decode node renders `input` as the prefill node does: a raw prompt
     /// always; a chat when both nodes' last `Info` name the same chat template (another
     /// template is another prompt, and the decode node renders the chats it continues).

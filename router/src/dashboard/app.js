@@ -67,7 +67,7 @@ function nodeRows(n) {
     ['model', n.model_id],
     ['fingerprint', (n.model_fingerprint || '').slice(0, 16) + '…'],
     ['build', n.build_id],
-    ['device', n.arch + ' (' + n.kernels + ')'],
+    ['device', n.arch + ' (' + n.kernels + '), ' + n.threads + ' threads'],
     ['context', n.n_ctx + ' tokens, flash attention ' + (n.flash_attn ? 'on' : 'off')],
     ['memory available', fmtBytes(n.mem_available_bytes)],
     ['requests in flight', n.requests_in_flight],

@@ -273,12 +273,16 @@ async fn models_and_health() {
         let n = &h[node];
         let build = n["build_id"].as_str().unwrap();
         assert!(
-            build.starts_with("llama-cpp-sys-2 0.1.161, ggml ") && build.ends_with("REPACK off"),
+            build.starts_with("llama-cpp-sys-2 0.1.161, ggml ")
+                && build.ends_with("REPACK off, FA_SPLIT_KV_CHUNK 128"),
             "{n}"
         );
         assert_eq!(n["arch"], std::env::consts::ARCH, "{n}");
         assert!(n["kernels"].as_str().unwrap().starts_with("CPU: "), "{n}");
     }
+    // Each node's thread count (the shared stack runs them unequal: prefill 2, decode 1).
+    assert_eq!(h["prefill"]["threads"], 2, "{h}");
+    assert_eq!(h["decode"]["threads"], 1, "{h}");
     // How a live handoff sends the prompt's state (`live.rs` and `gemma.rs` check the
     // other two values); a decode node says nothing of it.
     assert_eq!(h["prefill"]["stream_prefill"], "off");

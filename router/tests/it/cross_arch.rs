@@ -66,6 +66,7 @@ async fn an_aarch64_decode_node_writes_split_answers() {
         assert!(e["decode_node_tokens"].as_u64().unwrap() > 0, "{v}");
         assert_eq!(e["prefill_arch"], std::env::consts::ARCH, "{v}");
         assert_eq!(e["decode_arch"], "aarch64", "{v}");
+        assert_eq!(e["same_numerics"], false, "{v}");
     }
 }
 

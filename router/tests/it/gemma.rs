@@ -15,8 +15,11 @@ fn gemma() -> &'static Stack {
     S.get_or_init(|| {
         // Room for the sweep's longest prompt (2,100 tokens) and its answer.
         // Its live answers are 20 tokens: paced, so that they reach the decode node.
+        // The nodes at different thread counts, the reverse of the SmolLM2 stack's.
         let mut o = StackOptions::new(common::GEMMA3).paced();
         o.n_ctx = 4096;
+        o.prefill_threads = Some(1);
+        o.decode_threads = Some(2);
         common::start(o)
     })
 }

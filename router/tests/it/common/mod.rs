@@ -103,6 +103,10 @@ pub struct StackOptions {
     pub continue_on: edgesplit_router::backend::ContinueOn,
     /// The router's `--info-timeout-ms` (None: its default).
     pub info_timeout_ms: Option<u64>,
+    /// The prefill node's and the decode node's `--threads` (None: the default, the
+    /// physical cores). A real pair never runs equal counts; the answers must not care.
+    pub prefill_threads: Option<i32>,
+    pub decode_threads: Option<i32>,
 }
 
 impl StackOptions {
@@ -141,6 +145,8 @@ impl StackOptions {
             chat_template_file: None,
             decode_chat_template_file: None,
             continue_on: edgesplit_router::backend::ContinueOn::Measured,
+            prefill_threads: None,
+            decode_threads: None,
         }
     }
 }
@@ -259,6 +265,7 @@ async fn serve(opts: StackOptions) -> Stack {
                 .decode_chat_template_file
                 .clone()
                 .or(opts.chat_template_file.clone()),
+            threads: opts.decode_threads,
             ..engine_args.clone()
         },
         node: edgesplit_proto::service::NodeArgs {
@@ -289,6 +296,7 @@ async fn serve(opts: StackOptions) -> Stack {
     let pcfg = edgesplit_prefill::Config {
         engine: edgesplit_engine::EngineArgs {
             test_pace_live: opts.pace_live,
+            threads: opts.prefill_threads,
             ..engine_args
         },
         node: edgesplit_proto::service::NodeArgs {
@@ -404,10 +412,17 @@ pub fn shaped(target: String, shape: fn() -> Shape) -> String {
 }
 
 /// The default-model stack shared by a test binary: the product's defaults, with live
-/// answers paced ([`StackOptions::pace_live`]: its tests' answers are short).
+/// answers paced ([`StackOptions::pace_live`]: its tests' answers are short), and the
+/// nodes at different thread counts (prefill 2, decode 1), as a real pair runs: every
+/// identity test on it holds across thread counts (the Gemma stack runs the reverse).
 pub fn smollm2() -> &'static Stack {
     static S: OnceLock<Stack> = OnceLock::new();
-    S.get_or_init(|| start(StackOptions::new(SMOLLM2).paced()))
+    S.get_or_init(|| {
+        let mut o = StackOptions::new(SMOLLM2).paced();
+        o.prefill_threads = Some(2);
+        o.decode_threads = Some(1);
+        start(o)
+    })
 }
 
 impl StackOptions {
@@ -760,6 +775,13 @@ pub fn assert_split(edgesplit: &Value, completion_tokens: u64) {
     }
     assert!(
         e["prefill_arch"].as_str().is_some_and(|a| !a.is_empty()),
+        "{e}"
+    );
+    // Whether the two nodes compute alike: on one machine, yes (whatever their thread
+    // counts); across architectures, no.
+    assert_eq!(
+        e["same_numerics"],
+        serde_json::json!(e["prefill_arch"] == e["decode_arch"]),
         "{e}"
     );
     assert_eq!(e["first_token_from"], "prefill", "{e}");
