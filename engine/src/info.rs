@@ -25,7 +25,7 @@ pub struct ModelInfo {
     pub arch: String,
     pub kernels: String,
     /// The engine's threads (`--threads`). Any count gives the same answer
-    /// (patches/ggml-cpu-fa-split-kv-fixed-chunks.patch); reported for speed, not checked.
+    /// (patches/ggml-cpu-fa-no-split-kv.patch); reported for speed, not checked.
     pub threads: u32,
     pub type_k: u32,
     pub type_v: u32,

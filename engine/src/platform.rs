@@ -18,18 +18,18 @@ pub const BINDINGS: &str = "llama-cpp-sys-2 0.1.161";
 const NUMERIC_OPTIONS: [&str; 3] = ["LLAMAFILE", "KLEIDIAI", "REPACK"];
 /// ggml CPU features that change nothing computed (threading).
 const NEUTRAL: [&str; 1] = ["OPENMP"];
-/// The split-KV flash attention's chunk (cells), which the vendored llama.cpp fixes so that
-/// a single-token step's sums do not depend on the thread count
-/// (patches/ggml-cpu-fa-split-kv-fixed-chunks.patch). Named in the build id with its value,
-/// `per-thread` where the feature is absent (a stock ggml: one chunk per thread, answers
-/// that follow `--threads` past 512 cells).
-const FA_SPLIT_KV_CHUNK: &str = "FA_SPLIT_KV_CHUNK";
+/// Whether ggml's flash attention splits one query's cells among threads. The vendored
+/// llama.cpp never does (patches/ggml-cpu-fa-no-split-kv.patch), so a decode step's sums
+/// follow neither the thread count nor where the cells sit; it reports `off`. Named in the
+/// build id, `per-thread` where the feature is absent (a stock ggml: answers that follow
+/// `--threads` past 512 cells).
+const FA_SPLIT_KV: &str = "FA_SPLIT_KV";
 
 /// This build and the device it runs on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Platform {
     /// What a handoff peer must share: `llama-cpp-sys-2 0.1.161, ggml 0.26.0, LLAMAFILE on,
-    /// KLEIDIAI off, REPACK off, FA_SPLIT_KV_CHUNK 128`.
+    /// KLEIDIAI off, REPACK off, FA_SPLIT_KV off`.
     pub build_id: String,
     /// The CPU architecture (`x86_64`, `aarch64`).
     pub arch: String,
@@ -99,10 +99,10 @@ fn describe(version: &str, backends: &[Backend]) -> Platform {
     for o in NUMERIC_OPTIONS {
         build_id.push_str(&format!(", {o} {}", if has(o) { "on" } else { "off" }));
     }
-    let chunk = cpu
-        .and_then(|b| b.features.iter().find(|(n, _)| n == FA_SPLIT_KV_CHUNK))
+    let split = cpu
+        .and_then(|b| b.features.iter().find(|(n, _)| n == FA_SPLIT_KV))
         .map_or("per-thread", |(_, v)| v.as_str());
-    build_id.push_str(&format!(", {FA_SPLIT_KV_CHUNK} {chunk}"));
+    build_id.push_str(&format!(", {FA_SPLIT_KV} {split}"));
     let mut kernels = Vec::new();
     for b in backends.iter().filter(|b| b.name != "RPC") {
         if b.name != "CPU" {
@@ -115,7 +115,7 @@ fn describe(version: &str, backends: &[Backend]) -> Platform {
             .filter(|(n, _)| {
                 !NUMERIC_OPTIONS.contains(&n.as_str())
                     && !NEUTRAL.contains(&n.as_str())
-                    && n != FA_SPLIT_KV_CHUNK
+                    && n != FA_SPLIT_KV
             })
             .map(|(n, v)| {
                 if v == "1" {
@@ -158,7 +158,7 @@ mod tests {
                     ("FMA", "1"),
                     ("LLAMAFILE", "1"),
                     ("OPENMP", "1"),
-                    ("FA_SPLIT_KV_CHUNK", "128"),
+                    ("FA_SPLIT_KV", "off"),
                 ],
             ),
             backend("RPC", &[]),
@@ -171,7 +171,7 @@ mod tests {
                     ("DOTPROD", "1"),
                     ("SVE_CNT", "16"),
                     ("LLAMAFILE", "1"),
-                    ("FA_SPLIT_KV_CHUNK", "128"),
+                    ("FA_SPLIT_KV", "off"),
                 ],
             ),
             backend("RPC", &[]),
@@ -181,7 +181,7 @@ mod tests {
         assert_eq!(
             a.build_id,
             "llama-cpp-sys-2 0.1.161, ggml 0.26.0, LLAMAFILE on, KLEIDIAI off, REPACK off, \
-             FA_SPLIT_KV_CHUNK 128"
+             FA_SPLIT_KV off"
         );
         // Another CPU is the same build; its kernels differ and are reported.
         assert_eq!(a.build_id, b.build_id);
@@ -196,7 +196,7 @@ mod tests {
         // A stock ggml (its split-KV chunks follow the thread count) is another build.
         assert!(describe("0.26.0", &repack)
             .build_id
-            .ends_with("FA_SPLIT_KV_CHUNK per-thread"));
+            .ends_with("FA_SPLIT_KV per-thread"));
         assert_ne!(describe("0.27.0", &x86).build_id, a.build_id);
         // Another backend is named before the CPU's kernels.
         let cuda = [

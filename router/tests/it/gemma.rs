@@ -152,6 +152,11 @@ async fn decode_that_crosses_the_sliding_window() {
 
 /// A prompt of ~760 tokens, past the 512-token window.
 fn timetable() -> String {
+    timetable_then("The last train left from")
+}
+
+/// The timetable, then `end`.
+fn timetable_then(end: &str) -> String {
     let text = (0..60)
         .map(|i| {
             format!(
@@ -163,7 +168,7 @@ fn timetable() -> String {
         })
         .collect::<Vec<_>>()
         .join(" ");
-    format!("Timetable. {text}\nThe last train left from")
+    format!("Timetable. {text}\n{end}")
 }
 
 #[tokio::test]
@@ -200,7 +205,9 @@ async fn a_live_handoff_switches_mid_answer_identically() {
         ),
     ] {
         let mut body = sampling.clone();
-        body["prompt"] = json!(timetable());
+        // An ending both samplings write on from for all 256 tokens (the answer must be
+        // long enough for the state to cross before its end).
+        body["prompt"] = json!(timetable_then("Timetable, continued. Entry 60:"));
         body["max_tokens"] = json!(256);
         let reference = run(s, "/v1/completions", &body, "local", false).await;
         assert_eq!(reference.completion_tokens, 256, "the answer ended early");

@@ -9,14 +9,6 @@
 #define GGML_FA_TILE_Q  64
 #define GGML_FA_TILE_KV 64
 
-// A single-token flash attention over many KV cells (the split-KV path) cuts the cells into
-// chunks of this many and adds the chunks' partial results in chunk order. The cut does not
-// depend on the thread count, so neither do the sums: any number of threads gives the same
-// bits. (EdgeSplit: a sequence prefilled on one device and continued on another must give the
-// answer one device would give, whatever the two devices' thread counts.)
-#define GGML_FA_SPLIT_KV_CHUNK 128
-#define GGML_FA_SPLIT_KV_N_CHUNKS(n_kv) (((n_kv) + GGML_FA_SPLIT_KV_CHUNK - 1) / GGML_FA_SPLIT_KV_CHUNK)
-
 #ifdef __cplusplus
 
 #include <utility>

@@ -2994,9 +2994,9 @@ struct ggml_cplan ggml_graph_plan(
                         // Per-thread: Q_q + KQ + mask + VKQ32 + V32 + K_f32 + padding
                         size_t prefill  = sizeof(float)*(GGML_FA_TILE_Q*DK + 2*GGML_FA_TILE_Q*GGML_FA_TILE_KV + GGML_FA_TILE_Q*DV + GGML_FA_TILE_KV*DV + GGML_FA_TILE_KV*DK)*n_tasks;
 
-                        // Decode path: n_kv_chunks fixed by the KV length (GGML_FA_SPLIT_KV_CHUNK cells each)
+                        // Decode path: n_kv_chunks = n_tasks (one chunk per thread)
                         // Per-thread: VKQ accmulator (DV), partial M, partial S + intra-thread scratch for V, Q and VKQ
-                        size_t n_chunks = GGML_FA_SPLIT_KV_N_CHUNKS(node->src[1]->ne[1]);
+                        size_t n_chunks = n_tasks;
                         size_t decode   = sizeof(float)*(neq2*n_chunks*(2+DV) + n_tasks*(DK + 2*DV));
 
                         cur += MAX(prefill, decode);

@@ -5,7 +5,6 @@
 #include "traits.h"
 #include "ggml-impl.h"
 #include "amx/amx.h"
-#include "common.h"
 
 #include <cctype>
 #include <string>
@@ -544,7 +543,6 @@ static ggml_backend_feature * ggml_backend_cpu_get_features(ggml_backend_reg_t r
         ggml_cpu_init();
 
         std::vector<ggml_backend_feature> features;
-        static std::string fa_split_kv_chunk = std::to_string(GGML_FA_SPLIT_KV_CHUNK);
         if (ggml_cpu_has_sse3()) {
             features.push_back({ "SSE3", "1" });
         }
@@ -646,8 +644,8 @@ static ggml_backend_feature * ggml_backend_cpu_get_features(ggml_backend_reg_t r
     #ifdef GGML_USE_CPU_REPACK
         features.push_back({ "REPACK", "1" });
     #endif
-        // The split-KV flash attention's fixed chunk (cells): sums independent of the thread count.
-        features.push_back({ "FA_SPLIT_KV_CHUNK", fa_split_kv_chunk.c_str() });
+        // EdgeSplit: flash attention never splits one query's cells among threads (ops.cpp).
+        features.push_back({ "FA_SPLIT_KV", "off" });
 
         features.push_back({ nullptr, nullptr });
 

@@ -9486,34 +9486,44 @@ static void ggml_compute_forward_flash_attn_ext_f16(
     const bool use_ref = params->use_ref;
 
     const bool kv_is_f32_or_f16 = (k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16);
-    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && (k->type == v->type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
+    // EdgeSplit: the split-KV path is off. It cut the cells into one chunk per thread and
+    // added the chunks' partial sums, so a decode step's rounding followed the thread count;
+    // and any cut at fixed cell indices follows where a sequence's cells sit in a shared KV
+    // cache, which differs between two devices holding the same sequence. The path below
+    // gives each query row (one per head for one token) to one thread, which sums its cells
+    // in order and skips the masked ones: the same bits whatever the thread count and the
+    // cells' placement.
+    const bool use_split_kv_path = false && !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && (k->type == v->type) && q->type == GGML_TYPE_F32 && nek1 >= 512;
 
     if (use_split_kv_path) {
-        // Chunks of a fixed size, shared out among the threads: the partial results and their
-        // reduction (in chunk order) do not depend on nth.
-        const int64_t chunk_size = GGML_FA_SPLIT_KV_CHUNK;
-        const int64_t n_chunks   = GGML_FA_SPLIT_KV_N_CHUNKS(nek1);
+        const int64_t chunk_size = (nek1 + nth - 1) / nth;
 
         // Partials buffer layout: [q_head][kv_chunk][M, S, VKQ]
         const int64_t partial_size  = 2 + DV;
         float *       partials_base = (float *) params->wdata + nth * (DK + 2*DV + CACHE_LINE_SIZE_F32);
 
-        const int64_t partial_stride = n_chunks * partial_size;
+        const int64_t ic_start = ith * chunk_size;
+        const int64_t ic_end   = std::min(ic_start + chunk_size, nek1);
 
-        for (int64_t chunk_idx = ith; chunk_idx < n_chunks; chunk_idx += nth) {
-            const int64_t ic_start = chunk_idx * chunk_size;
-            const int64_t ic_end   = std::min(ic_start + chunk_size, nek1);
-            float *       chunk_partials = partials_base + chunk_idx * partial_size;
+        const int64_t partial_stride = nth * partial_size;
+        float *       chunk_partials = partials_base + ith * partial_size;
 
+        if (ic_start < nek1) {
             for (int64_t q_head = 0; q_head < neq2; q_head++) {
                 ggml_compute_forward_flash_attn_ext_f16_one_chunk(
                     params, dst, q_head, q_head + 1, ic_start, ic_end,
                     chunk_partials, partial_stride);
             }
+        } else {
+            for (int64_t q_head = 0; q_head < neq2; q_head++) {
+                float * q_partials = chunk_partials + q_head * partial_stride;
+                q_partials[0] = -INFINITY;  // M
+                q_partials[1] = 0.0f;       // S
+            }
         }
 
         ggml_barrier(params->threadpool);
-        ggml_flash_attn_ext_reduce_partials(params, dst, n_chunks, chunk_size);
+        ggml_flash_attn_ext_reduce_partials(params, dst, nth, chunk_size);
     } else {
 
         // total rows in q
