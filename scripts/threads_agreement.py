@@ -37,7 +37,7 @@ def free_port():
     return port
 
 
-def wait_http(url, procs, seconds=120):
+def wait_http(url, procs, seconds=600):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for p in procs:
@@ -87,7 +87,7 @@ class Stack:
         self.url = f"http://127.0.0.1:{r}"
         wait_http(self.url + "/health", self.procs)
         # The router answers before it has seen both nodes; wait until both are up.
-        end = time.monotonic() + 120
+        end = time.monotonic() + 600
         while time.monotonic() < end:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
