@@ -78,7 +78,15 @@ pub struct ThroughputArgs {
     /// Where the energy readers look (see `run --sysfs-root`).
     #[arg(long, default_value = "/")]
     sysfs_root: PathBuf,
+    /// Each cell on a stack started for it: the router and the nodes fresh, nothing
+    /// excluded (their warm-up, the router's calibration and its first choices count in
+    /// the cell's time). Else one stack serves every cell, warmed by the reference pass.
+    #[arg(long)]
+    fresh: bool,
 }
+
+/// The first completions a cell's early rate is taken over (`Cell::first_requests_per_min`).
+const FIRST: usize = 12;
 
 /// One (link, clients, mode) of the run.
 #[derive(Debug, serde::Serialize)]
@@ -93,6 +101,12 @@ struct Cell {
     wrong: usize,
     wall_s: f64,
     requests_per_min: f64,
+    /// Over the first [`FIRST`] completions only: `FIRST` x 60 / the time the last of them
+    /// ended, from the cell's start.
+    first_requests_per_min: Option<f64>,
+    /// `auto` answers: the client's end of the answer over the router's `predicted_ms`.
+    actual_over_predicted_p50: Option<f64>,
+    actual_over_predicted_p90: Option<f64>,
     ttft_p50_ms: Option<f64>,
     ttft_p95_ms: Option<f64>,
     e2e_p50_ms: Option<f64>,
@@ -187,7 +201,8 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
         laptop_pid: std::sync::Mutex::new(Some(stack.prefill_process.id())),
     };
     let mix = mix(&args.prompt_tokens, &args.max_tokens);
-    let ask = |i: usize| ask_for(&mix, i, stack.chat, args.seed);
+    let chat = stack.chat;
+    let ask = |i: usize| ask_for(&mix, i, chat, args.seed);
 
     // The reference: each request of the mix alone on the laptop.
     eprintln!(
@@ -204,15 +219,38 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
         reference.push(m.text);
     }
 
+    let mut stack = Some(stack);
+    if args.fresh {
+        stack = None;
+    }
     let mut cells = Vec::new();
     for profile in &args.profiles {
-        stack.set_profile(profile);
+        if let Some(s) = &stack {
+            s.set_profile(profile);
+        }
         for &clients in &args.clients {
             for mode in &args.modes {
+                let fresh = match stack {
+                    Some(_) => None,
+                    None => {
+                        eprintln!(
+                            "[throughput] a fresh stack for {} x{clients} {mode}",
+                            profile.name
+                        );
+                        let s = Stack::start(&cfg, profile.clone()).await?;
+                        *env.laptop_pid
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                            Some(s.prefill_process.id());
+                        Some(s)
+                    }
+                };
+                let on = fresh.as_ref().or(stack.as_ref()).expect("a stack");
                 let c = cell(
-                    &env, &stack, args, &model, profile, clients, mode, &mix, &reference,
+                    &env, on, args, &model, profile, clients, mode, &mix, &reference,
                 )
                 .await?;
+                drop(fresh);
                 eprintln!(
                     "[throughput] {} x{} {}: {:.2} req/min, {} failed, {} wrong",
                     c.profile, c.clients, c.mode, c.requests_per_min, c.failed, c.wrong
@@ -279,7 +317,7 @@ async fn cell(
                     excluded: false,
                 };
                 let at = crate::attempt(env, &slot, &target, &a, clients == 1).await?;
-                mine.push((i, at));
+                mine.push((i, at, t0.elapsed().as_secs_f64()));
             }
             anyhow::Ok(mine)
         }
@@ -297,12 +335,17 @@ async fn cell(
     let (mut phone, mut tokens, mut wrong, mut fallbacks) = (0u64, 0u64, 0, 0);
     let mut errors = Vec::new();
     let mut choices = BTreeMap::new();
-    for (i, a) in &done {
+    let (mut ended, mut ratios) = (Vec::new(), Vec::new());
+    for (i, a, end_s) in &done {
         match &a.result {
             Ok(m) => {
                 if let Some(mode) = &m.mode {
                     *choices.entry(mode.clone()).or_insert(0) += 1;
                 }
+                if let Some(p) = m.predicted_ms.filter(|&p| p > 0.0) {
+                    ratios.push(m.e2e_ms / p);
+                }
+                ended.push(*end_s);
                 ttft.push(m.ttft_ms);
                 e2e.push(m.e2e_ms);
                 phone += m.phone_tokens.unwrap_or(0);
@@ -316,7 +359,15 @@ async fn cell(
         }
     }
     let completed = ttft.len();
+    ended.sort_by(f64::total_cmp);
+    let first_requests_per_min = ended
+        .get(FIRST - 1)
+        .filter(|&&s| s > 0.0)
+        .map(|s| FIRST as f64 * 60.0 / s);
     Ok(Cell {
+        first_requests_per_min,
+        actual_over_predicted_p50: p(&mut ratios, 0.5),
+        actual_over_predicted_p90: p(&mut ratios, 0.9),
         profile: profile.name.clone(),
         clients,
         mode: mode.to_string(),
@@ -373,11 +424,11 @@ fn markdown(
     );
     let _ = writeln!(
         md,
-        "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local | auto's choices |"
+        "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | first {FIRST}: req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local | auto's choices | actual / predicted p50 / p90 |"
     );
     let _ = writeln!(
         md,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let local: BTreeMap<(&str, usize), &Cell> = cells
         .iter()
@@ -387,11 +438,13 @@ fn markdown(
     for c in cells {
         let base = local.get(&(c.profile.as_str(), c.clients));
         let rpm_ratio = base.map(|b| c.requests_per_min / b.requests_per_min);
+        let first_ratio =
+            base.and_then(|b| Some(c.first_requests_per_min? / b.first_requests_per_min?));
         let cpu_ratio =
             base.and_then(|b| Some(c.laptop_cpu_ms_per_request? / b.laptop_cpu_ms_per_request?));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} / {} | {} / {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {} | {} | {} / {} |",
             c.profile,
             c.clients,
             c.mode,
@@ -401,6 +454,8 @@ fn markdown(
             c.fallbacks,
             c.requests_per_min,
             f(rpm_ratio, 2),
+            f(c.first_requests_per_min, 2),
+            f(first_ratio, 2),
             f(c.ttft_p50_ms, 0),
             f(c.ttft_p95_ms, 0),
             f(c.e2e_p50_ms, 0),
@@ -409,6 +464,8 @@ fn markdown(
             f(c.laptop_cpu_ms_per_request, 0),
             f(cpu_ratio, 2),
             choices_text(&c.choices),
+            f(c.actual_over_predicted_p50, 2),
+            f(c.actual_over_predicted_p90, 2),
         );
     }
     for c in cells.iter().filter(|c| !c.errors.is_empty()) {

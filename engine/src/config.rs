@@ -44,6 +44,12 @@ pub struct EngineConfig {
     /// that the switch comes within its first few tokens whatever the machine's speed. It
     /// changes when tokens are written, never which (tests/it `common::StackOptions`).
     pub pace_live: bool,
+    /// Each slot computes a short batch and two single-token steps before the engine
+    /// reports itself ready (llama-server's warm-up, per context): the first computation
+    /// pays the weights' page faults, the compute buffers' first touch and the threads'
+    /// start, which a client's first request would otherwise pay and a router would
+    /// measure as the node's speed.
+    pub warmup: bool,
 }
 
 /// The model's last `layers` repeating layers (weights and KV), and its output layer, on
@@ -56,7 +62,7 @@ pub struct RemoteLayers {
 
 impl EngineConfig {
     /// Defaults for `model_path`: 4,096 tokens, batch 512, physical cores, flash attention
-    /// [`FlashAttn::Auto`], one sequence at a time.
+    /// [`FlashAttn::Auto`], one sequence at a time, warmed up.
     #[must_use]
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         Self {
@@ -72,6 +78,7 @@ impl EngineConfig {
             chat_template_file: None,
             remote_layers: None,
             pace_live: false,
+            warmup: true,
         }
     }
 }
@@ -211,6 +218,10 @@ pub struct EngineArgs {
     /// ([`EngineConfig::pace_live`]).
     #[arg(long, hide = true)]
     pub test_pace_live: bool,
+    /// Report ready without the warm-up computation (llama-server's `--no-warmup`;
+    /// [`EngineConfig::warmup`]): the first request then pays the cold start.
+    #[arg(long)]
+    pub no_warmup: bool,
 }
 
 impl EngineArgs {
@@ -227,6 +238,7 @@ impl EngineArgs {
             cache_type_v: KvType::F16,
             chat_template_file: None,
             test_pace_live: false,
+            no_warmup: false,
         }
     }
 
@@ -242,6 +254,7 @@ impl EngineArgs {
         e.cache_type_v = self.cache_type_v;
         e.chat_template_file.clone_from(&self.chat_template_file);
         e.pace_live = self.test_pace_live;
+        e.warmup = !self.no_warmup;
         if let Some(t) = self.threads {
             e.n_threads = t;
         }

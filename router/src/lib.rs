@@ -10,6 +10,7 @@ pub mod api;
 pub mod backend;
 pub mod dashboard;
 pub mod error;
+pub mod estimate;
 pub mod metrics;
 mod node_json;
 pub mod placement;
@@ -96,6 +97,11 @@ pub struct Config {
     /// prefill device is much faster than its decode device would have it chosen.
     #[arg(long, value_enum, default_value_t = backend::ContinueOn::Measured)]
     pub continue_on: backend::ContinueOn,
+    /// Measure the devices and the link only through the answers served: no calibration
+    /// at start and no probes at idle moments (`auto`'s first choices are then made
+    /// without figures).
+    #[arg(long)]
+    pub no_probes: bool,
     /// Longest wait, in milliseconds, for the next token of an answer before the node
     /// writing it counts as failed.
     #[arg(long, default_value_t = 15_000)]
@@ -220,6 +226,7 @@ pub async fn run(
         continue_on: config.continue_on,
         objective: config.objective,
         link,
+        probes: !config.no_probes,
     })?;
     let max_in_flight = match config.max_in_flight {
         Some(n) => n,
@@ -263,6 +270,24 @@ pub async fn run(
                     return;
                 };
                 let _ = s.backend.prefill_info().await;
+            }
+        });
+    }
+    if !config.no_probes {
+        // The calibration, then the idle moments' probes (`backend/probe.rs`).
+        let state = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            if let Some(s) = state.upgrade() {
+                s.backend.calibrate().await;
+            }
+            let mut ticks = tokio::time::interval(backend::IDLE_TICK);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(s) = state.upgrade() else {
+                    return;
+                };
+                s.backend.measure_idle().await;
             }
         });
     }

@@ -32,6 +32,10 @@ const LATENCY: [f64; 18] = [
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
     20.0, 40.0,
 ];
+/// Buckets of actual / predicted: within 10%, 20%, 50%, twice, ...
+const RATIO: [f64; 13] = [
+    0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0,
+];
 const ITL: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
 ];
@@ -60,6 +64,8 @@ pub struct Metrics {
     pub fallbacks: Family<Labels, Counter>,
     /// `transport: "auto"`'s choices, by mode and objective.
     pub choices: Family<Labels, Counter>,
+    /// `transport: "auto"`: each answer's actual end over its predicted end, by mode.
+    pub actual_over_predicted: Family<Labels, Histogram>,
     /// The last answers, for the dashboard.
     pub recent: Recent,
 }
@@ -93,6 +99,7 @@ impl Metrics {
             handoffs,
             fallbacks: Family::default(),
             choices: Family::default(),
+            actual_over_predicted: Family::new_with_constructor(|| Histogram::new(RATIO)),
             recent: Recent::default(),
         };
         {
@@ -167,6 +174,11 @@ impl Metrics {
                 "Requests whose mode the router chose (transport auto), by mode and objective",
                 m.choices.clone(),
             );
+            r.register(
+                "edgesplit:auto_actual_over_predicted",
+                "Answers whose mode the router chose: the actual end over the predicted, by mode",
+                m.actual_over_predicted.clone(),
+            );
         }
         m
     }
@@ -212,6 +224,15 @@ impl Metrics {
                             ("objective".to_string(), objective.to_string()),
                         ])
                         .inc();
+                }
+                if let (Some(mode), Some(predicted), Some(actual)) =
+                    (a.timing.mode, a.timing.predicted_ms, a.e2e_ms)
+                {
+                    if predicted > 0.0 {
+                        self.actual_over_predicted
+                            .get_or_create(&label("mode", mode))
+                            .observe(actual / predicted);
+                    }
                 }
                 if let (Some(b), Some(ms), Some(transport)) =
                     (a.timing.handoff_bytes, a.timing.handoff_ms, a.transport)

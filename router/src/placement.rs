@@ -9,8 +9,10 @@
 //! rule.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use crate::api::{Input, Message};
+use crate::estimate::Estimate;
 
 /// Conversations remembered at most (the decode node's cache holds `--parallel` of them;
 /// an entry it no longer holds costs one refused call, then is forgotten).
@@ -167,29 +169,37 @@ pub const DEFAULT_MAX_UNCACHED: u32 = 2048;
 /// are mostly fixed costs).
 const MIN_MEASURED_TOKENS: u32 = 32;
 
-/// What the router has measured of the nodes and the link.
-#[derive(Debug, Clone, Copy, Default)]
+/// What the router has measured of the nodes and the link: one [`Estimate`] per device
+/// and quantity, fed by every answer (and probe) that measures it.
+#[derive(Debug, Clone, Default)]
 pub struct Rates {
-    /// Prefill speeds in tokens per millisecond: the prefill node's (split prefills), the
-    /// decode node's (prompts it continued itself).
-    prefill_node: Ewma,
-    decode_node: Ewma,
+    /// Prefill speeds in tokens per millisecond: the prefill node's (split prefills,
+    /// colocated answers, its probes), the decode node's (prompts it continued or answered
+    /// itself, its probes).
+    prefill_node: Estimate,
+    decode_node: Estimate,
     /// Handoff goodput, bytes per millisecond.
-    link: Ewma,
-    /// Decode speeds in tokens per millisecond: the prefill node's (its colocated answers),
-    /// the decode node's (the answers it wrote).
-    prefill_node_decode: Ewma,
-    decode_node_decode: Ewma,
+    link: Estimate,
+    /// Decode speeds in tokens per millisecond: the prefill node's (its colocated answers,
+    /// a live answer's tokens before the switch), the decode node's (the answers it wrote).
+    prefill_node_decode: Estimate,
+    decode_node_decode: Estimate,
     /// The round trip of an `Info` call to the decode node, milliseconds.
-    decode_node_rtt: Ewma,
+    decode_node_rtt: Estimate,
     /// Input characters per prompt token (chat template included), as tokenized.
     chars_per_token: Ewma,
-    /// The prefill node's prefill speed in its colocated answers (for the cost model only:
-    /// the placement rules above read split prefills, as they always have).
-    local_prefill: Ewma,
     /// The length in tokens of the answers whose request set no `max_tokens` (each ended
     /// by itself: a stop, a tool call, or the context's end).
     answer_tokens: Ewma,
+}
+
+/// What wants measuring at a moment ([`Rates::stale`]): a device's prefill or decode
+/// speed, or the link's goodput, unknown or not refreshed for [`crate::estimate::STALE_AFTER`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stale {
+    pub laptop: bool,
+    pub phone: bool,
+    pub link: bool,
 }
 
 /// Answer tokens expected of a request that sets no `max_tokens`, until such an answer
@@ -216,7 +226,8 @@ pub struct Measured {
 const MIN_MEASURED_STEPS: u32 = 8;
 
 impl Rates {
-    /// A prefill computed `tokens` (the uncached part of its prompt) in `ms`.
+    /// A prefill computed `tokens` (the uncached part of its prompt) in `ms`, on the decode
+    /// node or the prefill node (a split's or a colocated answer's alike).
     pub fn prefilled(&mut self, on_decode_node: bool, tokens: u32, ms: f64) {
         if tokens >= MIN_MEASURED_TOKENS && ms > 0.0 {
             let r = if on_decode_node {
@@ -225,13 +236,6 @@ impl Rates {
                 &mut self.prefill_node
             };
             r.add(f64::from(tokens) / ms);
-        }
-    }
-
-    /// A colocated answer on the prefill node prefilled `tokens` in `ms`.
-    pub fn prefilled_locally(&mut self, tokens: u32, ms: f64) {
-        if tokens >= MIN_MEASURED_TOKENS && ms > 0.0 {
-            self.local_prefill.add(f64::from(tokens) / ms);
         }
     }
 
@@ -286,12 +290,23 @@ impl Rates {
     #[must_use]
     pub fn measured(&self) -> Measured {
         Measured {
-            laptop_prefill: self.prefill_node.0.or(self.local_prefill.0),
-            laptop_decode: self.prefill_node_decode.0,
-            phone_prefill: self.decode_node.0,
-            phone_decode: self.decode_node_decode.0,
-            link: self.link.0,
-            rtt_ms: self.decode_node_rtt.0,
+            laptop_prefill: self.prefill_node.value(),
+            laptop_decode: self.prefill_node_decode.value(),
+            phone_prefill: self.decode_node.value(),
+            phone_decode: self.decode_node_decode.value(),
+            link: self.link.value(),
+            rtt_ms: self.decode_node_rtt.value(),
+        }
+    }
+
+    /// What wants measuring at `now`: each device's speeds and the link's goodput, unknown
+    /// or stale.
+    #[must_use]
+    pub fn stale(&self, now: Instant) -> Stale {
+        Stale {
+            laptop: self.prefill_node.stale(now) || self.prefill_node_decode.stale(now),
+            phone: self.decode_node.stale(now) || self.decode_node_decode.stale(now),
+            link: self.link.stale(now),
         }
     }
 
@@ -309,10 +324,13 @@ impl Rates {
     /// replaying there.
     #[must_use]
     pub fn prefill_node_sooner(&self, kv_bytes_per_token: u64) -> bool {
-        let (Some(d), Some(p)) = (self.decode_node.0, self.prefill_node.0) else {
+        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node.value()) else {
             return false;
         };
-        let cross = self.link.0.map_or(0.0, |g| kv_bytes_per_token as f64 / g);
+        let cross = self
+            .link
+            .value()
+            .map_or(0.0, |g| kv_bytes_per_token as f64 / g);
         1.0 / p + cross < 1.0 / d
     }
 
@@ -327,12 +345,15 @@ impl Rates {
     /// tokens and at most 70% of the prompt).
     #[must_use]
     pub fn max_uncached(&self, held: u32, kv_bytes_per_token: u64) -> u32 {
-        let (Some(d), Some(p)) = (self.decode_node.0, self.prefill_node.0) else {
+        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node.value()) else {
             // u <= 0.7 (held + u)  <=>  u <= held x 7 / 3
             let share = u64::from(held) * 7 / 3;
             return DEFAULT_MAX_UNCACHED.min(u32::try_from(share).unwrap_or(u32::MAX));
         };
-        let cross = self.link.0.map_or(0.0, |g| kv_bytes_per_token as f64 / g);
+        let cross = self
+            .link
+            .value()
+            .map_or(0.0, |g| kv_bytes_per_token as f64 / g);
         let later = 1.0 / p + cross;
         let divisor = 1.0 / d - later;
         if divisor <= 0.0 {
@@ -503,6 +524,6 @@ mod tests {
         // Prefills too short to measure do not count.
         let mut short = Rates::default();
         short.prefilled(true, 5, 1.0);
-        assert!(short.decode_node.0.is_none());
+        assert!(short.decode_node.value().is_none());
     }
 }

@@ -335,6 +335,8 @@ impl Answer {
         v["transport"] = json!(self.meta.transport.as_str());
         v["seed"] = json!(self.meta.seed);
         v["decode_tokens_per_s"] = json!(self.decode_tps());
+        // Built when the answer ends: its actual end, against `predicted_ms`.
+        v["e2e_ms"] = json!(self.meta.received.elapsed().as_secs_f64() * 1000.0);
         if self.meta.return_token_ids {
             v["token_ids"] = json!(self.token_ids);
         }

@@ -157,7 +157,7 @@ pub(crate) fn owner_thread(
         info.chat_template_fingerprint = t.fingerprint().to_string();
     }
     let n_batch = config.n_batch as usize;
-    let worker = Worker {
+    let mut worker = Worker {
         model: &model,
         slots,
         batch: LlamaBatch::new(n_batch, 1),
@@ -172,6 +172,18 @@ pub(crate) fn owner_thread(
             .map_or(0, |w| (w + n_batch).min(n_ctx as usize)),
         chat,
     };
+    if config.warmup {
+        let t0 = Instant::now();
+        if let Err(e) = worker.warm_up() {
+            let _ = ready.send(Err(load_err(format!("the warm-up computation: {e}"))));
+            return;
+        }
+        tracing::info!(
+            ms = t0.elapsed().as_millis() as u64,
+            slots = worker.slots.len(),
+            "warmed up"
+        );
+    }
     if ready.send(Ok(info)).is_err() {
         return;
     }
@@ -182,6 +194,41 @@ pub(crate) fn owner_thread(
         park_forever()
     };
     drop(model);
+}
+
+/// Tokens of the warm-up's batch: enough for the prefill's matrix kernels (the
+/// single-token steps after it take the decode kernels), few enough to cost tens of
+/// milliseconds.
+const WARMUP_TOKENS: usize = 32;
+
+impl Worker<'_> {
+    /// [`EngineConfig::warmup`]: in every slot, a batch of [`WARMUP_TOKENS`] tokens and two
+    /// single-token steps after it, then the sequence cleared; nothing of it is kept or
+    /// cached (the slot's `tokens` stay empty).
+    fn warm_up(&mut self) -> Result<(), EngineError> {
+        let batch = WARMUP_TOKENS.min(self.n_batch).min(self.n_ctx as usize / 2);
+        let token = LlamaToken(0);
+        for slot in 0..self.slots.len() {
+            let mut steps = vec![(0..batch).collect::<Vec<_>>()];
+            steps.push(vec![batch]);
+            steps.push(vec![batch + 1]);
+            for positions in steps {
+                self.batch.clear();
+                let last = positions.len() - 1;
+                for (i, pos) in positions.into_iter().enumerate() {
+                    self.batch
+                        .add(token, pos as i32, &[0], i == last)
+                        .map_err(|e| EngineError::Decode(e.to_string()))?;
+                }
+                self.slots[slot]
+                    .ctx
+                    .decode(&mut self.batch)
+                    .map_err(|e| EngineError::Decode(e.to_string()))?;
+            }
+            let _ = self.slots[slot].ctx.clear_kv_cache_seq(Some(0), None, None);
+        }
+        Ok(())
+    }
 }
 
 /// One context and what its sequence holds. A slot not in use keeps its sequence as a

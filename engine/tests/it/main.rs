@@ -14,3 +14,4 @@ mod resume;
 mod sliding_window;
 mod sliding_window_engine;
 mod tail;
+mod warmup;

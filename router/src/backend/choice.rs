@@ -114,6 +114,8 @@ impl Backend {
         req: &ValidRequest,
         request_id: &str,
     ) -> Result<Started, Failure> {
+        lock(&self.learned).last_auto = Some(std::time::Instant::now());
+        self.calibrated().await;
         let objective = req.objective.unwrap_or(self.config.objective);
         let held = self.held(req).is_some();
         let chars = input_chars(&req.input);
@@ -141,9 +143,6 @@ impl Backend {
                     l.rates.expected_answer(req.max_tokens),
                 )
             };
-            if measured.phone_prefill.is_none() && allowed.contains(&Route::Phone) {
-                self.probe_phone_prefill(req);
-            }
             let kv_bytes_per_token = self.kv_bytes_per_token();
             let request = cost::Request {
                 prompt_tokens,

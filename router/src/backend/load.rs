@@ -198,6 +198,11 @@ impl Load {
         self.take(phone, ms)
     }
 
+    /// Whether no answer runs on the phone (the decode node) or the laptop.
+    pub(super) fn idle(&self, phone: bool) -> bool {
+        self.queue(phone).jobs.is_empty()
+    }
+
     /// The work each node's answers have left, as of now.
     pub(super) fn backlog(&self) -> Backlog {
         let left = |phone| {

@@ -6,8 +6,9 @@
 //! conversation goes on on the decode node, then starts the prefill with its handoff and
 //! hands the answer to `split`'s state machine. The rooms: `event` (what a request
 //! produces), `failure` (why it failed, without HTTP), `nodes` (what the router knows of
-//! the nodes), `load` (the work queued on each node), `probe` (the phone's prefill speed,
-//! probed), `route` (where and how a request runs, one type), `choice` (which route),
+//! the nodes), `load` (the work queued on each node), `probe` (the devices and the link
+//! measured at start and at idle moments), `route` (where and how a request runs, one
+//! type), `choice` (which route),
 //! `conversation` (transcripts and replays), `split` (a split answer after its first
 //! token), `fallback` (finishing on the prefill node), `stream` (reading a node's stream).
 //!
@@ -48,6 +49,7 @@ pub use fallback::Fallback;
 use load::{answer_tokens, Counted, Load, Work};
 pub use nodes::HealthInfos;
 use nodes::{lock, lock_info, Learned};
+pub use probe::{Probe, CALIBRATION_WAIT, IDLE_TICK};
 pub use route::{Route, Wire};
 use split::SplitAnswer;
 use stream::{forward_prefill_node, next_event};
@@ -89,6 +91,9 @@ pub struct BackendConfig {
     /// The link to the nodes: TLS keyed by the shared secret when one is configured, whose
     /// secret also signs every call's credential.
     pub link: Link,
+    /// The router measures the devices and the link with probes of its own, at start and
+    /// at idle moments (`probe.rs`); else only through the answers it serves.
+    pub probes: bool,
 }
 
 /// gRPC clients of the two nodes.
@@ -110,6 +115,8 @@ pub struct Backend {
     learned: Arc<std::sync::Mutex<Learned>>,
     /// The answers running on each node.
     load: Arc<Load>,
+    /// The calibration at start is done (`probe.rs`; at once when probes are off).
+    calibrated: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// A request's input as the nodes take it (the opposite of the engine's `engine_input`).
@@ -174,6 +181,7 @@ impl Backend {
                     .grpc_channel(&config.decode_url, config.connect_timeout)?,
                 GrpcCredentials(config.link.secret_arc()),
             ),
+            calibrated: Arc::new(tokio::sync::watch::channel(!config.probes).0),
             config,
             last_decode_info: Arc::default(),
             last_prefill_info: Arc::default(),
@@ -260,7 +268,8 @@ impl Backend {
             let _ = tx.send(Event::Fallback { cause }).await;
         }
         if measure {
-            lock(&self.learned).rates.prefilled_locally(
+            lock(&self.learned).rates.prefilled(
+                false,
                 p.prompt_tokens.saturating_sub(p.cached_tokens),
                 p.prefill_ms,
             );

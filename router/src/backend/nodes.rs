@@ -14,8 +14,10 @@ use crate::placement::{Conversations, Rates};
 pub(super) struct Learned {
     pub(super) conversations: Conversations,
     pub(super) rates: Rates,
-    /// When the decode node's prefill speed was last probed (`probe.rs`).
-    pub(super) probed: Option<std::time::Instant>,
+    /// When each probe last started (`probe.rs`, by `Probe` index).
+    pub(super) probed: [Option<std::time::Instant>; 3],
+    /// When the last `auto` request came (the router is in use: `probe.rs`).
+    pub(super) last_auto: Option<std::time::Instant>,
 }
 
 /// Both nodes' `Info` answers, prefill first.

@@ -1,122 +1,203 @@
-//! The phone's prefill speed, probed when nothing else measures it.
+//! Measuring the devices and the link when no answer does: at start, and at idle moments.
 //!
-//! The router measures the decode node's prefill only when that node prefills a request
-//! (the phone alone, or a held conversation's new turn), and `transport: "auto"` weighs the
-//! phone alone only once that speed is measured: so a router whose clients never name
-//! `phone` would never consider it (the throughput runs at 8 clients on slow-wifi: every
-//! `auto` choice said "not yet measured: phone", where the phone alone is the one mode that
-//! puts the phone to work). The issue asked for a probe at start; it is made at the first
-//! `auto` request that finds the speed unmeasured instead, so a router that never chooses
-//! does not load the phone: one prompt of [`PROBE_SENTENCES`] sentences (~330 tokens),
-//! prefilled on the decode node with nothing cached and [`PROBE_ANSWER_TOKENS`] answer
-//! tokens, in the background (the request that started it is not delayed), counted on the
-//! phone's load while it runs. Its prefill report and its answer's decode speed are
-//! recorded as any other's (the answer itself is dropped); a probe that measured nothing is
-//! tried again after [`PROBE_AGAIN`].
+//! `transport: "auto"` predicts a mode only from measured figures (`cost.rs`), and a mode
+//! that is never chosen is never measured by an answer. So the router measures for itself,
+//! with small requests of its own ([`Probe`]), answered and dropped:
+//! - **At start** (calibration): the laptop alone and the phone alone at once, then an
+//!   `after` split for the link. The first `auto` request waits for it (at most
+//!   [`CALIBRATION_WAIT`]), so it is chosen from measured figures; the nodes warm up before
+//!   they report ready (the engine's warm-up), so no cold figure enters.
+//! - **At idle moments**: a device whose figures are stale (`estimate.rs`: none for 30 s)
+//!   is measured again when no answer runs on it (the link: on neither), while clients use
+//!   the router (an `auto` request within [`IN_USE`]): a device the choice avoids is
+//!   measured still, and a router nobody uses does not keep a phone busy.
+//!
+//! A probe never takes a client's request: a request is placed by its prediction only, so no
+//! client pays for the router's curiosity, and probing costs only a device's idle time.
+//! Probes run through the routes answers take, so their figures are recorded as any
+//! answer's (the prefill report, the decode speed, the handoff's goodput); they count on the
+//! nodes' load while they run, and not in the answers' metrics.
 
 use std::time::{Duration, Instant};
 
-use edgesplit_proto::pb;
-
-use super::load::{decoded, Work};
 use super::nodes::lock;
-use super::stream::next_event;
-use super::{Backend, Event, Node};
-use crate::api::ValidRequest;
+use super::route::{Route, Wire};
+use super::{Backend, Event};
+use crate::api::{Endpoint, ValidRequest};
 
-/// The probe's prompt: this sentence, repeated.
-const PROBE_SENTENCE: &str = "A phone reads this sentence once so that the router \
-                              learns how fast it reads a prompt. ";
+/// The probes' prompt: this sentence, repeated [`PROBE_SENTENCES`] times.
+const PROBE_SENTENCE: &str = "A device reads this sentence so that the router learns how fast \
+                              it reads a prompt and writes an answer. ";
 
-/// How many times (about 17 tokens each).
-const PROBE_SENTENCES: usize = 20;
+/// About 20 tokens each: ~170 prompt tokens, long enough for a prefill's speed.
+const PROBE_SENTENCES: usize = 8;
 
-/// The probe's answer tokens: enough to measure the decode speed too
+/// The probes' answer tokens: enough to measure a decode speed
 /// (`placement::Rates::decoded` needs 8).
 const PROBE_ANSWER_TOKENS: u32 = 16;
 
-/// How long after a probe that measured nothing the next may start.
-const PROBE_AGAIN: Duration = Duration::from_secs(60);
+/// Longest wait of the first `auto` requests for the calibration.
+pub const CALIBRATION_WAIT: Duration = Duration::from_secs(20);
+
+/// How soon a calibration probe that failed is tried again.
+const CALIBRATION_RETRY: Duration = Duration::from_millis(250);
+
+/// The router is in use while an `auto` request came within this.
+pub const IN_USE: Duration = Duration::from_secs(300);
+
+/// Least time between two probes of the same kind (one that failed or measured nothing is
+/// not repeated at once).
+const PROBE_GAP: Duration = Duration::from_secs(10);
+
+/// How often the idle moments are looked for.
+pub const IDLE_TICK: Duration = Duration::from_secs(1);
+
+/// What a probe measures, and the route that measures it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// The laptop's prefill and decode speeds: the laptop alone.
+    Laptop,
+    /// The phone's: the phone alone.
+    Phone,
+    /// The link's goodput (and the phone's decode): an `after` split.
+    Link,
+}
+
+impl Probe {
+    fn route(self) -> Route {
+        match self {
+            Probe::Laptop => Route::Local,
+            Probe::Phone => Route::Phone,
+            Probe::Link => Route::After(Wire::V2),
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Probe::Laptop => "laptop",
+            Probe::Phone => "phone",
+            Probe::Link => "link",
+        }
+    }
+}
+
+/// The probes' request: greedy, nothing cached, its answer dropped.
+fn probe_request() -> ValidRequest {
+    let body = serde_json::json!({
+        "prompt": PROBE_SENTENCE.repeat(PROBE_SENTENCES),
+        "max_tokens": PROBE_ANSWER_TOKENS,
+        "temperature": 0,
+        "cache_prompt": false,
+    });
+    // A fixed, valid body: parsing it cannot fail.
+    crate::api::parse(Endpoint::Completion, body.to_string().as_bytes(), || 0)
+        .unwrap_or_else(|e| unreachable!("the probe's request: {}", e.message))
+}
 
 impl Backend {
-    /// Starts the probe of the decode node's prefill speed in the background, unless it is
-    /// measured or a probe started within [`PROBE_AGAIN`]. `req` lends its sampling options
-    /// (its answer is dropped).
-    pub(super) fn probe_phone_prefill(&self, req: &ValidRequest) {
-        {
-            let mut l = lock(&self.learned);
-            let recent = l.probed.is_some_and(|t| t.elapsed() < PROBE_AGAIN);
-            if l.rates.measured().phone_prefill.is_some() || recent {
-                return;
-            }
-            l.probed = Some(Instant::now());
-        }
-        let prompt = PROBE_SENTENCE.repeat(PROBE_SENTENCES);
-        let mut sampling: pb::Sampling = (&req.sampling).into();
-        sampling.logprobs = None;
-        sampling.json_schema.clear();
-        sampling.tool_call_schema.clear();
-        let preq = pb::PrefillRequest {
-            request_id: "probe-phone-prefill".into(),
-            input: Some(pb::prefill_request::Input::Prompt(prompt)),
-            sampling: Some(sampling),
-            max_tokens: PROBE_ANSWER_TOKENS,
-            no_cache: true,
-            ..pb::PrefillRequest::default()
+    /// Runs one probe to its end (the figures it yields are recorded on the way); why it
+    /// measured nothing, if it did not end well.
+    async fn probe(&self, probe: Probe) -> Result<(), String> {
+        lock(&self.learned).probed[probe.index()] = Some(Instant::now());
+        let id = format!("probe-{}", probe.as_str());
+        let result = match self.run(&probe_request(), probe.route(), &id).await {
+            Ok(mut started) => loop {
+                match started.events.recv().await {
+                    Some(Event::Finished { .. }) => break Ok(()),
+                    Some(Event::Error(e)) => break Err(e.message),
+                    Some(_) => {}
+                    None => break Err("the answer ended without its end".into()),
+                }
+            },
+            Err(e) => Err(e.message),
         };
-        let mut client = self.decode.clone();
-        let (learned, load) = (self.learned.clone(), self.load.clone());
-        let (bound, idle) = (
-            self.config.first_token_timeout,
-            self.config.token_idle_timeout,
+        if result.is_ok() {
+            tracing::info!(probe = probe.as_str(), "measured");
+        }
+        result
+    }
+
+    /// A probe of the calibration, tried again while a node is not up yet (a node
+    /// started beside the router reports ready after loading and warming up), until
+    /// `deadline`.
+    async fn probe_until(&self, probe: Probe, deadline: Instant) {
+        loop {
+            match self.probe(probe).await {
+                Ok(()) => return,
+                Err(reason) if Instant::now() >= deadline => {
+                    tracing::warn!(probe = probe.as_str(), %reason, "the calibration measured nothing");
+                    return;
+                }
+                Err(_) => tokio::time::sleep(CALIBRATION_RETRY).await,
+            }
+        }
+    }
+
+    /// The calibration at start: the laptop and the phone at once, then the link, each
+    /// tried again while its nodes are not up (until [`CALIBRATION_WAIT`]); then the
+    /// `auto` requests waiting for it go on.
+    pub async fn calibrate(&self) {
+        let t0 = Instant::now();
+        let deadline = t0 + CALIBRATION_WAIT;
+        tokio::join!(
+            self.probe_until(Probe::Laptop, deadline),
+            self.probe_until(Probe::Phone, deadline)
         );
-        let chars = PROBE_SENTENCE.len() * PROBE_SENTENCES;
-        tokio::spawn(async move {
-            let work = Work {
-                prefill: lock(&learned).rates.tokens_of(chars),
-                decode: f64::from(PROBE_ANSWER_TOKENS),
-                extra_ms: 0.0,
+        self.probe_until(Probe::Link, deadline).await;
+        self.calibrated.send_replace(true);
+        let m = lock(&self.learned).rates.measured();
+        tracing::info!(
+            ms = t0.elapsed().as_millis() as u64,
+            laptop_prefill = ?m.laptop_prefill,
+            laptop_decode = ?m.laptop_decode,
+            phone_prefill = ?m.phone_prefill,
+            phone_decode = ?m.phone_decode,
+            link = ?m.link,
+            "calibrated (tokens or bytes per ms)"
+        );
+    }
+
+    /// Waits for the calibration, at most [`CALIBRATION_WAIT`] (at once when it is done,
+    /// or off).
+    pub(super) async fn calibrated(&self) {
+        let mut done = self.calibrated.subscribe();
+        let _ = tokio::time::timeout(CALIBRATION_WAIT, done.wait_for(|d| *d)).await;
+    }
+
+    /// At an idle moment: the probes whose figures are stale and whose devices run no
+    /// answer, one after the other, while the router is in use.
+    pub async fn measure_idle(&self) {
+        for probe in [Probe::Laptop, Probe::Phone, Probe::Link] {
+            let now = Instant::now();
+            let wanted = {
+                let l = lock(&self.learned);
+                let in_use = l
+                    .last_auto
+                    .is_some_and(|t| now.saturating_duration_since(t) < IN_USE);
+                let recent = l.probed[probe.index()]
+                    .is_some_and(|t| now.saturating_duration_since(t) < PROBE_GAP);
+                let stale = l.rates.stale(now);
+                let stale = match probe {
+                    Probe::Laptop => stale.laptop,
+                    Probe::Phone => stale.phone,
+                    Probe::Link => stale.link,
+                };
+                in_use && stale && !recent
             };
-            let busy = load.take_work(&learned, true, work);
-            let start = async {
-                let mut stream = client.local(preq).await?.into_inner();
-                let first = stream.message().await?;
-                Ok::<_, tonic::Status>((stream, first))
+            let idle = match probe {
+                Probe::Laptop => self.load.idle(false),
+                Probe::Phone => self.load.idle(true),
+                Probe::Link => self.load.idle(false) && self.load.idle(true),
             };
-            let mut stream = match tokio::time::timeout(bound, start).await {
-                Ok(Ok((
-                    stream,
-                    Some(pb::TokenEvent {
-                        event: Some(pb::token_event::Event::Prefilled(p)),
-                    }),
-                ))) => {
-                    let tokens = p.prompt_tokens.saturating_sub(p.cached_tokens);
-                    lock(&learned).rates.prefilled(true, tokens, p.prefill_ms);
-                    tracing::info!(
-                        tokens,
-                        prefill_ms = p.prefill_ms,
-                        "the decode node's prefill speed probed"
-                    );
-                    stream
-                }
-                other => {
-                    let why = match other {
-                        Ok(Err(st)) => st.message().to_string(),
-                        Err(_) => format!("no answer within {bound:?}"),
-                        Ok(Ok(_)) => "no prefill report".to_string(),
-                    };
-                    tracing::warn!(reason = %why, "the decode node's prefill probe measured nothing");
-                    return;
-                }
-            };
-            // The answer's tokens measure the decode speed too, when it writes enough.
-            loop {
-                let ev = next_event(&mut stream, idle, Node::Decode, false, "prompt").await;
-                decoded(&learned, &busy, &ev);
-                if matches!(ev, Event::Finished { .. } | Event::Error(_)) {
-                    return;
+            if wanted && idle {
+                if let Err(reason) = self.probe(probe).await {
+                    tracing::warn!(probe = probe.as_str(), %reason, "the probe measured nothing");
                 }
             }
-        });
+        }
     }
 }

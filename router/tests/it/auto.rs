@@ -96,39 +96,43 @@ async fn auto_chooses_from_what_it_measured_and_answers_as_one_device() {
     );
 }
 
-/// No client names `phone`, so nothing but the probe measures the phone's prefill: the
-/// first `auto` request that finds it unmeasured starts the probe in the background, and
-/// then the phone alone is predicted too (`backend/probe.rs`).
+/// The product's default: before its first `auto` choice the router measures the laptop,
+/// the phone and the link with probes of its own (the calibration, `backend/probe.rs`), so
+/// a fresh router's first request is chosen from figures: every mode predicted, none "not
+/// yet measured", and the answer is the one-device answer.
 #[tokio::test]
-async fn an_unmeasured_phone_is_probed_and_then_weighed() {
-    let s = common::start(common::StackOptions::new(common::SMOLLM2));
-    let (local, _) = ask(&s, json!({"transport": "local"})).await;
-    let (o, e) = ask(&s, json!({"transport": "auto", "objective": "latency"})).await;
-    assert_eq!(o, local, "{e}");
-    assert!(e["reason"].as_str().unwrap().contains("phone"), "{e}");
-    // The link, the round trip and the phone's decode: an `after` split.
-    let (o, e) = ask(&s, json!({"transport": "v2", "handoff": "after"})).await;
-    assert_eq!(o, local, "{e}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
-    loop {
-        let (o, e) = ask(&s, json!({"transport": "auto", "objective": "latency"})).await;
-        assert_eq!(o, local, "{e}");
-        let reason = e["reason"].as_str().unwrap();
-        if !reason.contains("not yet measured") {
-            assert!(reason.contains(" phone "), "{e}");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the phone's prefill was not probed: {e}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+async fn a_fresh_router_chooses_from_figures_from_its_first_request() {
+    let mut opts = common::StackOptions::new(common::SMOLLM2);
+    opts.probes = true;
+    let s = common::start(opts);
+    let mut plain = body(Value::Null);
+    plain.as_object_mut().unwrap().remove("edgesplit");
+    let (o, e) = common::send(&s, PATH, &plain, true).await;
+    let reason = e["reason"].as_str().unwrap();
+    for mode in ["local", "live", "after", "phone"] {
+        assert!(reason.contains(&format!(" {mode} ")), "{e}");
     }
+    assert!(!reason.contains("measured yet"), "{e}");
+    assert!(e["predicted_ms"].as_f64().unwrap() > 0.0, "{e}");
+    assert!(e["e2e_ms"].as_f64().unwrap() > 0.0, "{e}");
+    // The probes are the router's own: not counted as answers. The answer's actual end
+    // over its predicted is.
+    let metrics = common::scrape(&format!("{}/metrics", s.router)).await;
+    assert_eq!(
+        common::value(&metrics, "edgesplit:e2e_request_latency_seconds_count"),
+        1.0,
+        "{metrics}"
+    );
+    let mode = e["mode"].as_str().unwrap();
+    let series = format!("edgesplit:auto_actual_over_predicted_count{{mode=\"{mode}\"}}");
+    assert_eq!(common::value(&metrics, &series), 1.0, "{metrics}");
+    let (local, _) = ask(&s, json!({"transport": "local"})).await;
+    assert_eq!(o, local.without_ids(), "{e}");
 }
 
 /// The router's default is its own choice: a request that names nothing is `auto` under
-/// `balanced`. On a router that has measured nothing, that is a live v2 split (the path the
-/// demo shows), and the answer says so and why.
+/// `balanced`. On a router that has measured nothing (its probes off), that is a live v2
+/// split, and the answer says so and why.
 #[tokio::test]
 async fn a_request_that_names_nothing_is_the_routers_choice() {
     let s = common::start(common::StackOptions::new(common::SMOLLM2));

@@ -107,6 +107,10 @@ pub struct StackOptions {
     /// physical cores). A real pair never runs equal counts; the answers must not care.
     pub prefill_threads: Option<i32>,
     pub decode_threads: Option<i32>,
+    /// The router's probes (its calibration at start and at idle moments): off unless a
+    /// test asks, so that a test's own requests are the only work on the nodes and the
+    /// router measures only what they measure (the product's default is on: `auto.rs`).
+    pub probes: bool,
 }
 
 impl StackOptions {
@@ -147,6 +151,7 @@ impl StackOptions {
             continue_on: edgesplit_router::backend::ContinueOn::Measured,
             prefill_threads: None,
             decode_threads: None,
+            probes: false,
         }
     }
 }
@@ -363,6 +368,7 @@ async fn serve(opts: StackOptions) -> Stack {
     rcfg.max_in_flight = opts.max_in_flight;
     rcfg.handoff = opts.handoff;
     rcfg.continue_on = opts.continue_on;
+    rcfg.no_probes = !opts.probes;
     rcfg.max_queue = opts.max_queue;
     rcfg.queue_timeout_s = opts.queue_timeout_s;
     rcfg.token_idle_timeout_ms = opts.token_idle_timeout_ms;
