@@ -88,9 +88,11 @@ pub struct Measure {
     pub cached_tokens: Option<u64>,
     /// Ours: answer tokens the decode node (the phone) wrote.
     pub phone_tokens: Option<u64>,
-    /// Ours, `transport: auto`: the mode the router chose, and its predicted end (ms).
+    /// Ours, `transport: auto`: the mode the router chose, its predicted end (ms) and the
+    /// actual one, both from the request's admission (the router's queue left).
     pub mode: Option<String>,
     pub predicted_ms: Option<f64>,
+    pub actual_ms: Option<f64>,
     /// The laptop's CPU time for the request (the prefill node process's, measured around
     /// it by the caller where requests do not overlap).
     pub laptop_cpu_ms: Option<f64>,
@@ -217,6 +219,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.phone_tokens = es["decode_node_tokens"].as_u64();
                 m.mode = es["mode"].as_str().map(str::to_string);
                 m.predicted_ms = es["predicted_ms"].as_f64();
+                m.actual_ms = es["actual_ms"].as_f64();
                 if let Some(f) = es["fallback"].as_str() {
                     m.fallback = Some(f.to_string());
                 }

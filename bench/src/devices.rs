@@ -150,6 +150,25 @@ impl Devices {
         p
     }
 
+    /// Changes the phone's share of its core to `speed` (0 < speed <= 1) at once, for the
+    /// processes already in its group: a phone that throttles, or recovers.
+    ///
+    /// # Errors
+    /// A speed out of range, or the cgroup file not written.
+    pub fn set_speed(&self, speed: f64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            speed > 0.0 && speed <= 1.0,
+            "a phone speed must be above 0 and at most 1, not {speed}"
+        );
+        let quota = ((speed * PERIOD_US as f64).round() as u64).max(1_000);
+        let v1 = self.group.join("cpu.cfs_quota_us");
+        if v1.is_file() {
+            write(&v1, &quota.to_string())
+        } else {
+            write(&self.group.join("cpu.max"), &format!("{quota} {PERIOD_US}"))
+        }
+    }
+
     /// Whether a process is still in the phone's group.
     #[must_use]
     pub fn busy(&self) -> bool {

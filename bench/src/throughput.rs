@@ -83,6 +83,25 @@ pub struct ThroughputArgs {
     /// the cell's time). Else one stack serves every cell, warmed by the reference pass.
     #[arg(long)]
     fresh: bool,
+    /// With --phone-speed: the phone's speed changed when request I of a cell starts, as
+    /// `I:SPEED` pairs (`8:0.25,20:1.0`: a phone that throttles and recovers); each cell
+    /// starts at --phone-speed.
+    #[arg(long, value_delimiter = ',', value_parser = parse_speed_change)]
+    phone_speed_at: Vec<(usize, f64)>,
+}
+
+fn parse_speed_change(s: &str) -> Result<(usize, f64), String> {
+    let (i, v) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected REQUEST:SPEED, e.g. 8:0.25"))?;
+    let i = i
+        .parse()
+        .map_err(|e| format!("{s:?}: the request index: {e}"))?;
+    let v: f64 = v.parse().map_err(|e| format!("{s:?}: the speed: {e}"))?;
+    if !(v > 0.0 && v <= 1.0) {
+        return Err(format!("{s:?}: a speed is above 0 and at most 1"));
+    }
+    Ok((i, v))
 }
 
 /// The first completions a cell's early rate is taken over (`Cell::first_requests_per_min`).
@@ -104,7 +123,7 @@ struct Cell {
     /// Over the first [`FIRST`] completions only: `FIRST` x 60 / the time the last of them
     /// ended, from the cell's start.
     first_requests_per_min: Option<f64>,
-    /// `auto` answers: the client's end of the answer over the router's `predicted_ms`.
+    /// `auto` answers: `actual_ms` over `predicted_ms` (both from the request's admission).
     actual_over_predicted_p50: Option<f64>,
     actual_over_predicted_p90: Option<f64>,
     ttft_p50_ms: Option<f64>,
@@ -120,6 +139,11 @@ struct Cell {
     fallbacks: usize,
     /// `auto` modes: how many answers the router chose each mode for (`edgesplit.mode`).
     choices: BTreeMap<String, usize>,
+    /// `auto` modes: the mode chosen for each request, in the order the requests started.
+    order: Vec<String>,
+    /// One client: the largest of each request's end over the same request's alone on
+    /// `local` (the reference pass), from the second request on.
+    e2e_over_local_max: Option<f64>,
     errors: Vec<String>,
 }
 
@@ -216,7 +240,7 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
     let mut reference = Vec::new();
     for i in 0..mix.len() {
         let m = client::run(&env.http, &local, &ask(i)).await?;
-        reference.push(m.text);
+        reference.push((m.text, m.e2e_ms));
     }
 
     let mut stack = Some(stack);
@@ -237,6 +261,10 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
                             "[throughput] a fresh stack for {} x{clients} {mode}",
                             profile.name
                         );
+                        let cfg = StackConfig {
+                            dir: out.join(format!("services-{}-{clients}-{mode}", profile.name)),
+                            ..cfg.clone()
+                        };
                         let s = Stack::start(&cfg, profile.clone()).await?;
                         *env.laptop_pid
                             .lock()
@@ -286,13 +314,20 @@ async fn cell(
     clients: usize,
     mode: &str,
     mix: &[(usize, u32)],
-    reference: &[String],
+    reference: &[(String, f64)],
 ) -> anyhow::Result<Cell> {
     let target = Target::EdgeSplit {
         url: stack.router.clone(),
         transport: mode.to_string(),
     };
     let next = Arc::new(AtomicUsize::new(0));
+    let speed = |s: f64| match stack.devices() {
+        Some(d) => d.set_speed(s),
+        None => anyhow::bail!("--phone-speed-at needs --phone-speed"),
+    };
+    if !args.phone_speed_at.is_empty() {
+        speed(args.devices.phone_speed.unwrap_or(1.0))?;
+    }
     let cpu0 = stack.laptop_cpu_ms();
     let t0 = Instant::now();
     let workers = (0..clients).map(|client| {
@@ -303,6 +338,12 @@ async fn cell(
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= args.requests {
                     break;
+                }
+                for &(at, s) in &args.phone_speed_at {
+                    if at == i {
+                        speed(s)?;
+                        eprintln!("[throughput] request {i}: the phone at {s} of its core");
+                    }
                 }
                 let a = ask_for(mix, i, stack.chat, args.seed);
                 let slot = Slot {
@@ -326,6 +367,7 @@ async fn cell(
     for r in futures::future::join_all(workers).await {
         done.extend(r?);
     }
+    done.sort_by_key(|d| d.0);
     let wall_s = t0.elapsed().as_secs_f64();
     let cpu = match (cpu0, stack.laptop_cpu_ms()) {
         (Some(a), Some(b)) => Some(b - a),
@@ -336,14 +378,19 @@ async fn cell(
     let mut errors = Vec::new();
     let mut choices = BTreeMap::new();
     let (mut ended, mut ratios) = (Vec::new(), Vec::new());
+    let (mut order, mut over_local) = (Vec::new(), Vec::new());
     for (i, a, end_s) in &done {
         match &a.result {
             Ok(m) => {
                 if let Some(mode) = &m.mode {
                     *choices.entry(mode.clone()).or_insert(0) += 1;
+                    order.push(mode.clone());
                 }
-                if let Some(p) = m.predicted_ms.filter(|&p| p > 0.0) {
-                    ratios.push(m.e2e_ms / p);
+                if clients == 1 && *i > 0 {
+                    over_local.push(m.e2e_ms / reference[i % reference.len()].1);
+                }
+                if let (Some(p), Some(a)) = (m.predicted_ms.filter(|&p| p > 0.0), m.actual_ms) {
+                    ratios.push(a / p);
                 }
                 ended.push(*end_s);
                 ttft.push(m.ttft_ms);
@@ -351,7 +398,7 @@ async fn cell(
                 phone += m.phone_tokens.unwrap_or(0);
                 tokens += m.completion_tokens;
                 fallbacks += usize::from(m.fallback.is_some());
-                let same = m.text == reference[i % reference.len()];
+                let same = m.text == reference[i % reference.len()].0;
                 wrong += usize::from(!same);
                 env.rec.mark_same(a.id, same)?;
             }
@@ -365,6 +412,8 @@ async fn cell(
         .filter(|&&s| s > 0.0)
         .map(|s| FIRST as f64 * 60.0 / s);
     Ok(Cell {
+        order,
+        e2e_over_local_max: over_local.into_iter().reduce(f64::max),
         first_requests_per_min,
         actual_over_predicted_p50: p(&mut ratios, 0.5),
         actual_over_predicted_p90: p(&mut ratios, 0.9),
@@ -466,6 +515,30 @@ fn markdown(
             choices_text(&c.choices),
             f(c.actual_over_predicted_p50, 2),
             f(c.actual_over_predicted_p90, 2),
+        );
+    }
+    for c in cells.iter().filter(|c| !c.order.is_empty()) {
+        let _ = writeln!(
+            md,
+            "\n{} x{} {}: modes in request order: {}",
+            c.profile,
+            c.clients,
+            c.mode,
+            c.order.join(" ")
+        );
+        if let Some(x) = c.e2e_over_local_max {
+            let _ = writeln!(
+                md,
+                "{} x{} {}: from the second request on, the largest e2e over the same request's alone on local: {x:.2}",
+                c.profile, c.clients, c.mode
+            );
+        }
+    }
+    if !args.phone_speed_at.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nThe phone's speed changed as request I started (I:speed): {:?}",
+            args.phone_speed_at
         );
     }
     for c in cells.iter().filter(|c| !c.errors.is_empty()) {

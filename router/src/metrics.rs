@@ -226,7 +226,7 @@ impl Metrics {
                         .inc();
                 }
                 if let (Some(mode), Some(predicted), Some(actual)) =
-                    (a.timing.mode, a.timing.predicted_ms, a.e2e_ms)
+                    (a.timing.mode, a.timing.predicted_ms, a.timing.actual_ms)
                 {
                     if predicted > 0.0 {
                         self.actual_over_predicted

@@ -111,6 +111,9 @@ pub struct Timing {
     pub objective: Option<&'static str>,
     pub reason: Option<String>,
     pub predicted_ms: Option<f64>,
+    /// The same answer's actual time from its admission (the router's queue left) to its
+    /// end.
+    pub actual_ms: Option<f64>,
     pub predicted_laptop_ms: Option<f64>,
     pub predicted_tokens: Option<u32>,
 }

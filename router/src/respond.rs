@@ -27,6 +27,9 @@ pub struct Meta {
     pub request_id: String,
     pub transport: Transport,
     pub received: Instant,
+    /// When the request left the admission queue and its mode was chosen: what an `auto`
+    /// answer's `predicted_ms` counts from.
+    pub admitted: Instant,
     /// Report the answer's token ids in the `edgesplit` object.
     pub return_token_ids: bool,
     /// The sampling seed used (the router draws one when a sampled request has none).
@@ -191,8 +194,18 @@ impl Answer {
             completion_tokens: self.completion_tokens,
             e2e_ms: Some(self.meta.received.elapsed().as_secs_f64() * 1000.0),
             decode_tokens_per_s: self.decode_tps(),
-            timing: t.clone(),
+            timing: Timing {
+                actual_ms: self.actual_ms(),
+                ..t.clone()
+            },
         }
+    }
+
+    /// An `auto` answer: from its admission to now (its end), as `predicted_ms` predicts.
+    fn actual_ms(&self) -> Option<f64> {
+        self.timing
+            .mode
+            .map(|_| self.meta.admitted.elapsed().as_secs_f64() * 1000.0)
     }
 
     fn decode_tps(&self) -> Option<f64> {
@@ -335,8 +348,10 @@ impl Answer {
         v["transport"] = json!(self.meta.transport.as_str());
         v["seed"] = json!(self.meta.seed);
         v["decode_tokens_per_s"] = json!(self.decode_tps());
-        // Built when the answer ends: its actual end, against `predicted_ms`.
+        // Built when the answer ends: its end from the request's arrival, and for an
+        // `auto` answer from its admission (what `predicted_ms` predicts).
         v["e2e_ms"] = json!(self.meta.received.elapsed().as_secs_f64() * 1000.0);
+        v["actual_ms"] = json!(self.actual_ms());
         if self.meta.return_token_ids {
             v["token_ids"] = json!(self.token_ids);
         }
@@ -541,6 +556,7 @@ mod tests {
                 request_id: "r".into(),
                 transport: Transport::V2,
                 received: Instant::now(),
+                admitted: Instant::now(),
                 return_token_ids: false,
                 seed: 0,
                 logprobs: false,

@@ -200,6 +200,7 @@ async fn serve_inner(
         tools_supported(&info.tool_call_format)?;
     }
     let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
+    let admitted = Instant::now();
     tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
     let started = s.backend.start(&req, transport, &request_id).await?;
     let observer = observer.started();
@@ -215,6 +216,7 @@ async fn serve_inner(
         request_id,
         transport: started.transport,
         received,
+        admitted,
         return_token_ids: req.return_token_ids,
         seed: req.sampling.seed,
         logprobs: req.sampling.logprobs.is_some(),

@@ -142,7 +142,7 @@ async function refreshRecent() {
       el('td', { class: 'num' }, fmt(q.ttft_ms, 1)),
       el('td', { class: 'num' }, fmt(q.decode_tokens_per_s, 1)),
       el('td', { class: 'num' }, q.handoff_bytes ? fmtBytes(q.handoff_bytes) + ' / ' + fmt(q.handoff_ms, 1) + ' ms' : '-'),
-      el('td', { class: 'num' }, q.predicted_ms && q.e2e_ms ? q.mode + ' ' + fmt(q.e2e_ms / q.predicted_ms, 2) + 'x' : '-'),
+      el('td', { class: 'num' }, q.predicted_ms && q.actual_ms ? q.mode + ' ' + fmt(q.actual_ms / q.predicted_ms, 2) + 'x' : '-'),
       el('td', {}, q.request_id || '-'),
     ));
   }
@@ -162,7 +162,7 @@ const FIGURES = [
   ['mode', 'mode (auto)', (v) => v || '-'],
   ['reason', 'why', (v) => v || '-'],
   ['predicted_ms', 'predicted end', (v) => v ? fmt(v, 0) + ' ms' : '-'],
-  ['e2e_ms', 'actual end', (v) => v ? fmt(v, 0) + ' ms' : '-'],
+  ['actual_ms', 'actual end', (v) => v ? fmt(v, 0) + ' ms' : '-'],
   ['predicted_tokens', 'predicted answer', (v) => v ? v + ' tokens' : '-'],
   ['first_token_from', 'first token from', (v) => v],
   ['fallback', 'fallback', (v) => v || 'none'],
