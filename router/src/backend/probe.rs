@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::nodes::lock;
 use super::route::{Route, Wire};
-use super::{Backend, Event};
+use super::{Backend, Class, Event, Failure};
 use crate::api::{Endpoint, ValidRequest};
 
 /// The probes' prompt: this sentence, repeated [`PROBE_SENTENCES`] times.
@@ -85,6 +85,22 @@ impl Probe {
     }
 }
 
+/// Why a probe measured nothing.
+struct Missed {
+    /// A node it needs could not take it (not up yet, or gone): a later try may succeed.
+    node_down: bool,
+    reason: String,
+}
+
+impl From<Failure> for Missed {
+    fn from(f: Failure) -> Self {
+        Missed {
+            node_down: f.class == Class::Unavailable,
+            reason: f.message,
+        }
+    }
+}
+
 /// The probes' request: greedy, nothing cached, its answer dropped.
 fn probe_request() -> ValidRequest {
     let body = serde_json::json!({
@@ -101,19 +117,24 @@ fn probe_request() -> ValidRequest {
 impl Backend {
     /// Runs one probe to its end (the figures it yields are recorded on the way); why it
     /// measured nothing, if it did not end well.
-    async fn probe(&self, probe: Probe) -> Result<(), String> {
+    async fn probe(&self, probe: Probe) -> Result<(), Missed> {
         lock(&self.learned).probed[probe.index()] = Some(Instant::now());
         let id = format!("probe-{}", probe.as_str());
         let result = match self.run(&probe_request(), probe.route(), &id).await {
             Ok(mut started) => loop {
                 match started.events.recv().await {
                     Some(Event::Finished { .. }) => break Ok(()),
-                    Some(Event::Error(e)) => break Err(e.message),
+                    Some(Event::Error(e)) => break Err(Missed::from(e)),
                     Some(_) => {}
-                    None => break Err("the answer ended without its end".into()),
+                    None => {
+                        break Err(Missed {
+                            node_down: false,
+                            reason: "the answer ended without its end".into(),
+                        })
+                    }
                 }
             },
-            Err(e) => Err(e.message),
+            Err(e) => Err(Missed::from(e)),
         };
         if result.is_ok() {
             tracing::info!(probe = probe.as_str(), "measured");
@@ -123,16 +144,18 @@ impl Backend {
 
     /// A probe of the calibration, tried again while a node is not up yet (a node
     /// started beside the router reports ready after loading and warming up), until
-    /// `deadline`.
+    /// `deadline`; a node that refused it is not asked again.
     async fn probe_until(&self, probe: Probe, deadline: Instant) {
         loop {
             match self.probe(probe).await {
                 Ok(()) => return,
-                Err(reason) if Instant::now() >= deadline => {
-                    tracing::warn!(probe = probe.as_str(), %reason, "the calibration measured nothing");
+                Err(m) if m.node_down && Instant::now() < deadline => {
+                    tokio::time::sleep(CALIBRATION_RETRY).await;
+                }
+                Err(m) => {
+                    tracing::warn!(probe = probe.as_str(), reason = %m.reason, "the calibration measured nothing");
                     return;
                 }
-                Err(_) => tokio::time::sleep(CALIBRATION_RETRY).await,
             }
         }
     }
@@ -194,8 +217,8 @@ impl Backend {
                 Probe::Link => self.load.idle(false) && self.load.idle(true),
             };
             if wanted && idle {
-                if let Err(reason) = self.probe(probe).await {
-                    tracing::warn!(probe = probe.as_str(), %reason, "the probe measured nothing");
+                if let Err(m) = self.probe(probe).await {
+                    tracing::warn!(probe = probe.as_str(), reason = %m.reason, "the probe measured nothing");
                 }
             }
         }
