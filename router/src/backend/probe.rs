@@ -43,7 +43,7 @@ pub const CALIBRATION_WAIT: Duration = Duration::from_secs(20);
 const CALIBRATION_RETRY: Duration = Duration::from_millis(250);
 
 /// The router is in use while an `auto` request came within this.
-pub const IN_USE: Duration = Duration::from_secs(300);
+pub const IN_USE: Duration = Duration::from_secs(60);
 
 /// Least time between two probes of the same kind (one that failed or measured nothing is
 /// not repeated at once).
