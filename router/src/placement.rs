@@ -451,6 +451,34 @@ mod tests {
         assert!(!c.replayed_for(&next));
     }
 
+    /// A split's prefill and a colocated answer's are one figure of the laptop, and each
+    /// device's figures say when they want measuring.
+    #[test]
+    fn every_answer_that_measures_a_device_feeds_its_one_estimate() {
+        let mut r = Rates::default();
+        let now = Instant::now();
+        assert_eq!(
+            r.stale(now),
+            Stale {
+                laptop: true,
+                phone: true,
+                link: true
+            }
+        );
+        r.prefilled(false, 1000, 1000.0); // a split's prefill: 1 token/ms
+        r.prefilled(false, 1000, 500.0); // colocated answers: 2 and 2.5
+        r.prefilled(false, 1000, 400.0);
+        assert_eq!(r.measured().laptop_prefill, Some(2.0));
+        // Its decode speed not yet measured: the laptop still wants measuring.
+        assert!(r.stale(now).laptop);
+        r.decoded(false, 100, 1000.0);
+        let s = r.stale(Instant::now());
+        assert!(!s.laptop && s.phone && s.link, "{s:?}");
+        r.handed_off(1_000_000, 100.0);
+        assert!(!r.stale(Instant::now()).link);
+        assert_eq!(r.measured().link, Some(10_000.0));
+    }
+
     #[test]
     fn the_prefill_node_is_sooner_only_when_measured_faster_with_the_link() {
         let mut r = Rates::default();
