@@ -3,7 +3,7 @@
 # request goes to one router, then the same request to the other, 40 times per transport
 # (streamed chat, 2 tokens, greedy; SmolLM2; loopback, no link emulation). Prints the
 # median TTFT of each and the ratio new/old. For a change on the request's path in the
-# router alone (issue 41 item 6: no Info call per request).
+# router alone (for example, no Info call per request).
 #   bench/compare-routers.sh OLD_ROUTER_BINARY [NEW_ROUTER_BINARY]
 # NEW defaults to target/release/edgesplit-router; both nodes from target/release.
 set -euo pipefail

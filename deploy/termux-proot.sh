@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Phone side (Android, Termux), through Debian under proot-distro: the decode node is built
 # and run as on any aarch64 Linux (deploy/linux-decode.sh), where neither of the two
-# blockers of a native Termux build exists (issue 20). The fallback when deploy/termux.sh
+# blockers of a native Termux build exists. The fallback when deploy/termux.sh
 # fails on a phone. Costs (from published reports, see deploy/README.md): proot traps every
 # system call through ptrace, so compute runs at native speed but syscall-heavy work
 # (building, many small socket writes) is slower.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fails on an import circle between the modules of a crate, or a source file of more than
-MAX_LINES lines outside its tests (issue 38: rooms one can hold in one's head).
+MAX_LINES lines outside its tests (rooms one can hold in one's head).
 
 A circle is counted between siblings: modules with the same parent (the crate's top-level
 modules, or the rooms of a folder such as router/src/backend/). A reference from anywhere

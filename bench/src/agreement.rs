@@ -1,5 +1,5 @@
 //! `edgesplit-bench agreement`: how far a split answer agrees with one device's when the
-//! two nodes are different CPUs (issue 35; PROTOCOL.md, "Compatibility"): this machine
+//! two nodes are different CPUs (PROTOCOL.md, "Compatibility"): this machine
 //! (x86_64) and the aarch64 build (`scripts/build-aarch64.sh --measure`) run under
 //! `qemu-aarch64`. Not a speed figure: nothing is timed (emulation is not a phone's speed).
 //!

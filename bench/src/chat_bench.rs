@@ -1,11 +1,11 @@
-//! `edgesplit-bench chat`: a multi-turn conversation (issue 15). A fixed script of user
+//! `edgesplit-bench chat`: a multi-turn conversation. A fixed script of user
 //! turns - a long first message, then about `--turn-tokens` of new text each turn - is
 //! played through three clients side by side, each keeping its own history (its own
 //! answers as the assistant messages):
 //! - `reuse`: split (`v2`) with the nodes' caches (`cache_prompt` on): from turn 2 the
 //!   decode node continues the conversation it holds;
 //! - `no-reuse`: split with `cache_prompt: false`: every turn prefilled whole and its
-//!   whole state handed over (the product before issue 15);
+//!   whole state handed over (a router that does not continue conversations);
 //! - `local`: one device continuing its own conversation (`cache_prompt` on), the
 //!   reference for the answers and for TTFT.
 //!
@@ -347,7 +347,7 @@ fn summarise(
         "\n`bytes reuse`: the turn's handoff and the state kept on the decode node after its \
          answer; `state bytes`: a full handoff of the turn's prompt (prompt tokens x KV bytes \
          per token); `bytes ratio`: their ratio.\n\
-         Targets (issue 15): from turn 2, bytes ratio <= 0.10; TTFT reuse / local <= 1.2 \
+         Targets: from turn 2, bytes ratio <= 0.10; TTFT reuse / local <= 1.2 \
          on wifi; no `reuse` answer that is not `local`'s.\n",
     );
     s

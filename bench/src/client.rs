@@ -126,7 +126,7 @@ pub fn weather_log(from: usize, lines: usize) -> String {
 }
 
 /// A chat of one user message, as users send it: no system message (both servers render
-/// the model's own template, which may add a default one; issue 22).
+/// the model's own template, which may add a default one).
 pub fn chat_messages(prompt: &str) -> Value {
     json!([{"role": "user", "content": prompt}])
 }

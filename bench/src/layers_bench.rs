@@ -1,4 +1,4 @@
-//! `edgesplit-bench layers`: the layer split (issue 17) against one device. Two stacks of
+//! `edgesplit-bench layers`: the layer split against one device. Two stacks of
 //! the real binaries:
 //! - `local`: the prefill node computes every layer (the single-device reference; no
 //!   link is crossed, so it is measured once);

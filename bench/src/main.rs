@@ -65,16 +65,16 @@ enum Cli {
     /// EdgeSplit's V1 path (stock llama-server slot save, upload, restore) in one run.
     Handoff(handoff_bench::HandoffArgs),
     /// A multi-turn conversation: per-turn TTFT, handoff bytes, where each turn was
-    /// prefilled, with the nodes' caches and without, beside one device (issue 15).
+    /// prefilled, with the nodes' caches and without, beside one device.
     Chat(chat_bench::ChatArgs),
     /// The layer split (ggml RPC to the decode node) against one device, per link
-    /// profile, and a run with both nodes' memory capped (issue 17).
+    /// profile, and a run with both nodes' memory capped.
     Layers(layers_bench::LayersArgs),
     /// What the pair serves against each device alone: closed-loop clients over a fixed mix
-    /// of prompt and answer lengths, per mode (local, the split, phone) and link (issue 36).
+    /// of prompt and answer lengths, per mode (local, the split, phone) and link.
     Throughput(throughput::ThroughputArgs),
     /// How far answers and next-token distributions agree across architectures: x86 here,
-    /// the aarch64 build under qemu (issue 35). Not a speed figure.
+    /// the aarch64 build under qemu. Not a speed figure.
     Agreement(agreement::AgreementArgs),
 }
 

@@ -68,7 +68,7 @@ pub struct StackConfig {
     pub batch: u32,
     /// The shared secret of the three services (`EDGESPLIT_SECRET`): private links.
     pub secret: Option<String>,
-    /// The layer split (issue 17): the decode node's `--rpc-listen` and the prefill node's
+    /// The layer split: the decode node's `--rpc-listen` and the prefill node's
     /// `--rpc-peer` through an emulated link.
     pub rpc: Option<RpcSplit>,
     /// The router's `--continue-on` (where a held conversation's new turn is prefilled).

@@ -13,8 +13,8 @@
 //! from the first request to the last answer: the same work in every mode, so the tail
 //! (fewer clients busy at the end) weighs alike.
 //!
-//! With `--phone-speed` (the two devices emulated, [`crate::devices`]) this is the figure of
-//! issue 36; without it the services share the machine's cores. Not part of CI (minutes per
+//! With `--phone-speed` (the two devices emulated, [`crate::devices`]) this is the pair's
+//! throughput; without it the services share the machine's cores. Not part of CI (minutes per
 //! configuration); docs/BENCHMARKS.md has the commands.
 
 use std::collections::BTreeMap;

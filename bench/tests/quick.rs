@@ -68,7 +68,7 @@ fn quick_run_writes_every_output() {
             // server is another llama.cpp version (pinned: llama-cpp-python 0.3.36's
             // tree), so its agreement is not our invariant in general; with both versions
             // pinned it is deterministic, and on the bench's prompts (which carry a system
-            // message, see issue 22) it agrees: a change there is worth a look.
+            // message) it agrees: a change there is worth a look.
             assert_eq!(s["same_as_reference"], 1, "{s}");
             assert_eq!(s["excluded"], i64::from(s["pair"] == 0));
         }

@@ -93,7 +93,7 @@ pub struct Config {
     /// Largest handoff frame accepted, in bytes.
     #[arg(long, default_value_t = edgesplit_proto::frame::DEFAULT_MAX_FRAME)]
     pub max_frame_bytes: usize,
-    /// The layer split (issue 17): serve ggml's RPC here, for a prefill node's
+    /// The layer split: serve ggml's RPC here, for a prefill node's
     /// `--rpc-peer` to compute the model's last layers on this device. Behind the private
     /// link: needs the shared secret (refused without it, `--insecure` or not); ggml's own
     /// server runs in a child process (`edgesplit-rpc`) on loopback, which admits only

@@ -1,4 +1,4 @@
-//! The layer split's phone side (issue 17): a ggml RPC server that computes a model's last
+//! The layer split's phone side: a ggml RPC server that computes a model's last
 //! layers for a prefill node, behind this node's authenticated link.
 //!
 //! ggml-rpc has no authentication, trusts the sizes its client sends and aborts its process

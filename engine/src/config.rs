@@ -36,7 +36,7 @@ pub struct EngineConfig {
     /// A Jinja chat template read from this file instead of the GGUF's (llama-server's
     /// `--chat-template-file`): for a GGUF that has none, or a wrong one.
     pub chat_template_file: Option<PathBuf>,
-    /// The layer split (issue 17): the model's last layers on a ggml RPC device
+    /// The layer split: the model's last layers on a ggml RPC device
     /// ([`crate::rpc::add_server`]); the rest, and the output layer, here.
     pub remote_layers: Option<RemoteLayers>,
     /// Test hook (`--test-pace-live`): a live answer writes a token after its first only
@@ -85,11 +85,11 @@ impl EngineConfig {
 
 /// Flash-attention policy.
 ///
-/// `Auto` is on for every model. (It used to be off for sliding-window models: their
-/// ring-ordered cache and an imported one attended in another cell order and rounded
-/// differently - issue 14. The engine now lays a sliding-window cache out the way an
-/// import does after every prefill, so both orders are the same, with flash attention on
-/// or off; on, prefill was ~10% faster for Gemma-3 at 2,000 tokens and decode about equal.)
+/// `Auto` is on for every model. A sliding-window model's ring-ordered cache and an
+/// imported one would attend in another cell order and round differently, so the engine
+/// lays a sliding-window cache out the way an import does after every prefill: both
+/// orders are the same, with flash attention on or off (on, prefill was ~10% faster for
+/// Gemma-3 at 2,000 tokens and decode about equal).
 /// Never llama.cpp's own "auto", which depends on the backend: both nodes must resolve
 /// to the same setting, and the handshake checks that they did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

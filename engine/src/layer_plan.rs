@@ -1,4 +1,4 @@
-//! The layer split's plan (issue 17): how many of a model's last layers go to the peer,
+//! The layer split's plan: how many of a model's last layers go to the peer,
 //! from what each side has available now (`MemAvailable`, never total RAM: the seed
 //! project's phone reported 7.6 GB total with 1.9 GB usable, got 4.9 GB of weights, and
 //! Android killed it) and what each layer really takes (its tensors' sizes as stored in

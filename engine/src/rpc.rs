@@ -1,4 +1,4 @@
-//! llama.cpp's RPC backend (ggml-rpc) for the layer split (issue 17): a model's last layers
+//! llama.cpp's RPC backend (ggml-rpc) for the layer split: a model's last layers
 //! computed by a ggml RPC server on another device.
 //!
 //! ggml-rpc has no authentication, sizes allocations from what its client sends, and aborts

@@ -74,7 +74,7 @@ pub struct Config {
     /// first piece is the state laid out after it (`/health` says `after_prefill`).
     #[arg(long)]
     pub stream_prefill: bool,
-    /// The layer split (issue 17): a decode node's `--rpc-listen` address; the model's
+    /// The layer split: a decode node's `--rpc-listen` address; the model's
     /// last `--rpc-layers` layers (weights and KV) are computed there, the rest here.
     /// Checked at start (a peer down, or with another secret, is an error naming it).
     #[arg(long, requires = "rpc_layers")]

@@ -1,4 +1,4 @@
-//! The layer split's laptop side (issue 17): the model's last layers are computed by a
+//! The layer split's laptop side: the model's last layers are computed by a
 //! decode node's ggml RPC server (`--rpc-peer`, its `--rpc-listen`).
 //!
 //! ggml's RPC client speaks plain TCP and aborts the process when it cannot connect or

@@ -1,4 +1,4 @@
-//! The layer split's process boundary on the laptop side (issue 17).
+//! The layer split's process boundary on the laptop side.
 //!
 //! ggml's RPC client aborts its process when a send or receive to the peer fails ("Remote
 //! RPC server crashed or returned malformed response"): a phone that leaves the Wi-Fi

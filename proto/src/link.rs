@@ -13,7 +13,7 @@
 //! - TLS 1.3 only: ephemeral key exchange (forward secrecy), every record authenticated
 //!   (AEAD), fresh randoms on both sides, so a recorded handshake cannot be replayed.
 //!
-//! Without a secret a [`Link`] is plain TCP, as before (the demo on loopback). The
+//! Without a secret a [`Link`] is plain TCP (the demo on loopback). The
 //! application-level authentication (V2 challenge-response, the V1 and gRPC credentials)
 //! stays on inside TLS: it costs little. The states' own digests do not: inside TLS, whose
 //! AEAD has authenticated every byte, they are 32 zero bytes (`frame::Check::Sealed`).

@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 use crate::backend::Failure;
 
-/// A prefill node's layer split (`--rpc-peer`, issue 17) as `/health` and the dashboard
+/// A prefill node's layer split (`--rpc-peer`) as `/health` and the dashboard
 /// show it.
 pub(crate) fn layer_split(l: &edgesplit_proto::pb::LayerSplit) -> Value {
     json!({

@@ -37,7 +37,7 @@ impl Worker<'_> {
     /// indices that depend on how the prompt was batched and the window pruned; a state
     /// imported on another node is laid out from index 0 in the order it was exported.
     /// Attention over the same cells in another arrangement rounds differently in the
-    /// last bits, enough to change a sampled token (issue 14). So every path lays its
+    /// last bits, enough to change a sampled token. So every path lays its
     /// cache out the way an import does - exported, cleared, imported - right after the
     /// prefill, before its first decode step: the colocated run, the prefill node before
     /// it exports (what it sends is then exactly what it holds), a resumed answer. Every

@@ -1,4 +1,4 @@
-//! Issue 14's root cause, shown in llama.cpp itself (no engine in between): after a prompt
+//! Why a sliding-window cache is laid out after each prefill, shown in llama.cpp itself (no engine in between): after a prompt
 //! longer than Gemma-3's 512-token window, the prefilling context holds the window's cells
 //! in a ring at indices that depend on the batching and the pruning; a context that imports
 //! the exported state lays the same cells out from index 0. With flash attention off,

@@ -1,4 +1,4 @@
-//! Issue 14 through the engine (its own test binary: llama.cpp's backend initialises once
+//! The sliding-window layout through the engine (its own test binary: llama.cpp's backend initialises once
 //! per process, and `sliding_window.rs` drives llama.cpp directly).
 
 use crate::common::{collect, continue_imported, gemma_path};
@@ -18,7 +18,7 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
     cfg.n_threads = 2;
     let a = Engine::start(cfg.clone()).await.unwrap();
     let b = Engine::start(cfg).await.unwrap();
-    // The default: flash attention on, for sliding-window models too (issue 14).
+    // The default: flash attention on, for sliding-window models too.
     assert!(a.info().sliding_window && a.info().flash_attn);
     for reps in [30, 40] {
         let text = "The harbour was quiet in the early morning, and the fishermen were already \
@@ -59,7 +59,7 @@ async fn the_engine_continues_an_imported_window_like_the_colocated_run() {
     }
 }
 
-/// Issue 13: a live answer on a sliding-window model, handed over from pieces. The first
+/// A live answer on a sliding-window model, handed over from pieces. The first
 /// piece is the state laid out right after the prefill, whenever it is asked for; each
 /// later one the cells written since; joined, they are the prefill node's cache cell for
 /// cell (the window's cells that fell out of attention still in their places), so the

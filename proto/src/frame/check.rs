@@ -24,8 +24,8 @@ pub enum Check {
     Hmac([u8; 32]),
     /// A private link: TLS 1.3 has authenticated every byte of the connection with its
     /// AEAD under keys only the two holders of the secret have, so a digest of ours over
-    /// the same bytes would check nothing more and cost a pass of SHA-256 on each side
-    /// (issue 16). The trailer is kept (32 zero bytes, checked) so that the frame layout
+    /// the same bytes would check nothing more and cost a pass of SHA-256 on each side.
+    /// The trailer is kept (32 zero bytes, checked) so that the frame layout
     /// does not depend on the link.
     Sealed,
 }

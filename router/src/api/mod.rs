@@ -37,7 +37,7 @@ pub enum Transport {
     V1,
     /// No handoff: prefill and decode both on the prefill node (the single-device baseline).
     Local,
-    /// No handoff, on a prefill node with a layer split (`--rpc-peer`, issue 17): the
+    /// No handoff, on a prefill node with a layer split (`--rpc-peer`): the
     /// model's last layers computed on the peer for every token. Refused (400) when the
     /// prefill node serves no split.
     Layers,

@@ -1,4 +1,4 @@
-//! The cost model (issue 39): for one request, how long each mode is expected to take to the
+//! The cost model: for one request, how long each mode is expected to take to the
 //! end of its answer and how long it keeps the laptop (the prefill node) busy, from the
 //! rates the router measured and the work each node has queued; and the choice among the
 //! modes under the user's objective.
@@ -380,7 +380,7 @@ mod tests {
         let c = pick(&m, r.clone(), Objective::Balanced);
         assert_eq!(c.mode, Route::Phone, "{}", c.reason);
         // Three answers on the phone, each a long prefill still ahead (30 s of its time):
-        // three answers, as before, but now seen as the phone's next 90 s.
+        // three answers, seen as the phone's next 90 s.
         r.backlog.phone = vec![30_000.0; 3];
         let c = pick(&m, r.clone(), Objective::Balanced);
         assert_eq!(c.mode, Route::Local, "{}", c.reason);

@@ -8,8 +8,8 @@
 //! work left ([`Queue::advance`]). A new answer of work `s` then ends after
 //! `s + sum(min(left_i, s))` (`cost::finish_ms`): an answer with less left than it ends first
 //! and delays it by what it has left; one with more shares the node with it throughout.
-//! Counting answers alone, as before, saw a phone filling up with long prefills as a phone
-//! with a few answers (issue 39, slow-wifi at 8 clients).
+//! Counting answers alone would see a phone filling up with long prefills as a phone
+//! with a few answers (measured: slow-wifi at 8 clients).
 //!
 //! Approximate: the expectation is set when the answer starts (from an estimate of its
 //! prompt's tokens and its `max_tokens`) and corrected once its prefill is done

@@ -384,8 +384,8 @@ impl Backend {
     /// of the last `Info` answered, and stands only if this request's own `Info` agrees;
     /// if that `Info` fails or names another address or budget, the early prefill is
     /// dropped (which cancels it) and the request goes on as it would without it. So a
-    /// split request no longer waits one round trip of the link before its prefill, and
-    /// decides exactly as before.
+    /// split request does not wait one round trip of the link before its prefill, and
+    /// decides as it would after that round trip.
     ///
     /// First, when the request continues a conversation the decode node holds, the decode
     /// node may prefill the new part itself ([`Backend::continue_on_decode_node`]); when it

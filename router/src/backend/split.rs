@@ -243,7 +243,7 @@ impl SplitAnswer {
     /// the decode node holds all of it (`Kept`), a `Generate` of no tokens takes it into
     /// the decode node's cache, and the conversation is remembered there, so that its
     /// next turn goes on there with nothing crossing. In the background, after the
-    /// client's answer ended; a turn that comes first is split as before.
+    /// client's answer ended; a turn that comes first is split whole.
     fn keep_on_decode_node(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) {
         let Some(mut transcript) = self.transcript.take() else {
             return;

@@ -98,7 +98,7 @@ async function refreshStatus() {
   const prows = nodeRows(s.prefill);
   const ls = s.prefill.up && s.prefill.layer_split;
   if (ls) {
-    // The layer split (issue 17): where the layers run and what each token cost the link.
+    // The layer split: where the layers run and what each token cost the link.
     prows.push(['layer split', ls.state === 'split'
       ? ls.layers_here + ' layers here, last ' + ls.peer_layers + ' + output on ' + ls.peer
       : 'peer ' + ls.peer + ' lost: every layer here']);

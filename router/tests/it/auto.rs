@@ -1,4 +1,4 @@
-//! `transport: "auto"` (issue 39): the router chooses the mode per request from the rates it
+//! `transport: "auto"`: the router chooses the mode per request from the rates it
 //! measured; whatever it chooses, the answer is the one-device answer, and the answer says
 //! which mode, why, and what was predicted.
 
@@ -104,6 +104,7 @@ async fn auto_chooses_from_what_it_measured_and_answers_as_one_device() {
 async fn a_fresh_router_chooses_from_figures_from_its_first_request() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
     opts.probes = true;
+    opts.warmup = true;
     let s = common::start(opts);
     let mut plain = body(Value::Null);
     plain.as_object_mut().unwrap().remove("edgesplit");

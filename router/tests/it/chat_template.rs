@@ -1,4 +1,4 @@
-//! Issue 22: a chat request becomes the prompt a stock llama-server builds from the same
+//! A chat request becomes the prompt a stock llama-server builds from the same
 //! GGUF. Our engine renders the GGUF's Jinja template (minijinja, `engine/src/template.rs`);
 //! the stock server renders it with its own Jinja engine. For each conversation below the
 //! stock server's `/apply-template` then `/tokenize` (with the special tokens it adds, as a
@@ -367,7 +367,7 @@ fn chat_of(messages: &Value, tools: &Value) -> edgesplit_engine::Chat {
     edgesplit_engine::Chat { messages, tools }
 }
 
-/// Issue 18: conversations with tools, calls and tools' answers through
+/// Conversations with tools, calls and tools' answers through
 /// `templates/chatml-tools.jinja` give the tokens a stock llama-server (`--jinja`) gives
 /// from the same file and request: the tools listed as its Jinja engine writes them (keys
 /// in the client's order), each call's arguments as an object, the tools' answers.

@@ -26,6 +26,54 @@ impl Drop for Driver {
     }
 }
 
+/// Starts chromedriver on a port it picks itself (port 0: none picked by us, freed, and
+/// raced for by other tests) and returns it with that port. A chromedriver that exits
+/// before it reports its port (seen once on a loaded machine, whatever the cause: the
+/// browser is not what is tested here) is started again, at most three times; each such
+/// exit is printed with its status and error output.
+fn start_chromedriver() -> (Driver, u16) {
+    use std::io::{BufRead, Read};
+    let mut failures = Vec::new();
+    for _ in 0..3 {
+        let mut child = Command::new(CHROMEDRIVER)
+            .arg("--port=0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("chromedriver starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut stderr = child.stderr.take().unwrap();
+        // Drained in the background so that it never blocks on a full pipe.
+        let errors = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let port = lines.by_ref().map_while(Result::ok).find_map(|l| {
+            l.strip_prefix("ChromeDriver was started successfully on port ")?
+                .trim_end_matches('.')
+                .parse::<u16>()
+                .ok()
+        });
+        if let Some(port) = port {
+            std::thread::spawn(move || lines.for_each(drop));
+            return (Driver(child), port);
+        }
+        let status = child.wait().unwrap();
+        let failure = format!(
+            "chromedriver ended ({status}) before its port: {}",
+            errors.join().unwrap()
+        );
+        eprintln!("{failure}");
+        failures.push(failure);
+    }
+    panic!(
+        "chromedriver never reported its port:\n{}",
+        failures.join("\n")
+    );
+}
+
 async fn start_browser() -> (Driver, Client) {
     for p in [CHROMIUM, CHROMEDRIVER] {
         assert!(
@@ -33,33 +81,7 @@ async fn start_browser() -> (Driver, Client) {
             "{p} missing: scripts/test.sh installs Debian's chromium and chromium-driver"
         );
     }
-    // Port 0: chromedriver binds a free port itself and prints it (no port picked by us,
-    // freed, and raced for by other tests).
-    let mut child = Command::new(CHROMEDRIVER)
-        .arg("--port=0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("chromedriver starts");
-    let stdout = child.stdout.take().unwrap();
-    let driver = Driver(child);
-    let port: u16 = {
-        use std::io::BufRead;
-        let mut lines = std::io::BufReader::new(stdout).lines();
-        let port = lines
-            .by_ref()
-            .map_while(Result::ok)
-            .find_map(|l| {
-                l.strip_prefix("ChromeDriver was started successfully on port ")?
-                    .trim_end_matches('.')
-                    .parse()
-                    .ok()
-            })
-            .expect("chromedriver reports its port");
-        // Keep draining its output so that it never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
-        port
-    };
+    let (driver, port) = start_chromedriver();
     let profile = std::env::temp_dir().join(format!("edgesplit-chromium-{}", std::process::id()));
     let mut caps = serde_json::Map::new();
     caps.insert(

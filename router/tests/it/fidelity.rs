@@ -10,7 +10,7 @@ use crate::common::{run, smollm2, Outcome};
 use serde_json::{json, Value};
 
 /// The seeded one asks for log-probabilities too: every identity check then also holds
-/// them identical across transports, streamed or not (issue 18).
+/// them identical across transports, streamed or not.
 fn samplings() -> [Value; 2] {
     [
         json!({"temperature": 0, "max_tokens": 24}),

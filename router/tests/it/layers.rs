@@ -1,4 +1,4 @@
-//! Issue 17, the layer split, with the real binaries on loopback: a decode node serving
+//! The layer split, with the real binaries on loopback: a decode node serving
 //! ggml's RPC behind `--rpc-listen` (its child `edgesplit-rpc` on loopback), a prefill
 //! node computing the model's last layers there (`--rpc-peer`, `--rpc-layers`), and a
 //! router serving it (`layers`). Its answers are the one-device answers; the RPC port

@@ -1,4 +1,4 @@
-//! The live handoff (issue 13) on the real services, through a throttled link between
+//! The live handoff on the real services, through a throttled link between
 //! the nodes: the prefill node keeps writing while the state crosses and the decode node
 //! takes over mid-answer, token for token the `local` answer (greedy, and seeded with a
 //! frequency penalty: the decode node continues at the right step with the right history);

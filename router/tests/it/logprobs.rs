@@ -1,4 +1,4 @@
-//! Issue 18: log-probabilities in OpenAI's shapes. Each token's log-probability is the log
+//! Log-probabilities in OpenAI's shapes. Each token's log-probability is the log
 //! of its softmax probability over the raw logits (before any sampler, as llama-server
 //! reports by default), with the most likely alternatives; the node that sampled the token
 //! computes it, so a split answer's values are the one-device answer's, bit for bit. The

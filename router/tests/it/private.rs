@@ -1,4 +1,4 @@
-//! Private links on the real services (issue 16): with a shared secret, what crosses
+//! Private links on the real services: with a shared secret, what crosses
 //! between the devices - the router's gRPC calls to both nodes, V2 handoffs, V1 uploads -
 //! is TLS keyed by the secret. A recording proxy on every channel sees no prompt text, no
 //! answer text and no run of the KV state, where the same exchange without a secret shows

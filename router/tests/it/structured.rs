@@ -1,4 +1,4 @@
-//! Issue 18: structured output. `response_format` `json_schema` (and `json_object`) becomes
+//! Structured output. `response_format` `json_schema` (and `json_object`) becomes
 //! a grammar (llama.cpp's own JSON Schema converter, as llama-server uses) that the answer
 //! is sampled within; the grammar's state is not exported with the KV state but rebuilt on
 //! each node from the answer's tokens, so a split answer is the one-device answer. Each

@@ -1,4 +1,4 @@
-//! Issue 18: tool calls. The tools reach the model through its chat template (SmolLM2's own
+//! Tool calls. The tools reach the model through its chat template (SmolLM2's own
 //! takes none: these stacks give both nodes `templates/chatml-tools.jinja`, a ChatML
 //! template in the Hermes format, as a user of such a model would), the model writes its
 //! calls as `<tool_call>` JSON, and the router returns them as OpenAI's `tool_calls`.

@@ -111,6 +111,11 @@ pub struct StackOptions {
     /// test asks, so that a test's own requests are the only work on the nodes and the
     /// router measures only what they measure (the product's default is on: `auto.rs`).
     pub probes: bool,
+    /// The nodes' warm-up before they report ready: off unless a test asks. It changes
+    /// no answer and no state (`engine/tests/it/warmup.rs`), only the first request's
+    /// speed, which matters to the tests of the router's choice; it costs ~0.5 s per
+    /// engine start here.
+    pub warmup: bool,
 }
 
 impl StackOptions {
@@ -152,6 +157,7 @@ impl StackOptions {
             prefill_threads: None,
             decode_threads: None,
             probes: false,
+            warmup: false,
         }
     }
 }
@@ -262,6 +268,7 @@ async fn serve(opts: StackOptions) -> Stack {
         cache_type_k: opts.cache_type,
         cache_type_v: opts.cache_type,
         chat_template_file: opts.chat_template_file.clone(),
+        no_warmup: !opts.warmup,
         ..edgesplit_engine::EngineArgs::new(opts.model.clone())
     };
     let dcfg = edgesplit_decode::Config {
