@@ -26,7 +26,9 @@ if [[ ! -s "$SECRET_FILE" ]]; then
 fi
 export EDGESPLIT_SECRET_FILE="$SECRET_FILE"
 
-IP="$(ip -4 addr show wlan0 2>/dev/null | awk '/inet /{print $2}' | cut -d/ -f1 || true)"
+# The address the laptop reaches this device at: PHONE_IP, else the Wi-Fi interface's
+# (Android refuses `ip` to some apps; then give PHONE_IP).
+IP="${PHONE_IP:-$(ip -4 addr show wlan0 2>/dev/null | awk '/inet /{print $2}' | cut -d/ -f1 || true)}"
 if ((DRY)); then
     BUDGET="<from the plan>"
     echo "+ $BIN --model $MODEL --parallel $PARALLEL --plan"

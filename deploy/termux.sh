@@ -1,48 +1,45 @@
 #!/usr/bin/env bash
-# Phone side (Android, Termux), native: builds the decode node with Termux's own Rust,
-# clang and protoc, and serves it.
-#   bash deploy/termux.sh [--dry-run] MODEL.gguf [N_CTX]
-# Two things stop a plain `cargo build` in Termux, where Rust's host and target are both
-# aarch64-linux-android (issue 20): the vendored protoc has no Android binary (so PROTOC
-# points at Termux's `protobuf` package; proto/build.rs honours it), and llama-cpp-sys-2's
-# build script wants an Android NDK for any Android target (so a copy of the crate, patched
-# by patches/llama-cpp-sys-2-android-native.patch to build natively when host and target
-# are the same, replaces it for this build only, through cargo's --config patch).
-# --dry-run prints every command instead of running it (the test suite checks it). If the
-# native build fails on your phone, deploy/termux-proot.sh builds inside Debian instead.
+# Phone side (Android, Termux): serves the phone's decode node, the one static aarch64
+# file scripts/build-phone.sh builds on the laptop, with this device's memory plan. Nothing
+# is built or installed on the phone: the file needs no library, not even Termux's.
+#   bash termux.sh [--dry-run] MODEL.gguf [N_CTX]
+# The file is EDGESPLIT_DECODE, else `edgesplit-decode` beside this script (copy the file,
+# this script and serve-decode.sh into one folder of Termux's home), else
+# target-phone/edgesplit-decode in a clone of the repository. --dry-run prints every
+# command instead of running it (the test suite checks it).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
-MODEL="${1:?usage: deploy/termux.sh [--dry-run] MODEL.gguf [N_CTX]}"
+MODEL="${1:?usage: termux.sh [--dry-run] MODEL.gguf [N_CTX]}"
 N_CTX="${2:-4096}"
 run() {
     if ((DRY)); then echo "+ $*"; else "$@"; fi
 }
 
-# Toolchain and build tools from Termux's own repository (no rustup needed).
-run pkg install -y rust clang cmake make python binutils protobuf patch
+BIN="${EDGESPLIT_DECODE:-}"
+if [[ -z "$BIN" ]]; then
+    for candidate in "$HERE/edgesplit-decode" "$HERE/../target-phone/edgesplit-decode"; do
+        if [[ -f "$candidate" ]]; then
+            BIN="$candidate"
+            break
+        fi
+    done
+fi
+if [[ -z "$BIN" ]]; then
+    if ((DRY)); then
+        BIN="$HERE/edgesplit-decode"
+    else
+        echo "[decode] no edgesplit-decode beside this script: build it on the laptop with scripts/build-phone.sh and copy target-phone/edgesplit-decode here (deploy/README.md)" >&2
+        exit 1
+    fi
+fi
+# Android's shared storage (/sdcard) does not keep the executable bit: a file copied from
+# there is made executable here.
+[[ -x "$BIN" ]] || run chmod +x "$BIN"
 # Keep the CPU awake while serving: Android suspends background processes otherwise.
 if command -v termux-wake-lock >/dev/null || ((DRY)); then run termux-wake-lock; fi
 
-cd "$ROOT"
-# The workspace's llama-cpp-sys-2 (vendor/, the pinned crate with patches/README.md's
-# patches), copied and patched once more for a native Android build; vendor/ stays as it is.
-VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)"
-PATCHED="$ROOT/target/phone/llama-cpp-sys-2-$VERSION"
-if [[ ! -f "$PATCHED/.edgesplit-patched" ]]; then
-    run rm -rf "$PATCHED"
-    run mkdir -p "$ROOT/target/phone"
-    run cp -r "$ROOT/vendor/llama-cpp-sys-2" "$PATCHED"
-    run patch -p1 -d "$PATCHED" -i "$ROOT/patches/llama-cpp-sys-2-android-native.patch"
-    run touch "$PATCHED/.edgesplit-patched"
-fi
-# No -C target-cpu=native (see ARCHITECTURE.md): ggml's defaults target ARMv8 NEON, which
-# every phone has.
-run env PROTOC="${PREFIX:-/data/data/com.termux/files/usr}/bin/protoc" \
-    cargo build --release -p edgesplit-decode \
-    --config "patch.crates-io.llama-cpp-sys-2.path=\"$PATCHED\""
-
 DRY_FLAG=()
 ((DRY)) && DRY_FLAG=(--dry-run)
-exec bash "$ROOT/deploy/serve-decode.sh" "${DRY_FLAG[@]}" "$ROOT/target/release/edgesplit-decode" "$MODEL" "$N_CTX"
+exec bash "$HERE/serve-decode.sh" "${DRY_FLAG[@]}" "$BIN" "$MODEL" "$N_CTX"

@@ -1,5 +1,5 @@
 //! Compiles `proto/edgesplit.proto`. The `protoc` is the one `PROTOC` names when it is set
-//! (Termux's `protobuf` package on a phone, where no vendored binary runs: issue 20), else
+//! (a system protoc, e.g. on a host for which no vendored binary exists), else
 //! the vendored one, so no system install is needed on Linux, macOS or Windows.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-env-changed=PROTOC");

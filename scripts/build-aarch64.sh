@@ -54,25 +54,9 @@ fi
 cd "$ROOT"
 
 # --- the build ---------------------------------------------------------------------------
-# In a copy of the workspace's sources (target-aarch64/src): cargo-web may rewrite that
-# copy's Cargo.lock, never the repository's, which a build for this machine may be reading
-# at the same time (scripts/test.sh runs both at once). tar keeps the files' times, so an
-# unchanged file is not rebuilt.
 SRC="$OUT/src"
-mkdir -p "$SRC"
-if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-    git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
-        tar -C "$ROOT" --null -T - -cf - | tar -C "$SRC" -xf -
-    # A file gone from the repository goes from the copy too: a module moved into a
-    # folder (frame.rs -> frame/mod.rs) would otherwise be found twice.
-    comm -13 <(git -C "$ROOT" ls-files --cached --others --exclude-standard | LC_ALL=C sort) \
-        <(cd "$SRC" && find . -type f | sed 's#^\./##' | LC_ALL=C sort) |
-        (cd "$SRC" && xargs -r -d '\n' rm -f --)
-else
-    tar -C "$ROOT" --exclude=./target --exclude=./target-aarch64 --exclude=./.build \
-        --exclude=./models -cf - . | tar -C "$SRC" -xf -
-fi
-rm -f "$OUT/Cargo.lock.orig" # the repository's lock, put back by an earlier version of this script
+bash scripts/copy-sources.sh "$SRC"
+
 packages=(-p edgesplit-decode --bins)
 if [[ "${1:-}" == "--measure" ]]; then
     packages+=(-p edgesplit-prefill -p edgesplit-engine --example score)

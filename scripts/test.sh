@@ -4,19 +4,19 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-# The phone build: the decode node cross-built for aarch64 (scripts/build-aarch64.sh), run
-# under qemu-aarch64 by router/tests/it/cross_arch.rs, which runs last. Its packages first
-# (no other apt run may race them), then the build in the background from the start, at the
-# lowest priority: it compiles while the models and the other packages download and in
-# what the x86 build and the tests leave idle, and takes nothing from them (a test that
-# waits on a model under load times out).
+# The phone build: the decode node as one static aarch64 file (scripts/build-phone.sh), run
+# under qemu-aarch64 in an empty root by router/tests/it/cross_arch.rs, which runs last. Its
+# packages first (no other apt run may race them), then the build in the background from
+# the start, at the lowest priority: it compiles while the models and the other packages
+# download and in what the x86 build and the tests leave idle, and takes nothing from them
+# (a test that waits on a model under load times out).
 mkdir -p .build
-A64_LOG="$ROOT/.build/build-aarch64.log"
-echo "[test] the aarch64 build's packages (scripts/build-aarch64.sh --packages)" >&2
-bash scripts/build-aarch64.sh --packages
-echo "[test] the aarch64 decode node (scripts/build-aarch64.sh), in the background" >&2
-nice -n 19 bash scripts/build-aarch64.sh >"$A64_LOG" 2>&1 &
-A64_PID=$!
+PHONE_LOG="$ROOT/.build/build-phone.log"
+echo "[test] the phone build's packages (scripts/build-phone.sh --packages)" >&2
+bash scripts/build-phone.sh --packages
+echo "[test] the phone's decode node (scripts/build-phone.sh), in the background" >&2
+nice -n 19 bash scripts/build-phone.sh >"$PHONE_LOG" 2>&1 &
+PHONE_PID=$!
 bash scripts/setup.sh --gemma
 # The stock llama-server that the bench and the interoperability tests compare against:
 # built here, once, so that no test waits on (or races) its build. In the background: its
@@ -27,18 +27,34 @@ echo "[test] stock llama.cpp (scripts/stock-llama.sh), in the background" >&2
 bash scripts/stock-llama.sh >"$STOCK_LOG" 2>&1 &
 STOCK_PID=$!
 # Test-only packages: shellcheck, Debian's Chromium + ChromeDriver for the dashboard's
-# browser test (router/tests/it/dashboard.rs), and protoc for the phone build's check.
+# browser test (router/tests/it/dashboard.rs).
 missing=()
 command -v shellcheck >/dev/null || missing+=(shellcheck)
 [[ -x /usr/bin/chromium ]] || missing+=(chromium)
 [[ -x /usr/bin/chromedriver ]] || missing+=(chromium-driver)
-command -v protoc >/dev/null || missing+=(protobuf-compiler) # scripts/check-phone.sh
+SUDO=""
+[[ $(id -u) -ne 0 ]] && SUDO="sudo"
 if ((${#missing[@]})); then
     echo "[test] installing: ${missing[*]}" >&2
-    SUDO=""
-    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# A static qemu-aarch64 for the phone's empty root (router/tests/it/cross_arch.rs): the
+# package's files unpacked into .build/qemu-static, not installed (installing it would
+# replace qemu-user-binfmt's registrations on this machine).
+QEMU_STATIC="$ROOT/.build/qemu-static/usr/bin/qemu-aarch64-static"
+if [[ ! -x "$QEMU_STATIC" ]]; then
+    echo "[test] qemu-user-static (unpacked into .build/qemu-static)" >&2
+    rm -rf .build/qemu-deb && mkdir -p .build/qemu-deb
+    (
+        cd .build/qemu-deb
+        if ! apt-get download -qq qemu-user-static 2>/dev/null; then
+            $SUDO apt-get update -qq
+            apt-get download -qq qemu-user-static
+        fi
+    )
+    dpkg-deb -x .build/qemu-deb/qemu-user-static_*.deb .build/qemu-static
+    rm -rf .build/qemu-deb
 fi
 echo "[test] shellcheck" >&2
 shellcheck -x scripts/*.sh deploy/*.sh bench/*.sh .ci/run
@@ -75,12 +91,12 @@ if ! wait "$STOCK_PID"; then
 fi
 # Everything but the test that needs the aarch64 build, which goes on meanwhile.
 cargo test --release --workspace -- --skip cross_arch::
-echo "[test] waiting for the aarch64 build" >&2
-if ! wait "$A64_PID"; then
-    echo "[test] the aarch64 build failed; the end of its log ($A64_LOG):" >&2
-    tail -n 40 "$A64_LOG" >&2
+echo "[test] waiting for the phone build" >&2
+if ! wait "$PHONE_PID"; then
+    echo "[test] the phone build failed; the end of its log ($PHONE_LOG):" >&2
+    tail -n 40 "$PHONE_LOG" >&2
     exit 1
 fi
-echo "[test] the aarch64 decode node under qemu (router/tests/it/cross_arch.rs)" >&2
+echo "[test] the static aarch64 decode node under qemu in an empty root (router/tests/it/cross_arch.rs)" >&2
 # --workspace: the same features as the build above (a -p build would compile again).
 cargo test --release --workspace --test it -- cross_arch::

@@ -1,7 +1,10 @@
-//! Across architectures, with real binaries: an x86 router and prefill node and the phone
-//! build of the decode node (aarch64, `scripts/build-aarch64.sh`, which `scripts/test.sh`
-//! runs) under `qemu-aarch64`. Greedy answers over the V2 handoff, live and after, complete
-//! with the decode node writing the answer after the switch; both nodes report their
+//! Across architectures, with real binaries: an x86 router and prefill node and the phone's
+//! decode node, the one static aarch64 file `scripts/build-phone.sh` builds (which
+//! `scripts/test.sh` runs), under `qemu-aarch64` in an empty root: a directory holding only
+//! qemu, that file and the model, as a phone's would hold nothing of this machine's (no
+//! `/etc`, no `/lib`, no `/proc`, no `/tmp`). Over a private link: greedy answers over the
+//! V2 handoff, live and after, and V1, with the decode node writing the answer after the
+//! switch; a conversation continued on it; the phone alone; both nodes report their
 //! architecture (PROTOCOL.md, "Compatibility": the architecture may differ, the build may
 //! not); and a pair whose states do not match (another KV cache type) is refused in the
 //! handshake with a reason naming both values. Speed under emulation is not a phone's
@@ -10,28 +13,92 @@
 use crate::common;
 use crate::processes::{start_three_with, ThreeOptions, ONE_AT_A_TIME};
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use serde_json::json;
+use serde_json::{json, Value};
 
-/// The aarch64 decode node under qemu-user (without `-L`: qemu finds the multiarch loader
-/// and libraries the build script installs).
-fn aarch64_decode() -> Vec<PathBuf> {
-    let bin = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target-aarch64/aarch64-unknown-linux-gnu/release/edgesplit-decode");
-    assert!(
-        bin.is_file(),
-        "{} missing: scripts/test.sh builds it (scripts/build-aarch64.sh)",
-        bin.display()
-    );
-    vec![PathBuf::from("qemu-aarch64"), bin]
+/// The empty root's files: the static decode node, the static qemu-user that runs it, the
+/// model. Hard links where the file systems allow, else copies.
+struct EmptyRoot {
+    dir: PathBuf,
+}
+
+impl EmptyRoot {
+    fn new(tag: &str) -> Self {
+        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let decode = repo.join("target-phone/edgesplit-decode");
+        let qemu = repo.join(".build/qemu-static/usr/bin/qemu-aarch64-static");
+        for (file, by) in [
+            (&decode, "scripts/build-phone.sh"),
+            (&qemu, "scripts/test.sh (qemu-user-static)"),
+        ] {
+            assert!(file.is_file(), "{} missing: {by} makes it", file.display());
+        }
+        let dir = std::env::temp_dir().join(format!("edgesplit-root-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (from, name) in [
+            (decode.as_path(), "edgesplit-decode"),
+            (qemu.as_path(), "qemu-aarch64"),
+            (common::model(common::SMOLLM2).as_path(), common::SMOLLM2),
+        ] {
+            place(from, &dir.join(name));
+        }
+        let entries = std::fs::read_dir(&dir).unwrap().count();
+        assert_eq!(entries, 3, "the root holds the three files only");
+        EmptyRoot { dir }
+    }
+
+    /// The decode node's program: qemu in the root, entered with `unshare --root` (as
+    /// root; otherwise in a user namespace of its own, which may enter a root).
+    fn program(&self) -> Vec<PathBuf> {
+        let mut p: Vec<PathBuf> = vec!["unshare".into()];
+        // SAFETY: geteuid reads the process's effective user id; it cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            p.extend(["--user".into(), "--map-root-user".into()]);
+        }
+        let mut root = std::ffi::OsString::from("--root=");
+        root.push(&self.dir);
+        p.extend([
+            root.into(),
+            "/qemu-aarch64".into(),
+            "/edgesplit-decode".into(),
+        ]);
+        p
+    }
+}
+
+impl Drop for EmptyRoot {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn place(from: &Path, to: &Path) {
+    if std::fs::hard_link(from, to).is_err() {
+        std::fs::copy(from, to).unwrap();
+    }
+}
+
+/// The model's path inside the root.
+const MODEL: &str = "/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+const SECRET: &str = "the cross-architecture test's shared secret, 32 bytes or more";
+
+async fn ask(router: &str, body: &Value) -> Value {
+    let (st, _, v) = common::post(&format!("{router}/v1/chat/completions"), body).await;
+    assert_eq!(st, 200, "{body}: {v}");
+    v
 }
 
 #[tokio::test]
-async fn an_aarch64_decode_node_writes_split_answers() {
+async fn the_static_aarch64_decode_node_serves_from_an_empty_root() {
+    assert_eq!(MODEL, format!("/{}", common::SMOLLM2));
     let _one = ONE_AT_A_TIME.lock().await;
+    let root = EmptyRoot::new("serves");
     let t = start_three_with(ThreeOptions {
-        decode_program: Some(aarch64_decode()),
+        decode_program: Some(root.program()),
+        decode_extra: &["--model", MODEL],
         // A live answer writes a token per snapshot its handoff takes, so that the
         // switch comes before the answer's end however slow the emulated decode node is.
         prefill_extra: &["--test-pace-live"],
@@ -39,6 +106,7 @@ async fn an_aarch64_decode_node_writes_split_answers() {
         // decode node while the first answer waits for its steps there: under qemu that
         // takes longer than the router's token bound. The answers are what is tested.
         router_extra: &["--no-probes"],
+        secret: Some(SECRET),
         ..ThreeOptions::new("cross-arch")
     })
     .await;
@@ -53,33 +121,89 @@ async fn an_aarch64_decode_node_writes_split_answers() {
     );
     // Another architecture, the same build.
     assert_eq!(h["prefill"]["build_id"], h["decode"]["build_id"], "{h}");
-    let url = format!("{}/v1/chat/completions", t.router);
-    for mode in ["live", "after"] {
+    // The private link: every service logs the same key fingerprint.
+    let key = |log: &str| {
+        let text = std::fs::read_to_string(t.dir.join(log)).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.contains("private links"))
+            .unwrap_or_else(|| panic!("{log}: no private link:\n{text}"))
+            .to_string();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        v["fields"]["key"].as_str().unwrap().to_string()
+    };
+    assert_eq!(key("decode.log"), key("prefill.log"));
+    assert_eq!(key("decode.log"), key("router.log"));
+
+    let story = json!([{"role": "user", "content": "Write a short story about a lighthouse."}]);
+    for (transport, mode) in [("v2", "live"), ("v2", "after"), ("v1", "after")] {
+        let what = format!("{transport} {mode}");
         let body = json!({
-            "messages": [{"role": "user", "content": "Write a short story about a lighthouse."}],
-            "max_tokens": 24, "temperature": 0,
-            "edgesplit": {"transport": "v2", "handoff": mode},
+            "messages": story, "max_tokens": 24, "temperature": 0,
+            "edgesplit": {"transport": transport, "handoff": mode},
         });
-        let (st, _, v) = common::post(&url, &body).await;
-        assert_eq!(st, 200, "{mode}: {v}");
+        let v = ask(&t.router, &body).await;
         let e = &v["edgesplit"];
         let n = v["usage"]["completion_tokens"].as_u64().unwrap();
-        assert_eq!(n, 24, "{mode}: {v}");
-        assert_eq!(e["handoff_mode"], mode, "{v}");
+        assert_eq!(n, 24, "{what}: {v}");
+        assert_eq!(e["transport"], transport, "{what}: {v}");
+        assert_eq!(e["handoff_mode"], mode, "{what}: {v}");
         common::assert_split(e, n);
-        assert!(e["decode_node_tokens"].as_u64().unwrap() > 0, "{v}");
-        assert_eq!(e["prefill_arch"], std::env::consts::ARCH, "{v}");
-        assert_eq!(e["decode_arch"], "aarch64", "{v}");
-        assert_eq!(e["same_numerics"], false, "{v}");
+        assert!(e["decode_node_tokens"].as_u64().unwrap() > 0, "{what}: {v}");
+        assert_eq!(e["prefill_arch"], std::env::consts::ARCH, "{what}: {v}");
+        assert_eq!(e["decode_arch"], "aarch64", "{what}: {v}");
+        assert_eq!(e["same_numerics"], false, "{what}: {v}");
     }
+
+    // A conversation goes on on the decode node that wrote its answer: only the new turn
+    // is prefilled, there, and nothing crosses.
+    let first = json!([{"role": "user", "content": "Name a large city of Asia."}]);
+    let body = |messages: &Value| {
+        json!({"messages": messages, "max_tokens": 12, "temperature": 0,
+               "edgesplit": {"transport": "v2", "handoff": "after"}})
+    };
+    let v = ask(&t.router, &body(&first)).await;
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let going_on = json!([
+        first[0],
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And one of Europe?"},
+    ]);
+    let v = ask(&t.router, &body(&going_on)).await;
+    let e = &v["edgesplit"];
+    assert_eq!(e["placement"], "decode_node", "{v}");
+    assert!(e["cached_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert!(e["handoff_bytes"].is_null(), "no state crossed: {v}");
+    common::assert_split(e, v["usage"]["completion_tokens"].as_u64().unwrap());
+
+    // The phone alone: it prefills the prompt itself and only tokens cross.
+    let v = ask(
+        &t.router,
+        &json!({"messages": story, "max_tokens": 8, "temperature": 0,
+                "edgesplit": {"transport": "phone"}}),
+    )
+    .await;
+    let e = &v["edgesplit"];
+    assert_eq!(e["transport"], "phone", "{v}");
+    assert_eq!(e["decode_arch"], "aarch64", "{v}");
+    assert_eq!(e["decode_node_tokens"], 8, "{v}");
+    assert!(e["fallback"].is_null(), "{v}");
 }
 
 #[tokio::test]
-async fn an_aarch64_decode_node_with_another_kv_type_is_refused() {
+async fn a_static_aarch64_decode_node_with_another_kv_type_is_refused() {
     let _one = ONE_AT_A_TIME.lock().await;
+    let root = EmptyRoot::new("refused");
     let t = start_three_with(ThreeOptions {
-        decode_program: Some(aarch64_decode()),
-        decode_extra: &["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"],
+        decode_program: Some(root.program()),
+        decode_extra: &[
+            "--model",
+            MODEL,
+            "--cache-type-k",
+            "q8_0",
+            "--cache-type-v",
+            "q8_0",
+        ],
         router_extra: &["--on-split-failure", "fail"],
         ..ThreeOptions::new("cross-arch-refused")
     })

@@ -74,6 +74,8 @@ pub(crate) struct ThreeOptions<'a> {
     /// The handoff path through a link shaped per connection (a held connection, a slow
     /// link).
     pub(crate) handoff_via: Option<fn() -> common::Shape>,
+    /// The three services' shared secret (`EDGESPLIT_SECRET`): private links.
+    pub(crate) secret: Option<&'a str>,
 }
 
 impl<'a> ThreeOptions<'a> {
@@ -85,6 +87,7 @@ impl<'a> ThreeOptions<'a> {
             prefill_extra: &[],
             router_extra: &[],
             handoff_via: None,
+            secret: None,
         }
     }
 }
@@ -119,6 +122,7 @@ pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Stack {
         prefill_extra: strings(o.prefill_extra),
         router_extra: strings(o.router_extra),
         handoff_shape: o.handoff_via,
+        secret: o.secret.map(str::to_string),
         ..StackConfig::new(common::model(common::SMOLLM2), 1024, 0, dir)
     };
     Stack::start(&cfg, Profile::rate(0)).await.unwrap()
@@ -570,7 +574,7 @@ fn slow_link() -> common::Shape {
     common::Shape::rate(1_000_000)
 }
 
-/// The live handoff (issue 13) when the decode node's process is killed after the prompt's
+/// The live handoff when the decode node's process is killed after the prompt's
 /// state crossed and before the switch (the next piece on its way): the handoff fails, is
 /// cancelled, and the answer goes on on the prefill node, token for token the one-device
 /// answer. Nothing falls back: the client's answer never left the prefill node.
