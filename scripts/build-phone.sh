@@ -58,6 +58,7 @@ fi
 [[ "${1:-}" == "--packages" ]] && exit 0
 
 # --- the toolchain's settings --------------------------------------------------------------
+cd "$ROOT"
 ZIG_LIB="$("$ZIG_HOME/ziglang/zig" env | sed -n 's/^ *\.lib_dir = "\(.*\)",$/\1/p')"
 [[ "$ZIG_LIB" = /* ]] || ZIG_LIB="$PWD/$ZIG_LIB"
 WRAP="$ROOT/scripts/zig-aarch64-musl"
@@ -87,7 +88,6 @@ set(GGML_OPENMP OFF CACHE BOOL "" FORCE)
 set(LLAMA_OPENSSL OFF CACHE BOOL "" FORCE)
 EOF
 
-cd "$ROOT"
 bash scripts/copy-sources.sh "$OUT/src"
 log "building edgesplit-decode for $TARGET ($ARCH), fully static, into $OUT"
 cd "$OUT/src"
