@@ -68,7 +68,7 @@ pub struct AgreementArgs {
 }
 
 /// The prompts: short questions and text beginnings, then one past Gemma-3's window.
-fn prompts() -> Vec<String> {
+pub(crate) fn prompts() -> Vec<String> {
     let mut p: Vec<String> = [
         "Name three colours of the rainbow, then stop.",
         "Write a haiku about the sea.",

@@ -247,12 +247,12 @@ pub async fn run(args: &ChatArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
     v.sort_by(f64::total_cmp);
-    Some(crate::stats::percentile(&v, 50.0))
+    Some(crate::stats::percentile(&v, 0.5))
 }
 
 /// The per-turn table of each profile: medians over the rounds, and the targets.

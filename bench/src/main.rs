@@ -3,6 +3,7 @@
 //!   emulated link profile, and drives the router's public streaming API exactly as a
 //!   client does, beside a stock llama.cpp `llama-server` baseline in the same run.
 //! - `agreement`: how far answers agree across architectures (x86 here, aarch64 under qemu).
+//! - `phone-builds`: the phone's static file against the glibc aarch64 build, under qemu.
 //! - `engine`: our engine's pp/tg speed, to compare with a stock llama-bench
 //!   (`bench/stock-llama-bench.sh`) on the same model and threads.
 //! - `handoff`: where a handoff's time goes, beside the original EdgeSplit's V1 path.
@@ -34,6 +35,7 @@ mod handoff_bench;
 mod kv_quality;
 mod layers_bench;
 mod load;
+mod phone_builds;
 mod power;
 mod record;
 mod report;
@@ -76,6 +78,9 @@ enum Cli {
     /// How far answers and next-token distributions agree across architectures: x86 here,
     /// the aarch64 build under qemu. Not a speed figure.
     Agreement(agreement::AgreementArgs),
+    /// The phone's static file against the glibc aarch64 build, both under qemu: answers
+    /// compared, prefill and decode speeds as ratios.
+    PhoneBuilds(phone_builds::PhoneBuildsArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -228,6 +233,7 @@ async fn main() -> anyhow::Result<()> {
         Cli::Chat(args) => chat_bench::run(&args).await,
         Cli::Layers(args) => layers_bench::run(&args).await,
         Cli::Agreement(args) => agreement::run(&args).await,
+        Cli::PhoneBuilds(args) => phone_builds::run(&args).await,
         Cli::Throughput(args) => throughput::run(&args).await,
     }
 }

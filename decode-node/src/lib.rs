@@ -282,13 +282,14 @@ impl pb::decode_server::Decode for DecodeService {
 /// The model cannot be read or loaded.
 pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
     let model_bytes = std::fs::metadata(&config.engine.model)?.len();
-    // A small context: only the model's metadata matters here.
-    let mut ecfg = config.engine();
-    ecfg.n_ctx = 256;
-    let engine = Engine::start(ecfg).await?;
-    let info = engine.info();
     let avail = edgesplit_engine::mem_available_bytes()
         .ok_or_else(|| anyhow::anyhow!("MemAvailable is not readable from /proc/meminfo"))?;
+    // A small context and no warm-up: only the model's metadata matters here.
+    let mut ecfg = config.engine();
+    ecfg.n_ctx = 256;
+    ecfg.warmup = false;
+    let engine = Engine::start(ecfg).await?;
+    let info = engine.info();
     let p = edgesplit_engine::MemoryPlan::new(avail, model_bytes, info.kv_bytes_per_token);
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(

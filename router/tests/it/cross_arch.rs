@@ -6,9 +6,10 @@
 //! V2 handoff, live and after, and V1, with the decode node writing the answer after the
 //! switch; a conversation continued on it; the phone alone; both nodes report their
 //! architecture (PROTOCOL.md, "Compatibility": the architecture may differ, the build may
-//! not); and a pair whose states do not match (another KV cache type) is refused in the
-//! handshake with a reason naming both values. Speed under emulation is not a phone's
-//! speed: nothing here is timed.
+//! not); a pair whose states do not match (another KV cache type) is refused in the
+//! handshake with a reason naming both values; and the file's memory plan reads
+//! `/proc/meminfo` where there is one and says so where there is none. Speed under
+//! emulation is not a phone's speed: nothing here is timed.
 
 use crate::common;
 use crate::processes::{start_three_with, ThreeOptions, ONE_AT_A_TIME};
@@ -23,11 +24,19 @@ struct EmptyRoot {
     dir: PathBuf,
 }
 
+/// The static file and the static qemu-user that runs it (an x86 program that needs no
+/// library either).
+fn phone_files() -> (PathBuf, PathBuf) {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    (
+        repo.join("target-phone/edgesplit-decode"),
+        repo.join(".build/qemu-static/usr/bin/qemu-aarch64-static"),
+    )
+}
+
 impl EmptyRoot {
     fn new(tag: &str) -> Self {
-        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let decode = repo.join("target-phone/edgesplit-decode");
-        let qemu = repo.join(".build/qemu-static/usr/bin/qemu-aarch64-static");
+        let (decode, qemu) = phone_files();
         for (file, by) in [
             (&decode, "scripts/build-phone.sh"),
             (&qemu, "scripts/test.sh (qemu-user-static)"),
@@ -219,4 +228,65 @@ async fn a_static_aarch64_decode_node_with_another_kv_type_is_refused() {
     let why = v["error"]["message"].as_str().unwrap();
     // Both values named: the aarch64 node's q8_0 (ggml type 8), the sender's f16 (1).
     assert!(why.contains("K=8 V=8") && why.contains("K=1 V=1"), "{v}");
+}
+
+/// The static file's memory plan (`--plan`, what `deploy/termux.sh` runs before it serves):
+/// it reads `/proc/meminfo` as on a phone (Android's root has `/proc`; the empty root above
+/// has not, and the plan then says so) and suggests the flags that fit. Run under qemu with
+/// this machine's root.
+#[tokio::test]
+async fn the_static_aarch64_decode_node_plans_its_memory() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Checks that the file and qemu are there, with what makes them.
+    let root = EmptyRoot::new("plan");
+    let (decode, qemu) = phone_files();
+    let run = |root: Option<&EmptyRoot>| {
+        let mut c = match root {
+            Some(r) => {
+                let p = r.program();
+                let mut c = tokio::process::Command::new(&p[0]);
+                c.args(&p[1..]).args(["--model", MODEL]);
+                c
+            }
+            None => {
+                let mut c = tokio::process::Command::new(&qemu);
+                c.arg(&decode)
+                    .arg("--model")
+                    .arg(common::model(common::SMOLLM2));
+                c
+            }
+        };
+        c.args(["--parallel", "2", "--plan"])
+            .env_remove("RUST_BACKTRACE")
+            .kill_on_drop(true);
+        c
+    };
+    let bound = std::time::Duration::from_secs(300);
+    let out = tokio::time::timeout(bound, run(None).output())
+        .await
+        .expect("the plan is printed within the bound")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("(MemAvailable, not total RAM)"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("suggested        --parallel 2 --n-ctx ")
+                && l.contains("--kv-budget-bytes")),
+        "{text}"
+    );
+    let out = tokio::time::timeout(bound, run(Some(&root)).output())
+        .await
+        .expect("the plan's refusal comes within the bound")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("MemAvailable is not readable from /proc/meminfo"),
+        "{err}"
+    );
 }
