@@ -88,7 +88,17 @@ pub(crate) fn read() -> Platform {
     // bindings version pins the commit.
     // SAFETY: a static string.
     let version = unsafe { text(sys::ggml_version()) };
-    describe(&version, &backends())
+    let mut platform = describe(&version, &backends());
+    // The C toolchain, where a build script names one other than the platform's usual
+    // (scripts/build-phone.sh: Zig's clang and musl): another compiler and libm round some
+    // sums otherwise, so the same kernels built by another toolchain are not counted as
+    // computing alike (measured: docs/BENCHMARKS.md, "The phone's static file").
+    if let Some(toolchain) = option_env!("EDGESPLIT_TOOLCHAIN") {
+        platform
+            .kernels
+            .push_str(&format!("; built by {toolchain}"));
+    }
+    platform
 }
 
 /// The platform from what ggml reports (apart, for tests).
