@@ -35,17 +35,9 @@ if ! dpkg --print-foreign-architectures | grep -qx arm64; then
     $SUDO dpkg --add-architecture arm64
     $SUDO apt-get update -qq
 fi
-want=(rustc-web cargo-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
-    qemu-user libgomp1:arm64 libstdc++6:arm64 protobuf-compiler cmake clang libclang-dev patch)
-missing=()
-for p in "${want[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    log "installing: ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+bash "$ROOT/scripts/apt-install.sh" rustc-web cargo-web libstd-rust-web-dev:arm64 \
+    gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user libgomp1:arm64 libstdc++6:arm64 \
+    protobuf-compiler cmake clang libclang-dev patch
 
 # `--packages`: only the above (scripts/test.sh installs them before it starts the build in
 # the background, so that no apt run of its own races this one).

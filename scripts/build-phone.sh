@@ -35,20 +35,9 @@ ZIG_VERSION=0.17.1
 ZIG_HOME="$ROOT/.build/zig"
 log() { printf '\033[1;34m[phone]\033[0m %s\n' "$*" >&2; }
 
-SUDO=""
-[[ $(id -u) -ne 0 ]] && SUDO="sudo"
 # --- packages ----------------------------------------------------------------------------
-want=(rustc-web cargo-web rust-web-src cmake clang libclang-dev llvm patch
-    python3-pip)
-missing=()
-for p in "${want[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    log "installing: ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+bash "$ROOT/scripts/apt-install.sh" rustc-web cargo-web rust-web-src cmake clang libclang-dev \
+    llvm patch python3-pip
 if [[ ! -x "$ZIG_HOME/ziglang/zig" ]] || [[ "$("$ZIG_HOME/ziglang/zig" version)" != "$ZIG_VERSION" ]]; then
     log "installing zig $ZIG_VERSION (PyPI ziglang) into .build/zig"
     rm -rf "$ZIG_HOME"

@@ -97,19 +97,23 @@ fn loopback() -> Profile {
     Profile::named("loopback").expect("a named profile")
 }
 
-/// One answer's token ids.
-async fn answer(
+/// One answer through the router: `transport` (`v2` with the `after` handoff), its token
+/// ids asked for; the whole response, checked to be an answer that did not fall back.
+/// `cache_prompt: false` where a repeated prompt must be prefilled again.
+pub(crate) async fn request(
     http: &reqwest::Client,
     stack: &Stack,
     prompt: &str,
     max_tokens: u32,
     sampling: (f64, u64),
     transport: &str,
-) -> anyhow::Result<(Vec<i64>, u64)> {
+    cache_prompt: bool,
+) -> anyhow::Result<Value> {
     let mut body = json!({
         "max_tokens": max_tokens,
         "temperature": sampling.0,
         "seed": sampling.1,
+        "cache_prompt": cache_prompt,
         "edgesplit": {"transport": transport, "return_token_ids": true},
     });
     if transport == "v2" {
@@ -131,14 +135,34 @@ async fn answer(
         .await?;
     let e = &v["edgesplit"];
     anyhow::ensure!(e.is_object(), "no answer: {v}");
-    anyhow::ensure!(e["fallback"].is_null(), "the split fell back: {v}");
-    let ids = e["token_ids"]
+    anyhow::ensure!(e["fallback"].is_null(), "the answer fell back: {v}");
+    Ok(v)
+}
+
+/// An answer's token ids.
+pub(crate) fn token_ids(v: &Value) -> anyhow::Result<Vec<i64>> {
+    Ok(v["edgesplit"]["token_ids"]
         .as_array()
         .context("no token_ids")?
         .iter()
         .filter_map(Value::as_i64)
-        .collect();
-    Ok((ids, v["usage"]["prompt_tokens"].as_u64().unwrap_or(0)))
+        .collect())
+}
+
+/// One answer's token ids and its prompt's length.
+async fn answer(
+    http: &reqwest::Client,
+    stack: &Stack,
+    prompt: &str,
+    max_tokens: u32,
+    sampling: (f64, u64),
+    transport: &str,
+) -> anyhow::Result<(Vec<i64>, u64)> {
+    let v = request(http, stack, prompt, max_tokens, sampling, transport, true).await?;
+    Ok((
+        token_ids(&v)?,
+        v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+    ))
 }
 
 /// Share identical and the first differing indices of answer pairs.

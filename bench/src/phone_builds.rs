@@ -64,37 +64,13 @@ async fn ask(
     max_tokens: u32,
     sampling: (f64, u64),
 ) -> anyhow::Result<Answer> {
-    let mut body = json!({
-        "max_tokens": max_tokens, "temperature": sampling.0, "seed": sampling.1,
-        "cache_prompt": false,
-        "edgesplit": {"transport": "phone", "return_token_ids": true},
-    });
-    let path = if stack.chat {
-        body["messages"] = crate::client::chat_messages(prompt);
-        "chat/completions"
-    } else {
-        body["prompt"] = json!(prompt);
-        "completions"
-    };
-    let v: Value = http
-        .post(format!("{}/v1/{path}", stack.router))
-        .json(&body)
-        .send()
-        .await?
-        .json()
+    let v = crate::agreement::request(http, stack, prompt, max_tokens, sampling, "phone", false)
         .await?;
     let e = &v["edgesplit"];
-    anyhow::ensure!(e.is_object(), "no answer: {v}");
-    anyhow::ensure!(e["fallback"].is_null(), "the phone did not answer: {v}");
     let prompt_tokens = v["usage"]["prompt_tokens"].as_f64().context("usage")?;
     let prefill_ms = e["prefill_ms"].as_f64().context("prefill_ms")?;
     Ok(Answer {
-        ids: e["token_ids"]
-            .as_array()
-            .context("no token_ids")?
-            .iter()
-            .filter_map(Value::as_i64)
-            .collect(),
+        ids: crate::agreement::token_ids(&v)?,
         prefill_tps: prompt_tokens * 1000.0 / prefill_ms,
         decode_tps: e["decode_tokens_per_s"].as_f64().context("decode speed")?,
     })
