@@ -81,7 +81,8 @@ bash scripts/copy-sources.sh "$OUT/src"
 log "building edgesplit-decode for $TARGET ($ARCH), fully static, into $OUT"
 cd "$OUT/src"
 # rustc's own link arguments for a static musl file, less its bundled C runtime (zig
-# brings musl's, matching the headers llama.cpp was compiled against).
+# brings musl's, matching the headers llama.cpp was compiled against). No debug info: the
+# file is stripped, and compiling it would only lengthen the build.
 RUSTC=/usr/bin/rustc \
     RUSTC_BOOTSTRAP=1 \
     CC_aarch64_unknown_linux_musl="$TOOLS/cc" \
@@ -93,6 +94,7 @@ RUSTC=/usr/bin/rustc \
     BINDGEN_EXTRA_CLANG_ARGS_aarch64_unknown_linux_musl="-nostdlibinc -isystem $ZIG_LIB/libc/include/aarch64-linux-musl -isystem $ZIG_LIB/libc/include/generic-musl -isystem $ZIG_LIB/libc/include/any-linux-any" \
     GGML_CPU_ARM_ARCH="$ARCH" \
     EDGESPLIT_TOOLCHAIN="zig $ZIG_VERSION, musl" \
+    CARGO_PROFILE_RELEASE_DEBUG=false \
     /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" \
     -Zbuild-std=std,panic_abort -p edgesplit-decode --bins >&2
 DIR="$OUT/$TARGET/release"

@@ -12,6 +12,12 @@ use tokio::net::TcpListener;
 
 pub mod stock;
 
+/// `EDGESPLIT_FULL_SWEEP=1`: the long sweeps run in full (CI runs a reduced set, which each
+/// test states).
+pub fn full_sweep() -> bool {
+    std::env::var("EDGESPLIT_FULL_SWEEP").is_ok_and(|v| v == "1")
+}
+
 /// Where the models live (`scripts/fetch-models.sh` puts them there).
 pub fn model(file: &str) -> PathBuf {
     let dir = std::env::var("EDGESPLIT_MODELS_DIR").map_or_else(
