@@ -6,75 +6,15 @@
 //! seeded with `mix(seed, i)`. The colocated run and the disaggregated run follow this same
 //! rule, which is what makes them token-for-token identical with a fixed seed.
 
-use std::sync::Arc;
-
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::LlamaToken;
 
-/// Validated sampling parameters (ranges are checked by the router).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 = greedy.
-    pub temperature: f32,
-    /// 1 = off.
-    pub top_p: f32,
-    /// 0 = off.
-    pub top_k: i32,
-    /// 0 = off.
-    pub min_p: f32,
-    pub seed: u32,
-    /// 1 = off.
-    pub repeat_penalty: f32,
-    /// 0 = off.
-    pub presence_penalty: f32,
-    /// 0 = off.
-    pub frequency_penalty: f32,
-    /// How many recent tokens the penalties look at.
-    pub penalty_last_n: i32,
-    /// Log-probabilities to report per token: None = none; n = the sampled token's and
-    /// the n most likely (at most [`MAX_TOP_LOGPROBS`]).
-    pub logprobs: Option<u32>,
-    /// Structured output: the JSON Schema (text) the answer must follow.
-    pub json_schema: Option<Arc<str>>,
-    /// Forced tool calls: the answer is Hermes-format calls (`<tool_call>\n{json}\n</tool_call>`)
-    /// whose JSON follows this schema (text); one, or with `parallel_tool_calls` one or more.
-    pub tool_call_schema: Option<Arc<str>>,
-    pub parallel_tool_calls: bool,
-}
+pub use edgesplit_proto::sampling::SamplingParams;
 
 /// Most alternatives reported per token (OpenAI's `top_logprobs` limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            seed: 0,
-            repeat_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            penalty_last_n: 64,
-            logprobs: None,
-            json_schema: None,
-            tool_call_schema: None,
-            parallel_tool_calls: false,
-        }
-    }
-}
-
-impl SamplingParams {
-    fn penalties_active(&self) -> bool {
-        self.penalty_last_n > 0
-            && (self.repeat_penalty != 1.0
-                || self.presence_penalty != 0.0
-                || self.frequency_penalty != 0.0)
-    }
-}
 
 /// splitmix64 of (seed, step): independent, reproducible RNG seeds per step.
 #[must_use]

@@ -92,27 +92,6 @@ impl Engine {
     }
 }
 
-impl From<&pb::Sampling> for SamplingParams {
-    fn from(s: &pb::Sampling) -> Self {
-        SamplingParams {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: s.top_k,
-            min_p: s.min_p,
-            seed: s.seed,
-            repeat_penalty: s.repeat_penalty,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            penalty_last_n: s.penalty_last_n,
-            logprobs: s.logprobs,
-            json_schema: (!s.json_schema.is_empty()).then(|| s.json_schema.as_str().into()),
-            tool_call_schema: (!s.tool_call_schema.is_empty())
-                .then(|| s.tool_call_schema.as_str().into()),
-            parallel_tool_calls: s.parallel_tool_calls,
-        }
-    }
-}
-
 impl From<TokenLogprobs> for pb::TokenLogprobs {
     fn from(l: TokenLogprobs) -> Self {
         pb::TokenLogprobs {

@@ -4,6 +4,7 @@
 //! - [`frame`], [`codec`], [`handoff`]: the V2 KV handoff over raw TCP (see `PROTOCOL.md`).
 //! - [`error`]: the one error vocabulary ([`error::ErrorCode`]) every node and the router share.
 //! - [`layout`]: llama.cpp's raw sequence-state layout, read into tensor descriptors.
+//! - [`sampling`]: a request's sampling settings, one type from the router to the engine.
 
 pub mod auth;
 pub mod buffers;
@@ -14,6 +15,7 @@ pub mod handoff;
 pub mod layout;
 pub mod link;
 pub mod metrics;
+pub mod sampling;
 pub mod service;
 pub mod splice;
 pub mod v1;

@@ -828,7 +828,7 @@ mod tests {
         let failed = Arc::new(AtomicU32::new(u32::MAX));
         let mut b = answer(Endpoint::Chat, false, vec![]).measuring_length(meter(&failed));
         b.on_event(token("a"));
-        let e = crate::backend::Failure::upstream("timeout", "gone");
+        let e = crate::backend::Failure::upstream(crate::backend::RouterCode::Timeout, "gone");
         assert!(matches!(b.on_event(Event::Error(e)), Step::Failed(_)));
         assert_eq!(failed.load(Ordering::SeqCst), u32::MAX);
     }

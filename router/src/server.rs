@@ -435,7 +435,7 @@ impl From<Failure> for ApiError {
             message: f.message,
             kind,
             param: f.param,
-            code: f.code,
+            code: f.code.map(|c| c.as_str().to_string()),
             cause: f.cause,
             retry_after,
         }
@@ -445,6 +445,7 @@ impl From<Failure> for ApiError {
 #[cfg(test)]
 mod failure_tests {
     use super::*;
+    use crate::backend::RouterCode;
     use edgesplit_proto::error::ErrorCode;
 
     /// Each class keeps its status, and a failure's own constructors agree with the
@@ -457,11 +458,11 @@ mod failure_tests {
                 ApiError::invalid(Some("messages".into()), "m"),
             ),
             (
-                Failure::unavailable("decode_unavailable", "m"),
+                Failure::unavailable(RouterCode::DecodeUnavailable, "m"),
                 ApiError::unavailable("decode_unavailable", "m"),
             ),
             (
-                Failure::upstream("timeout", "m"),
+                Failure::upstream(RouterCode::Timeout, "m"),
                 ApiError::upstream("timeout", "m"),
             ),
             (Failure::internal("m"), ApiError::internal("m")),
@@ -483,7 +484,7 @@ mod failure_tests {
                 Some(ErrorCode::ContextLengthExceeded)
             )
         );
-        let e = ApiError::from(Failure::unavailable("decode_unavailable", "m"));
+        let e = ApiError::from(Failure::unavailable(RouterCode::DecodeUnavailable, "m"));
         assert_eq!(e.retry_after, Some(1));
     }
 }

@@ -170,46 +170,8 @@ impl Objective {
     }
 }
 
-/// Sampling options after range checks.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampling {
-    pub temperature: f32,
-    pub top_p: f32,
-    pub top_k: i32,
-    pub min_p: f32,
-    pub seed: u32,
-    pub repeat_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Log-probabilities per token: None = not asked; n = the token's and the n most likely.
-    pub logprobs: Option<u32>,
-    /// Structured output: the JSON Schema (text) the answer must follow.
-    pub json_schema: Option<String>,
-    /// Forced tool calls: the JSON Schema (text) each call follows ([`Tools::forced_schema`]).
-    pub tool_call_schema: Option<String>,
-    /// Forced tool calls may be more than one.
-    pub parallel_tool_calls: bool,
-}
-
-impl From<&Sampling> for edgesplit_proto::pb::Sampling {
-    fn from(s: &Sampling) -> Self {
-        edgesplit_proto::pb::Sampling {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: s.top_k,
-            min_p: s.min_p,
-            seed: s.seed,
-            repeat_penalty: s.repeat_penalty,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            penalty_last_n: 64,
-            logprobs: s.logprobs,
-            json_schema: s.json_schema.clone().unwrap_or_default(),
-            tool_call_schema: s.tool_call_schema.clone().unwrap_or_default(),
-            parallel_tool_calls: s.parallel_tool_calls,
-        }
-    }
-}
+/// Sampling options after range checks: the one sampling type the engine samples with.
+pub use edgesplit_proto::sampling::SamplingParams as Sampling;
 
 /// The input of a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -364,7 +326,8 @@ pub fn parse(
         presence_penalty: num(&obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         logprobs: None,
-        json_schema: response_format(&obj)?,
+        penalty_last_n: Sampling::default().penalty_last_n,
+        json_schema: response_format(&obj)?.map(Into::into),
         tool_call_schema: None,
         parallel_tool_calls: false,
     };
@@ -380,7 +343,7 @@ pub fn parse(
                 "response_format cannot be combined with tools (unless tool_choice is \"none\")",
             ));
         }
-        sampling.tool_call_schema = t.forced_schema();
+        sampling.tool_call_schema = t.forced_schema().map(Into::into);
         sampling.parallel_tool_calls = t.parallel;
     }
     sampling.logprobs = logprobs(endpoint, &obj)?;

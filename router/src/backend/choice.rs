@@ -4,7 +4,7 @@
 use edgesplit_proto::error::ErrorCode;
 
 use super::cost::{self, Choice};
-use super::nodes::{lock, lock_info};
+use super::nodes::lock;
 use super::route::{Route, Wire};
 use super::Failure;
 use super::{Backend, PrefilledOn, Started};
@@ -42,9 +42,7 @@ impl Backend {
         request_id: &str,
         held: u32,
     ) -> Result<Started, Failure> {
-        let kv_per_token = lock_info(&self.last_decode_info)
-            .as_ref()
-            .map_or(0, |i| i.kv_bytes_per_token);
+        let kv_per_token = self.known.decode_kv_bytes_per_token();
         let max_uncached = lock(&self.learned).rates.max_uncached(held, kv_per_token);
         self.on_decode_node(req, transport, request_id, Some(max_uncached))
             .await
@@ -53,7 +51,7 @@ impl Backend {
     /// How many tokens of `req`'s conversation the decode node holds (from its earlier
     /// turns), when the request may reuse them (`cache_prompt`, a template that renders
     /// a conversation's turns alike).
-    fn held(&self, req: &ValidRequest) -> Option<u32> {
+    pub(super) fn held(&self, req: &ValidRequest) -> Option<u32> {
         (req.cache_prompt && self.renders_alike(&req.input))
             .then(|| lock(&self.learned).conversations.find(&req.input))
             .flatten()
@@ -76,9 +74,7 @@ impl Backend {
             && match self.config.continue_on {
                 ContinueOn::PrefillNode => true,
                 ContinueOn::Measured => {
-                    let kv = lock_info(&self.last_decode_info)
-                        .as_ref()
-                        .map_or(0, |i| i.kv_bytes_per_token);
+                    let kv = self.known.decode_kv_bytes_per_token();
                     let l = lock(&self.learned);
                     l.conversations.replayed_for(&req.input) && l.rates.prefill_node_sooner(kv)
                 }
@@ -103,6 +99,25 @@ impl Backend {
             }
         }
         Err(held.unwrap_or(0))
+    }
+
+    /// Runs the route `auto` chose. The phone it chose could not take the answer (gone,
+    /// asleep, or it refused what the laptop would serve): the laptop answers under the
+    /// fallback policy, as a split that finds no decode node does, and says so
+    /// (`fallback`).
+    pub(super) async fn run_chosen(
+        &self,
+        req: &ValidRequest,
+        route: Route,
+        request_id: &str,
+    ) -> Result<Started, Failure> {
+        match self.run(req, route, request_id).await {
+            Err(e) if route == Route::Phone && self.config.fallback => {
+                self.answer_here_instead(req, request_id, &e, Transport::Phone)
+                    .await
+            }
+            r => r,
+        }
     }
 
     /// `transport: "auto"`: the cost model's choice among the modes this request can take
@@ -155,16 +170,7 @@ impl Backend {
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
         // A held conversation goes the default split way, where `held_turn` decides.
         let route = if held { default } else { choice.mode };
-        let mut started = match self.run(req, route, request_id).await {
-            // The phone it chose could not take the answer (gone, asleep, or it refused
-            // what the laptop would serve): the laptop answers under the fallback policy,
-            // as a split that finds no decode node does, and says so (`fallback`).
-            Err(e) if route == Route::Phone && self.config.fallback => {
-                self.answer_here_instead(req, request_id, &e, Transport::Phone)
-                    .await?
-            }
-            r => r?,
-        };
+        let mut started = self.run_chosen(req, route, request_id).await?;
         if let Some(tokens) = started.prompt_tokens {
             lock(&self.learned).rates.prompt_seen(chars, tokens);
         }

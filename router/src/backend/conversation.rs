@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgesplit_proto::pb;
-use edgesplit_proto::pb::prefill_client::PrefillClient;
 
-use super::nodes::{lock, lock_info, Learned};
-use super::{Authed, Backend, ContinueOn};
+use super::nodes::{lock, Learned};
+use super::seam::{message, Events};
+use super::{Backend, ContinueOn, PrefillCalls};
 use crate::api::{HandoffMode, Input, ValidRequest};
 
 /// The text of an answer the decode node may end, kept to remember its conversation.
@@ -29,7 +29,7 @@ pub(super) struct Transcript {
 /// colocated one, whose answer the prefill node rebuilds step by step and stops
 /// (`resume_tokens`, `max_tokens` 0).
 pub(super) struct Replay {
-    prefill: PrefillClient<Authed>,
+    prefill: std::sync::Arc<dyn PrefillCalls>,
     request: pb::PrefillRequest,
     bound: Duration,
 }
@@ -56,7 +56,7 @@ impl Transcript {
             }
         }
         let Some(Replay {
-            mut prefill,
+            prefill,
             mut request,
             bound,
         }) = self.replay
@@ -71,7 +71,7 @@ impl Transcript {
         let (learned, input) = (self.learned, self.input);
         tokio::spawn(async move {
             let request_id = request.request_id.clone();
-            let replayed = async { finishes(prefill.generate(request).await?.into_inner()).await };
+            let replayed = async { finishes(prefill.generate(request).await?).await };
             match tokio::time::timeout(bound, replayed).await {
                 Ok(Ok(true)) => {
                     tracing::info!(%request_id, held, "the prefill node replayed the answer: it holds the conversation too");
@@ -93,10 +93,8 @@ impl Transcript {
 
 /// Reads a node's token stream (of an answer that writes nothing the client sees) to its
 /// end: whether it reported `Finished`.
-pub(super) async fn finishes(
-    mut stream: tonic::Streaming<pb::TokenEvent>,
-) -> Result<bool, tonic::Status> {
-    while let Some(ev) = stream.message().await? {
+pub(super) async fn finishes(mut stream: Events<pb::TokenEvent>) -> Result<bool, tonic::Status> {
+    while let Some(ev) = message(&mut stream).await? {
         if let Some(pb::token_event::Event::Finished(_)) = ev.event {
             return Ok(true);
         }
@@ -112,7 +110,7 @@ impl Backend {
     /// model's state can be cut into tails (no sliding window). A tail goes over the live
     /// V2 handoff only (the router's default).
     pub(super) fn replay(&self, req: &ValidRequest, request_id: &str) -> Option<Replay> {
-        let info = lock_info(&self.last_decode_info).clone()?;
+        let info = self.known.decode()?;
         let wanted = match self.config.continue_on {
             ContinueOn::PrefillNode => true,
             ContinueOn::Measured => lock(&self.learned)

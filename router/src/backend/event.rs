@@ -128,6 +128,7 @@ impl PrefilledOn {
 }
 
 /// A request whose first token is known (or whose failure was already mapped).
+#[derive(Debug)]
 pub struct Started {
     pub transport: Transport,
     pub prompt_tokens: Option<u32>,

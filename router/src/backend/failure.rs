@@ -20,12 +20,77 @@ pub enum Class {
     Internal,
 }
 
+/// The router's own failure codes (a node's are its [`ErrorCode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterCode {
+    /// A node refused the router's credential or its private link: the devices' secrets
+    /// differ.
+    AuthFailed,
+    /// A node, not known which, could not be reached.
+    NodeUnavailable,
+    /// The prefill node could not be reached.
+    PrefillUnavailable,
+    /// No decode node can take the answer (gone, asleep, draining, full): the fallback
+    /// policy's cue.
+    DecodeUnavailable,
+    /// The decode node's stream broke mid-answer (the node died, its connection dropped).
+    DecodeNodeLost,
+    /// A bounded wait ran out.
+    Timeout,
+    /// A node sent what the protocol does not allow at that point.
+    ProtocolError,
+    /// A node's stream ended before the answer did.
+    StreamEnded,
+    /// A failure of the router's own.
+    Internal,
+}
+
+impl RouterCode {
+    /// The code's name in error objects, metrics and logs.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouterCode::AuthFailed => "auth_failed",
+            RouterCode::NodeUnavailable => "node_unavailable",
+            RouterCode::PrefillUnavailable => "prefill_unavailable",
+            RouterCode::DecodeUnavailable => "decode_unavailable",
+            RouterCode::DecodeNodeLost => "decode_node_lost",
+            RouterCode::Timeout => "timeout",
+            RouterCode::ProtocolError => "protocol_error",
+            RouterCode::StreamEnded => "stream_ended",
+            RouterCode::Internal => "internal_error",
+        }
+    }
+}
+
+/// A failure's machine-readable code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Code {
+    /// The router's own.
+    Router(RouterCode),
+    /// A node's, passed on.
+    Node(ErrorCode),
+    /// A newer node's code that this router does not know, passed on by name.
+    Newer(String),
+}
+
+impl Code {
+    /// The code's name in error objects, metrics and logs.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        match self {
+            Code::Router(c) => c.as_str(),
+            Code::Node(c) => c.as_str(),
+            Code::Newer(name) => name,
+        }
+    }
+}
+
 /// A request's failure in the backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
     pub class: Class,
-    /// Machine-readable: a node's code, or the router's (`decode_unavailable`, ...).
-    pub code: Option<String>,
+    pub code: Option<Code>,
     pub message: String,
     /// For [`Class::Input`]: the request field at fault.
     pub param: Option<String>,
@@ -34,10 +99,10 @@ pub struct Failure {
 }
 
 impl Failure {
-    fn new(class: Class, code: Option<&str>, message: impl Into<String>) -> Self {
+    fn new(class: Class, code: Option<Code>, message: impl Into<String>) -> Self {
         Self {
             class,
-            code: code.map(str::to_string),
+            code,
             message: message.into(),
             param: None,
             cause: None,
@@ -52,28 +117,41 @@ impl Failure {
         }
     }
 
-    pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
-        Self::new(Class::Unavailable, Some(code), message)
+    pub fn unavailable(code: RouterCode, message: impl Into<String>) -> Self {
+        Self::new(Class::Unavailable, Some(Code::Router(code)), message)
     }
 
-    pub fn upstream(code: &str, message: impl Into<String>) -> Self {
-        Self::new(Class::Upstream, Some(code), message)
+    pub fn upstream(code: RouterCode, message: impl Into<String>) -> Self {
+        Self::new(Class::Upstream, Some(Code::Router(code)), message)
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(Class::Internal, Some("internal_error"), message)
+        Self::new(
+            Class::Internal,
+            Some(Code::Router(RouterCode::Internal)),
+            message,
+        )
     }
 
-    /// The code, or the class's name where there is none (what logs and the fallback's
-    /// `cause` say).
+    /// Whether the failure is the router's `code`.
+    #[must_use]
+    pub fn is(&self, code: RouterCode) -> bool {
+        self.code == Some(Code::Router(code))
+    }
+
+    /// The code's name, or the class's where there is no code (what logs and the
+    /// fallback's `cause` say).
     #[must_use]
     pub fn name(&self) -> &str {
-        self.code.as_deref().unwrap_or(match self.class {
-            Class::Input => "invalid_request",
-            Class::Unavailable => "unavailable",
-            Class::Upstream => "upstream_error",
-            Class::Internal => "internal_error",
-        })
+        match &self.code {
+            Some(code) => code.as_str(),
+            None => match self.class {
+                Class::Input => "invalid_request",
+                Class::Unavailable => "unavailable",
+                Class::Upstream => "upstream_error",
+                Class::Internal => "internal_error",
+            },
+        }
     }
 
     /// The private link to `who` failed its handshake in a way that says the devices are
@@ -81,7 +159,7 @@ impl Failure {
     #[must_use]
     pub fn link_refused(who: &str, h: &HandshakeFailed) -> Self {
         Self::upstream(
-            "auth_failed",
+            RouterCode::AuthFailed,
             format!(
                 "{who} refused the router's link ({h}): give all three services the same secret"
             ),
@@ -91,16 +169,16 @@ impl Failure {
     /// Maps a node's gRPC status; `param` names the input field for input errors.
     #[must_use]
     pub fn from_status(st: &tonic::Status, input_param: &str) -> Self {
-        Self::from_status_of(st, input_param, ("node_unavailable", "a node"))
+        Self::from_status_of(st, input_param, (RouterCode::NodeUnavailable, "a node"))
     }
 
     /// [`Failure::from_status`] for a call to a known node: a failed connection is said
-    /// as `who`'s, with `code` (`decode_unavailable`, "the decode node").
+    /// as `who`'s, with `code` (`DecodeUnavailable`, "the decode node").
     #[must_use]
     pub fn from_status_of(
         st: &tonic::Status,
         input_param: &str,
-        (code, who): (&str, &str),
+        (code, who): (RouterCode, &str),
     ) -> Self {
         let msg = st.message().to_string();
         match code_of(st) {
@@ -109,7 +187,7 @@ impl Failure {
                 ..Self::from_code(c, msg, input_param)
             },
             // A newer node's code: passed on as it is.
-            Named::Unknown(name) => Self::upstream(&name, msg),
+            Named::Unknown(name) => Self::new(Class::Upstream, Some(Code::Newer(name)), msg),
             // A status made here from a failed connection (it has a source; one a node
             // sent has none): the private link refused (the devices' secrets differ), or
             // the connection broke, not an error of the node's.
@@ -125,7 +203,7 @@ impl Failure {
                     tonic::Code::Unavailable => {
                         Self::unavailable(code, format!("{who} could not be reached: {msg}"))
                     }
-                    tonic::Code::DeadlineExceeded => Self::upstream("timeout", msg),
+                    tonic::Code::DeadlineExceeded => Self::upstream(RouterCode::Timeout, msg),
                     tonic::Code::InvalidArgument => Self::invalid(None, msg),
                     _ => Self::internal(msg),
                 },
@@ -143,7 +221,7 @@ impl Failure {
             return Self::from_status(st, input_param);
         }
         Self::unavailable(
-            "decode_node_lost",
+            RouterCode::DecodeNodeLost,
             format!(
                 "the decode node's stream broke mid-answer ({:?}: {})",
                 st.code(),
@@ -157,7 +235,7 @@ impl Failure {
     fn from_code(code: ErrorCode, msg: String, input_param: &str) -> Self {
         use ErrorCode as C;
         let input = |param: &str| Self {
-            code: Some(code.as_str().to_string()),
+            code: Some(Code::Node(code)),
             ..Self::invalid(Some(param.to_string()), msg.clone())
         };
         match code {
@@ -167,7 +245,9 @@ impl Failure {
             }
             C::GrammarError => input("response_format"),
             // No decode node to take the state: the fallback policy may answer here.
-            C::HandoffUnreachable | C::Capacity => Self::unavailable("decode_unavailable", msg),
+            C::HandoffUnreachable | C::Capacity => {
+                Self::unavailable(RouterCode::DecodeUnavailable, msg)
+            }
             // Everything else failed upstream, under the node's own name.
             C::InvalidTail
             | C::NotCached
@@ -206,7 +286,7 @@ impl Failure {
             | C::TooLarge
             | C::UploadTimeout
             | C::LengthMismatch
-            | C::InvalidStateFile => Self::upstream(code.as_str(), msg),
+            | C::InvalidStateFile => Self::new(Class::Upstream, Some(Code::Node(code)), msg),
         }
     }
 }
@@ -232,7 +312,7 @@ mod tests {
                 | ErrorCode::TemplateError => {
                     assert_eq!(f.class, Class::Input);
                     assert_eq!(f.param.as_deref(), Some("messages"));
-                    assert_eq!(f.code.as_deref(), Some(code.as_str()));
+                    assert_eq!(f.code, Some(Code::Node(code)));
                 }
                 ErrorCode::GrammarError => {
                     assert_eq!(f.class, Class::Input);
@@ -240,11 +320,11 @@ mod tests {
                 }
                 ErrorCode::HandoffUnreachable | ErrorCode::Capacity => {
                     assert_eq!(f.class, Class::Unavailable);
-                    assert_eq!(f.code.as_deref(), Some("decode_unavailable"));
+                    assert!(f.is(RouterCode::DecodeUnavailable));
                 }
                 _ => {
                     assert_eq!(f.class, Class::Upstream, "{code}");
-                    assert_eq!(f.code.as_deref(), Some(code.as_str()));
+                    assert_eq!(f.code, Some(Code::Node(code)));
                 }
             }
         }
@@ -259,23 +339,26 @@ mod tests {
         );
         let f = Failure::from_status(&st, "prompt");
         assert_eq!(
-            (f.class, f.code.as_deref()),
-            (Class::Upstream, Some("newer_than_us"))
+            (f.class, f.code),
+            (Class::Upstream, Some(Code::Newer("newer_than_us".into())))
         );
         assert_eq!(f.cause, None);
         let f = Failure::from_status(&tonic::Status::unavailable("down"), "prompt");
         assert_eq!(
-            (f.class, f.code.as_deref()),
-            (Class::Unavailable, Some("node_unavailable"))
+            (f.class, f.code),
+            (
+                Class::Unavailable,
+                Some(Code::Router(RouterCode::NodeUnavailable))
+            )
         );
         let f = Failure::from_status(&tonic::Status::deadline_exceeded("slow"), "prompt");
-        assert_eq!(f.code.as_deref(), Some("timeout"));
+        assert!(f.is(RouterCode::Timeout));
         let f = Failure::from_status(&tonic::Status::invalid_argument("bad"), "prompt");
         assert_eq!(
-            (f.class, f.code.as_deref(), f.name()),
+            (f.class, f.code.clone(), f.name()),
             (Class::Input, None, "invalid_request")
         );
         let f = Failure::from_decode_stream(&tonic::Status::unknown("reset"), "prompt");
-        assert_eq!(f.code.as_deref(), Some("decode_node_lost"));
+        assert!(f.is(RouterCode::DecodeNodeLost));
     }
 }

@@ -4,18 +4,18 @@
 use std::time::Duration;
 
 use edgesplit_proto::pb;
-use edgesplit_proto::pb::prefill_client::PrefillClient;
 use tokio::sync::mpsc;
 
 use super::event::finished_here;
 use super::stream::forward_prefill_node;
 use super::Failure;
-use super::{Authed, Backend, Event, FinishReason, Started, Transport};
+use super::RouterCode;
+use super::{Backend, Event, FinishReason, PrefillCalls, Started, Transport};
 use crate::api::ValidRequest;
 
 /// What the router needs to finish an answer on the prefill node when the split fails.
 pub struct Fallback {
-    pub(super) prefill: PrefillClient<Authed>,
+    pub(super) prefill: std::sync::Arc<dyn PrefillCalls>,
     /// The request as a colocated one (no handoff); `resume_tokens` and `max_tokens` are
     /// filled in at the failure.
     pub(super) request: pb::PrefillRequest,
@@ -86,10 +86,10 @@ impl Fallback {
         let mut request = self.request;
         request.resume_tokens = sent;
         request.max_tokens = remaining;
-        let mut prefill = self.prefill;
-        let call = tokio::time::timeout(self.first_token_timeout, prefill.generate(request)).await;
+        let call =
+            tokio::time::timeout(self.first_token_timeout, self.prefill.generate(request)).await;
         let stream = match call {
-            Ok(Ok(s)) => s.into_inner(),
+            Ok(Ok(s)) => s,
             Ok(Err(st)) => {
                 let _ = tx
                     .send(Event::Error(Failure::from_status(&st, param)))
@@ -99,7 +99,7 @@ impl Fallback {
             Err(_) => {
                 let _ = tx
                     .send(Event::Error(Failure::upstream(
-                        "timeout",
+                        RouterCode::Timeout,
                         "the prefill node did not take over the answer in time",
                     )))
                     .await;

@@ -5,6 +5,7 @@ use edgesplit_proto::link::HandshakeFailed;
 use edgesplit_proto::pb;
 
 use super::Failure;
+use super::RouterCode;
 use super::{Backend, PrefilledOn};
 use crate::api::{Input, Transport};
 use crate::placement::{Conversations, Rates};
@@ -23,21 +24,73 @@ pub(super) struct Learned {
 /// Both nodes' `Info` answers, prefill first.
 pub type HealthInfos = (Result<pb::NodeInfo, Failure>, Result<pb::NodeInfo, Failure>);
 
-/// Keeps a node's `Info` answer as its last known one; passes the call's result on.
-fn remember(
-    last: &std::sync::Mutex<Option<pb::NodeInfo>>,
-    info: Result<pb::NodeInfo, Failure>,
-) -> Result<pb::NodeInfo, Failure> {
-    if let Ok(i) = &info {
-        *lock_info(last) = Some(i.clone());
-    }
-    info
+/// The nodes' last `Info` answers, and when the prefill node's came: what a request reads
+/// of the nodes without asking them.
+#[derive(Debug, Default)]
+pub(super) struct Known {
+    prefill: std::sync::Mutex<Option<(std::time::Instant, pb::NodeInfo)>>,
+    decode: std::sync::Mutex<Option<pb::NodeInfo>>,
 }
 
-pub(super) fn lock_info(
-    l: &std::sync::Mutex<Option<pb::NodeInfo>>,
-) -> std::sync::MutexGuard<'_, Option<pb::NodeInfo>> {
-    l.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+fn guard<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Known {
+    /// The prefill node's last `Info`.
+    pub(super) fn prefill(&self) -> Option<pb::NodeInfo> {
+        guard(&self.prefill).as_ref().map(|(_, i)| i.clone())
+    }
+
+    /// The prefill node's last `Info` while it is younger than `max_age`.
+    fn prefill_within(&self, max_age: std::time::Duration) -> Option<pb::NodeInfo> {
+        guard(&self.prefill)
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < max_age)
+            .map(|(_, i)| i.clone())
+    }
+
+    /// The decode node's last `Info`.
+    pub(super) fn decode(&self) -> Option<pb::NodeInfo> {
+        guard(&self.decode).clone()
+    }
+
+    /// A node's `Info` call answered: kept as its last known one (the result passed on).
+    fn prefill_answered(
+        &self,
+        info: Result<pb::NodeInfo, Failure>,
+    ) -> Result<pb::NodeInfo, Failure> {
+        if let Ok(i) = &info {
+            *guard(&self.prefill) = Some((std::time::Instant::now(), i.clone()));
+        }
+        info
+    }
+
+    fn decode_answered(
+        &self,
+        info: Result<pb::NodeInfo, Failure>,
+    ) -> Result<pb::NodeInfo, Failure> {
+        if let Ok(i) = &info {
+            *guard(&self.decode) = Some(i.clone());
+        }
+        info
+    }
+
+    /// KV bytes per token of the decode node's model, as its last `Info` said (0 before it
+    /// answered).
+    pub(super) fn decode_kv_bytes_per_token(&self) -> u64 {
+        guard(&self.decode)
+            .as_ref()
+            .map_or(0, |i| i.kv_bytes_per_token)
+    }
+
+    /// A field of each node's last `Info`, prefill first (`None` where a node has not
+    /// answered, or `f` says nothing).
+    fn both<T>(&self, f: impl Fn(&pb::NodeInfo) -> Option<T>) -> (Option<T>, Option<T>) {
+        let prefill = guard(&self.prefill).as_ref().and_then(|(_, i)| f(i));
+        let decode = guard(&self.decode).as_ref().and_then(&f);
+        (prefill, decode)
+    }
 }
 
 pub(super) fn lock(l: &std::sync::Mutex<Learned>) -> std::sync::MutexGuard<'_, Learned> {
@@ -50,10 +103,8 @@ impl Backend {
     /// prefill node's; 0 before either answered): what the cost model's crossing and a
     /// split's expected work read.
     pub(super) fn kv_bytes_per_token(&self) -> u64 {
-        lock_info(&self.last_decode_info)
-            .as_ref()
-            .or(lock_info(&self.last_prefill_info).as_ref())
-            .map_or(0, |i| i.kv_bytes_per_token)
+        let (prefill, decode) = self.known.both(|i| Some(i.kv_bytes_per_token));
+        decode.or(prefill).unwrap_or(0)
     }
 
     /// What records the length of an answer whose request set no `max_tokens` once it has
@@ -82,22 +133,14 @@ impl Backend {
     /// # Errors
     /// 503 when the node does not answer in time.
     pub async fn prefill_info(&self) -> Result<pb::NodeInfo, Failure> {
-        let mut c = self.prefill.clone();
         let info = self
             .info_within(
-                c.info(pb::InfoRequest {}),
-                "prefill_unavailable",
+                self.prefill.info(),
+                RouterCode::PrefillUnavailable,
                 "the prefill node",
             )
             .await;
-        if info.is_ok() {
-            *self
-                .prefill_info_at
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                Some(std::time::Instant::now());
-        }
-        remember(&self.last_prefill_info, info)
+        self.known.prefill_answered(info)
     }
 
     /// The prefill node's `Info` for a request: the last answer while it is younger than
@@ -106,16 +149,10 @@ impl Backend {
         &self,
         max_age: std::time::Duration,
     ) -> Result<pb::NodeInfo, Failure> {
-        let at = *self
-            .prefill_info_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if at.is_some_and(|at| at.elapsed() < max_age) {
-            if let Some(i) = lock_info(&self.last_prefill_info).clone() {
-                return Ok(i);
-            }
+        match self.known.prefill_within(max_age) {
+            Some(i) => Ok(i),
+            None => self.prefill_info().await,
         }
-        self.prefill_info().await
     }
 
     /// The CPU architectures of the nodes that took part in an answer, from their last
@@ -128,20 +165,12 @@ impl Backend {
         transport: Transport,
         placement: PrefilledOn,
     ) -> (Option<String>, Option<String>) {
-        let arch = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
-            lock_info(l)
-                .as_ref()
-                .map(|i| i.arch.clone())
-                .filter(|a| !a.is_empty())
-        };
+        let (prefill, decode) = self
+            .known
+            .both(|i| Some(i.arch.clone()).filter(|a| !a.is_empty()));
         let on_decode = placement == PrefilledOn::DecodeNode;
-        let prefill = (!on_decode)
-            .then(|| arch(&self.last_prefill_info))
-            .flatten();
-        let decode = (on_decode || matches!(transport, Transport::V1 | Transport::V2))
-            .then(|| arch(&self.last_decode_info))
-            .flatten();
-        (prefill, decode)
+        let crossed = on_decode || matches!(transport, Transport::V1 | Transport::V2);
+        (prefill.filter(|_| !on_decode), decode.filter(|_| crossed))
     }
 
     /// When both nodes took part in an answer (the state crossed, or the decode node
@@ -157,15 +186,10 @@ impl Backend {
         {
             return None;
         }
-        let numerics = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
-            lock_info(l)
-                .as_ref()
-                .filter(|i| !i.arch.is_empty())
-                .map(|i| (i.arch.clone(), i.kernels.clone()))
-        };
-        let prefill = numerics(&self.last_prefill_info)?;
-        let decode = numerics(&self.last_decode_info)?;
-        Some(prefill == decode)
+        let (prefill, decode) = self
+            .known
+            .both(|i| (!i.arch.is_empty()).then(|| (i.arch.clone(), i.kernels.clone())));
+        Some(prefill? == decode?)
     }
 
     /// Whether the decode node renders `input` as the prefill node does: a raw prompt
@@ -175,14 +199,10 @@ impl Backend {
         if matches!(input, Input::Prompt(_)) {
             return true;
         }
-        let template = |l: &std::sync::Mutex<Option<pb::NodeInfo>>| {
-            lock_info(l)
-                .as_ref()
-                .map(|i| i.chat_template_fingerprint.clone())
-                .filter(|f| !f.is_empty())
-        };
-        let prefill = template(&self.last_prefill_info);
-        prefill.is_some() && prefill == template(&self.last_decode_info)
+        let (prefill, decode) = self
+            .known
+            .both(|i| Some(i.chat_template_fingerprint.clone()).filter(|f| !f.is_empty()));
+        prefill.is_some() && prefill == decode
     }
 
     /// Both nodes' `Info` (`/health`): the last answers while they are younger than
@@ -205,12 +225,11 @@ impl Backend {
     /// # Errors
     /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, Failure> {
-        let mut c = self.decode.clone();
         let asked = std::time::Instant::now();
         let info = self
             .info_within(
-                c.info(pb::InfoRequest {}),
-                "decode_unavailable",
+                self.decode.info(),
+                RouterCode::DecodeUnavailable,
                 "the decode node",
             )
             .await;
@@ -218,20 +237,20 @@ impl Backend {
             let ms = asked.elapsed().as_secs_f64() * 1000.0;
             lock(&self.learned).rates.round_trip(ms);
         }
-        remember(&self.last_decode_info, info)
+        self.known.decode_answered(info)
     }
 
     pub(super) async fn info_within(
         &self,
-        call: impl std::future::Future<Output = Result<tonic::Response<pb::NodeInfo>, tonic::Status>>,
-        code: &str,
+        call: impl std::future::Future<Output = Result<pb::NodeInfo, tonic::Status>>,
+        code: RouterCode,
         who: &str,
     ) -> Result<pb::NodeInfo, Failure> {
         match tokio::time::timeout(self.config.info_timeout, call).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Ok(r)) => Ok(r),
             // A misconfiguration, not an outage: retrying will not help.
             Ok(Err(st)) if st.code() == tonic::Code::Unauthenticated => Err(Failure::upstream(
-                "auth_failed",
+                RouterCode::AuthFailed,
                 format!(
                     "{who} refused the router's credential ({}): give all three services the same secret",
                     st.message()
@@ -279,8 +298,7 @@ impl Backend {
     /// `Ok` when the prefill node serves a layer split (its last `Info`, else a fresh
     /// one); a 400 naming the transport otherwise.
     pub(super) async fn layer_split_serving(&self) -> Result<(), Failure> {
-        let known = lock_info(&self.last_prefill_info).clone();
-        let info = match known {
+        let info = match self.known.prefill() {
             Some(i) => i,
             None => self.prefill_info().await?,
         };

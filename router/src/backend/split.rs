@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgesplit_proto::pb;
-use edgesplit_proto::pb::decode_client::DecodeClient;
 use tokio::sync::mpsc;
 
 use super::conversation::{finishes, Transcript};
@@ -15,9 +14,11 @@ use super::event::finished_here;
 use super::fallback::Fallback;
 use super::load::{decoded, Busy, Load, Work};
 use super::nodes::{lock, Learned};
+use super::seam::{message, Events};
 use super::stream::{next_event, token_event};
 use super::Failure;
-use super::{Authed, Event, FinishReason, Node};
+use super::RouterCode;
+use super::{DecodeCalls, Event, FinishReason, Node};
 use crate::api::HandoffMode;
 
 /// How the split part of a request ended.
@@ -40,7 +41,7 @@ pub(super) struct SplitAnswer {
     pub(super) transcript: Option<Transcript>,
     pub(super) learned: Arc<std::sync::Mutex<Learned>>,
     pub(super) first: pb::FirstToken,
-    pub(super) decode: DecodeClient<Authed>,
+    pub(super) decode: Arc<dyn DecodeCalls>,
     pub(super) generate: pb::GenerateRequest,
     pub(super) tx: mpsc::Sender<Event>,
     /// Every token the client has been sent, the first included.
@@ -54,16 +55,16 @@ pub(super) struct SplitAnswer {
     /// A live answer that ends on the prefill node is handed over after it
     /// ([`SplitAnswer::keep_on_decode_node`]).
     pub(super) keep: bool,
-    /// The answer counted on the node writing it: the laptop until the decode node takes
-    /// over (`hand_to_phone`), the phone after.
+    /// The answer counted on the node writing it: the prefill node until the decode node
+    /// takes over (`hand_to_decode_node`), the decode node after.
     pub(super) load: Arc<Load>,
-    pub(super) laptop: Option<Busy>,
-    pub(super) phone: Option<Busy>,
+    pub(super) prefill_busy: Option<Busy>,
+    pub(super) decode_busy: Option<Busy>,
     /// The answer tokens the request is expected to write (`load::answer_tokens`): what
     /// is left of them is the work counted on the node that writes the rest.
     pub(super) answer_tokens: f64,
-    /// When the first token was forwarded: a live answer's tokens written on the laptop
-    /// until the switch or the end measure the laptop's decode speed.
+    /// When the first token was forwarded: a live answer's tokens written on the prefill
+    /// node until the switch or the end measure its decode speed.
     pub(super) first_sent: std::time::Instant,
 }
 
@@ -72,21 +73,21 @@ pub(super) struct SplitAnswer {
 const KEEP_WAIT: Duration = Duration::from_secs(600);
 
 impl SplitAnswer {
-    /// The laptop wrote the live answer's tokens after the first since `first_sent`.
-    fn laptop_decoded(&self) {
-        if let Some(laptop) = &self.laptop {
+    /// The prefill node wrote the live answer's tokens after the first since `first_sent`.
+    fn prefill_node_decoded(&self) {
+        if let Some(busy) = &self.prefill_busy {
             let tokens = u32::try_from(self.sent.len().saturating_sub(1)).unwrap_or(u32::MAX);
             let ms = self.first_sent.elapsed().as_secs_f64() * 1000.0;
-            laptop.record(&self.learned, tokens, ms);
+            busy.record(&self.learned, tokens, ms);
         }
     }
 
-    /// The decode node writes the rest of the answer: it counts there, no longer on the
-    /// laptop.
-    fn hand_to_phone(&mut self) {
-        self.laptop = None;
+    /// The decode node writes the rest of the answer: it counts there, not on the prefill
+    /// node.
+    fn hand_to_decode_node(&mut self) {
+        self.prefill_busy = None;
         let left = Work::answer(self.tokens_left());
-        self.phone = Some(self.load.take_work(&self.learned, true, left));
+        self.decode_busy = Some(self.load.take_work(&self.learned, true, left));
     }
 
     /// The answer tokens expected still.
@@ -96,7 +97,7 @@ impl SplitAnswer {
 
     pub(super) async fn run(
         mut self,
-        pstream: tonic::Streaming<pb::PrefillEvent>,
+        pstream: Events<pb::PrefillEvent>,
         fallback: Option<Fallback>,
     ) {
         let total = self.first.max_tokens;
@@ -105,10 +106,10 @@ impl SplitAnswer {
         };
         match fallback {
             Some(fb) => {
-                self.phone = None;
-                if self.laptop.is_none() {
+                self.decode_busy = None;
+                if self.prefill_busy.is_none() {
                     let left = Work::answer(self.tokens_left());
-                    self.laptop = Some(self.load.take_work(&self.learned, false, left));
+                    self.prefill_busy = Some(self.load.take_work(&self.learned, false, left));
                 }
                 fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
                     .await
@@ -120,7 +121,7 @@ impl SplitAnswer {
     }
 
     /// Forwards the first token, the handoff report and the decode node's tokens.
-    async fn split_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+    async fn split_part(&mut self, mut pstream: Events<pb::PrefillEvent>) -> Split {
         let first = Event::Token {
             id: self.first.token,
             bytes: self.first.piece.clone(),
@@ -146,35 +147,35 @@ impl SplitAnswer {
         if self.mode == HandoffMode::Live {
             return self.live_part(pstream).await;
         }
-        let mut handoff: HandoffReport = tokio::spawn(async move { pstream.message().await });
+        let mut handoff: HandoffReport = tokio::spawn(async move { message(&mut pstream).await });
         let mut handoff_pending = true;
         let stream = match self.decode_stream(&mut handoff, &mut handoff_pending).await {
             Ok(s) => s,
             Err(split) => return split,
         };
-        self.hand_to_phone();
+        self.hand_to_decode_node();
         self.forward_decode(stream, &mut handoff, &mut handoff_pending)
             .await
     }
 
     /// A live answer: forwards the prefill node's tokens until it finishes the answer or
     /// reports the switch, then the decode node's.
-    async fn live_part(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) -> Split {
+    async fn live_part(&mut self, mut pstream: Events<pb::PrefillEvent>) -> Split {
         use pb::prefill_event::Event as P;
         let idle = self.idle;
         loop {
-            let event = match tokio::time::timeout(idle, pstream.message()).await {
+            let event = match tokio::time::timeout(idle, message(&mut pstream)).await {
                 Ok(Ok(Some(m))) => m.event,
                 Ok(Ok(None)) => {
                     return Split::Failed(Failure::upstream(
-                        "stream_ended",
+                        RouterCode::StreamEnded,
                         "the prefill node ended the live answer without finishing it",
                     ))
                 }
                 Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
                 Err(_) => {
                     return Split::Failed(Failure::upstream(
-                        "timeout",
+                        RouterCode::Timeout,
                         format!("no token from the prefill node within {idle:?}"),
                     ))
                 }
@@ -193,7 +194,7 @@ impl SplitAnswer {
                     }
                 }
                 Some(P::Finished(f)) => {
-                    self.laptop_decoded();
+                    self.prefill_node_decoded();
                     // Every token was written on the prefill node: none by a decode node.
                     let mut ev = token_event(
                         pb::TokenEvent {
@@ -228,7 +229,7 @@ impl SplitAnswer {
                 Some(P::Switched(sw)) => return self.switch(sw).await,
                 Some(P::First(_) | P::Handoff(_) | P::Kept(_)) | None => {
                     return Split::Failed(Failure::upstream(
-                        "protocol_error",
+                        RouterCode::ProtocolError,
                         "unexpected event in the prefill node's live answer",
                     ))
                 }
@@ -244,14 +245,14 @@ impl SplitAnswer {
     /// the decode node's cache, and the conversation is remembered there, so that its
     /// next turn goes on there with nothing crossing. In the background, after the
     /// client's answer ended; a turn that comes first is split whole.
-    fn keep_on_decode_node(&mut self, mut pstream: tonic::Streaming<pb::PrefillEvent>) {
+    fn keep_on_decode_node(&mut self, mut pstream: Events<pb::PrefillEvent>) {
         let Some(mut transcript) = self.transcript.take() else {
             return;
         };
         // The answer was written on the prefill node, which holds it already.
         transcript.replay = None;
         transcript.written_on_prefill_node = true;
-        let (mut decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
+        let (decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         let mut generate = pb::GenerateRequest {
             first_token: self.sent.last().copied(),
@@ -261,7 +262,7 @@ impl SplitAnswer {
         };
         tokio::spawn(async move {
             let request_id = generate.request_id.clone();
-            let kept = match tokio::time::timeout(KEEP_WAIT, pstream.message()).await {
+            let kept = match tokio::time::timeout(KEEP_WAIT, message(&mut pstream)).await {
                 Ok(Ok(Some(pb::PrefillEvent {
                     event: Some(pb::prefill_event::Event::Kept(sw)),
                 }))) => sw,
@@ -276,7 +277,7 @@ impl SplitAnswer {
             lock(&learned)
                 .rates
                 .handed_off(kept.bytes, kept.transfer_ms);
-            let took = async { finishes(decode.generate(generate).await?.into_inner()).await };
+            let took = async { finishes(decode.generate(generate).await?).await };
             match tokio::time::timeout(idle, took).await {
                 Ok(Ok(true)) => {
                     tracing::info!(%request_id, bytes = kept.bytes, "the decode node keeps the conversation");
@@ -297,11 +298,11 @@ impl SplitAnswer {
 
     /// The decode node holds the state up to the last token sent: it writes the rest.
     async fn switch(&mut self, sw: pb::Switched) -> Split {
-        self.laptop_decoded();
+        self.prefill_node_decoded();
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         if sw.answered != answered {
             return Split::Failed(Failure::upstream(
-                "protocol_error",
+                RouterCode::ProtocolError,
                 format!(
                     "the prefill node switched after token {} but sent {answered}",
                     sw.answered
@@ -336,20 +337,19 @@ impl SplitAnswer {
         self.generate.base_tokens = sw.base_tokens;
         self.generate.base_digest = sw.base_digest;
         self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
-        let mut decode = self.decode.clone();
         let idle = self.idle;
-        let stream = match tokio::time::timeout(idle, decode.generate(self.generate.clone())).await
-        {
-            Ok(Ok(s)) => s.into_inner(),
-            Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
-            Err(_) => {
-                return Split::Failed(Failure::upstream(
-                    "timeout",
-                    format!("the decode node did not take the answer within {idle:?}"),
-                ))
-            }
-        };
-        self.hand_to_phone();
+        let stream =
+            match tokio::time::timeout(idle, self.decode.generate(self.generate.clone())).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
+                Err(_) => {
+                    return Split::Failed(Failure::upstream(
+                        RouterCode::Timeout,
+                        format!("the decode node did not take the answer within {idle:?}"),
+                    ))
+                }
+            };
+        self.hand_to_decode_node();
         // The handoff is reported; nothing is pending.
         let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
         self.forward_decode(stream, &mut done, &mut false).await
@@ -375,7 +375,7 @@ impl SplitAnswer {
             }),
             Ok(Err(st)) => Err(Failure::from_status(&st, self.param)),
             _ => Err(Failure::upstream(
-                "protocol_error",
+                RouterCode::ProtocolError,
                 "the prefill node ended without reporting the handoff",
             )),
         }
@@ -384,33 +384,33 @@ impl SplitAnswer {
     /// Calls the decode node's `Generate` and waits for its stream. Until the handoff is
     /// done, its own deadlines bound this wait (the prefill node reports a failed one);
     /// once the state is there, the decode node must start the answer within the idle
-    /// bound (a frozen phone answers nothing, not even an error).
+    /// bound (a frozen decode node answers nothing, not even an error).
     async fn decode_stream(
         &mut self,
         handoff: &mut HandoffReport,
         handoff_pending: &mut bool,
-    ) -> Result<tonic::Streaming<pb::TokenEvent>, Split> {
-        let mut decode = self.decode.clone();
+    ) -> Result<Events<pb::TokenEvent>, Split> {
+        let decode = self.decode.clone();
         let call = decode.generate(self.generate.clone());
         tokio::pin!(call);
         let idle = self.idle;
         let mut answer_by: Option<tokio::time::Instant> = None;
         loop {
-            let started = async {
+            let not_taken_in_time = async {
                 match answer_by {
                     Some(t) => tokio::time::sleep_until(t).await,
                     None => std::future::pending().await,
                 }
             };
             tokio::select! {
-                () = started => {
+                () = not_taken_in_time => {
                     return Err(Split::Failed(Failure::upstream(
-                        "timeout",
+                        RouterCode::Timeout,
                         format!("the decode node did not take the answer within {idle:?} of the handoff"),
                     )));
                 }
                 r = &mut call => match r {
-                    Ok(s) => return Ok(s.into_inner()),
+                    Ok(s) => return Ok(s),
                     Err(st) => {
                         if *handoff_pending {
                             // A handoff error explains a decode failure better than the decode does.
@@ -437,7 +437,7 @@ impl SplitAnswer {
     /// Forwards the decode node's tokens until the answer ends or the node fails.
     async fn forward_decode(
         &mut self,
-        mut stream: tonic::Streaming<pb::TokenEvent>,
+        mut stream: Events<pb::TokenEvent>,
         handoff: &mut HandoffReport,
         handoff_pending: &mut bool,
     ) -> Split {
@@ -449,8 +449,8 @@ impl SplitAnswer {
                         return Split::Failed(e);
                     }
                     let end = matches!(ev, Event::Finished { .. });
-                    if let Some(phone) = &self.phone {
-                        decoded(&self.learned, phone, &ev);
+                    if let Some(busy) = &self.decode_busy {
+                        decoded(&self.learned, busy, &ev);
                     }
                     if end && *handoff_pending {
                         // Report the handoff figures before the end of the answer.
@@ -491,17 +491,15 @@ mod tests {
     use super::*;
     use crate::api::Input;
     use crate::backend::input_param;
-    use edgesplit_proto::auth::GrpcCredentials;
     use edgesplit_proto::error::ErrorCode;
 
     fn split(param: &'static str) -> SplitAnswer {
-        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
         let (tx, _) = mpsc::channel(1);
         SplitAnswer {
             transcript: None,
             learned: Arc::default(),
             first: pb::FirstToken::default(),
-            decode: DecodeClient::with_interceptor(channel, GrpcCredentials(None)),
+            decode: Arc::new(crate::backend::fake::FakeDecode::default()),
             generate: pb::GenerateRequest::default(),
             tx,
             sent: Vec::new(),
@@ -512,8 +510,8 @@ mod tests {
             mode: HandoffMode::After,
             keep: false,
             load: Arc::default(),
-            laptop: None,
-            phone: None,
+            prefill_busy: None,
+            decode_busy: None,
             answer_tokens: 0.0,
             first_sent: std::time::Instant::now(),
         }
@@ -541,7 +539,7 @@ mod tests {
                 .on_handoff(Ok(Err(refusal())))
                 .unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param));
-            assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
+            assert_eq!(e.name(), "context_length_exceeded");
         }
     }
 }

@@ -7,7 +7,9 @@ use edgesplit_proto::pb;
 use tokio::sync::mpsc;
 
 use super::load::Counted;
+use super::seam::{message, Events};
 use super::Failure;
+use super::RouterCode;
 use super::{Event, FinishReason, Node};
 
 /// `ev` of a stream from node `from`.
@@ -38,7 +40,10 @@ pub(super) fn token_event(ev: pb::TokenEvent, with_prompt: bool, from: Node) -> 
             prompt_tokens: with_prompt.then_some(f.prompt_tokens),
             prefill_ms: with_prompt.then_some(f.prefill_ms),
         },
-        None => Event::Error(Failure::upstream("protocol_error", "empty token event")),
+        None => Event::Error(Failure::upstream(
+            RouterCode::ProtocolError,
+            "empty token event",
+        )),
     }
 }
 
@@ -46,7 +51,7 @@ pub(super) fn token_event(ev: pb::TokenEvent, with_prompt: bool, from: Node) -> 
 /// prompt's figures), or the error that ends it: the stream ended before `Finished`, the
 /// node's gRPC error, or no event within `idle`.
 pub(super) async fn next_event(
-    stream: &mut tonic::Streaming<pb::TokenEvent>,
+    stream: &mut Events<pb::TokenEvent>,
     idle: Duration,
     node: Node,
     with_prompt: bool,
@@ -56,10 +61,10 @@ pub(super) async fn next_event(
         Node::Prefill => "the prefill node",
         Node::Decode => "the decode node",
     };
-    match tokio::time::timeout(idle, stream.message()).await {
+    match tokio::time::timeout(idle, message(stream)).await {
         Ok(Ok(Some(m))) => token_event(m, with_prompt, node),
         Ok(Ok(None)) => Event::Error(Failure::upstream(
-            "stream_ended",
+            RouterCode::StreamEnded,
             format!("{name} ended the answer without finishing"),
         )),
         Ok(Err(st)) => Event::Error(match node {
@@ -67,7 +72,7 @@ pub(super) async fn next_event(
             Node::Decode => Failure::from_decode_stream(&st, param),
         }),
         Err(_) => Event::Error(Failure::upstream(
-            "timeout",
+            RouterCode::Timeout,
             format!("no token from {name} within {idle:?}"),
         )),
     }
@@ -76,7 +81,7 @@ pub(super) async fn next_event(
 /// Forwards the prefill node's `Generate` stream (a colocated or a resumed answer) to the
 /// client until it finishes or fails; each message must come within `wait`.
 pub(super) async fn forward_prefill_node(
-    mut stream: tonic::Streaming<pb::TokenEvent>,
+    mut stream: Events<pb::TokenEvent>,
     tx: &mpsc::Sender<Event>,
     resumed: bool,
     wait: Duration,

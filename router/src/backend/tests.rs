@@ -1,0 +1,411 @@
+//! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
+//! the fallback when the decode node dies before and after the switch, a phone asked for
+//! but gone, a conversation continued and then evicted, an `Info` that fails. What each
+//! node was asked is read back from its script; what the client gets is the events.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgesplit_proto::error::{status, ErrorCode};
+use edgesplit_proto::link::Link;
+use tonic::{Code, Status};
+
+use super::fake::msg::{
+    cancelled, finished, first, handed_off, kept, live_finished, live_token, prefilled, switched,
+    token,
+};
+use super::fake::{FakeDecode, FakePrefill, Step};
+use super::{Backend, BackendConfig, ContinueOn, Event, Node, PrefilledOn, RouterCode, Started};
+use crate::api::{self, Endpoint, HandoffMode, Objective, Transport, ValidRequest};
+
+fn config(fallback: bool) -> BackendConfig {
+    BackendConfig {
+        prefill_url: "http://prefill.test".into(),
+        decode_url: "http://decode.test".into(),
+        connect_timeout: Duration::from_secs(1),
+        info_timeout: Duration::from_secs(1),
+        first_token_timeout: Duration::from_secs(5),
+        fallback,
+        token_idle_timeout: Duration::from_secs(5),
+        handoff_error_grace: Duration::from_millis(200),
+        handoff_report_wait: Duration::from_millis(200),
+        handoff: HandoffMode::Live,
+        continue_on: ContinueOn::Measured,
+        objective: Objective::default(),
+        link: Link::plain(),
+        probes: false,
+    }
+}
+
+/// Scripted nodes and the backend over them.
+struct Pair {
+    prefill: Arc<FakePrefill>,
+    decode: Arc<FakeDecode>,
+    backend: Backend,
+}
+
+fn pair(fallback: bool) -> Pair {
+    let prefill = Arc::new(FakePrefill::default());
+    let decode = Arc::new(FakeDecode::default());
+    let backend = Backend::with_nodes(config(fallback), prefill.clone(), decode.clone());
+    Pair {
+        prefill,
+        decode,
+        backend,
+    }
+}
+
+/// A completion request for `prompt`, with `extra` fields (JSON object members).
+fn request(prompt: &str, extra: &str) -> ValidRequest {
+    let body = format!(r#"{{"prompt": {prompt:?}, "max_tokens": 6, "temperature": 0{extra}}}"#);
+    api::parse(Endpoint::Completion, body.as_bytes(), || 7).expect("a valid request")
+}
+
+/// Every event of the answer, to its end (the sender dropped).
+async fn events(started: Started) -> Vec<Event> {
+    let mut rx = started.events;
+    let mut all = Vec::new();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("the answer ended")
+    {
+        all.push(ev);
+    }
+    all
+}
+
+/// The answer's tokens, with the node that wrote each.
+fn tokens(events: &[Event]) -> Vec<(i32, Node)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { id, from, .. } => Some((*id, *from)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn finished_last(events: &[Event]) {
+    assert!(
+        matches!(events.last(), Some(Event::Finished { .. })),
+        "the answer ends with Finished: {events:?}"
+    );
+}
+
+fn unavailable() -> Status {
+    Status::unavailable("transport error: connection reset")
+}
+
+use Node::{Decode as D, Prefill as P};
+
+/// A live answer: the prefill node writes until the switch, the decode node from the
+/// token after the last one sent, asked for exactly the rest of the budget.
+#[tokio::test]
+async fn a_live_answer_switches_to_the_decode_node_after_the_tokens_sent() {
+    let n = pair(true);
+    n.prefill.prefill.then(Ok(vec![
+        first(10, 5, 6),
+        live_token(11),
+        Step::Wait(Duration::from_millis(20)),
+        live_token(12),
+        switched(3),
+    ]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(13), token(14), token(15), finished(3)]));
+    let req = request("Hello", "");
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    assert_eq!(started.transport, Transport::V2);
+    let evs = events(started).await;
+    assert_eq!(
+        tokens(&evs),
+        [(10, P), (11, P), (12, P), (13, D), (14, D), (15, D)]
+    );
+    assert!(evs.contains(&Event::Switched { answered: 3 }), "{evs:?}");
+    finished_last(&evs);
+    let handoff = n.prefill.prefill.requests()[0].handoff.clone().unwrap();
+    assert!(handoff.live);
+    assert_eq!(handoff.decode_addr, "127.0.0.1:7001");
+    let g = &n.decode.generate.requests()[0];
+    assert_eq!(
+        (g.first_token, g.answered, g.max_new_tokens),
+        (Some(12), 3, 3)
+    );
+    assert!(n.prefill.generate.requests().is_empty(), "no fallback");
+}
+
+/// A live handoff that gives up leaves the answer on the prefill node, and nothing of it
+/// is kept on the decode node, even when the state arrives after all (`kept`); without the
+/// cancel, the same answer is taken into the decode node's cache.
+#[tokio::test]
+async fn a_cancelled_live_handoff_ends_on_the_prefill_node_and_keeps_nothing() {
+    for cancel in [false, true] {
+        let n = pair(true);
+        let mut script = vec![first(10, 5, 3), live_token(11)];
+        if cancel {
+            script.push(cancelled("the link is too slow for the answer"));
+        }
+        script.extend([live_token(12), live_finished(2), kept(3)]);
+        n.prefill.prefill.then(Ok(script));
+        n.decode.generate.then(Ok(vec![finished(0)]));
+        let req = request("Hello", "");
+        let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+        let evs = events(started).await;
+        assert_eq!(tokens(&evs), [(10, P), (11, P), (12, P)]);
+        assert_eq!(
+            evs.iter()
+                .any(|e| matches!(e, Event::HandoffCancelled { .. })),
+            cancel
+        );
+        finished_last(&evs);
+        // The keep runs after the answer, in the background.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let kept_calls = n.decode.generate.requests();
+        if cancel {
+            assert!(kept_calls.is_empty(), "{kept_calls:?}");
+        } else {
+            assert_eq!(kept_calls.len(), 1);
+            assert_eq!(kept_calls[0].max_new_tokens, 0);
+            assert_eq!(kept_calls[0].answered, 3);
+        }
+    }
+}
+
+/// The decode node dies before it wrote a token (the handoff after the answer's first):
+/// the prefill node finishes the answer after the first token, and the client is told.
+#[tokio::test]
+async fn the_decode_node_dying_before_its_first_token_is_finished_on_the_prefill_node() {
+    let n = pair(true);
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 5), handed_off()]));
+    n.decode.generate.then(Ok(vec![Step::Fail(unavailable())]));
+    n.prefill.generate.then(Ok(vec![
+        prefilled(6, 6),
+        token(11),
+        token(12),
+        token(13),
+        token(14),
+        finished(4),
+    ]));
+    let req = request("Hello", r#", "edgesplit": {"handoff": "after"}"#);
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    let evs = events(started).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, P), (12, P), (13, P), (14, P)]);
+    assert!(
+        evs.iter().any(|e| matches!(e, Event::Fallback { .. })),
+        "{evs:?}"
+    );
+    finished_last(&evs);
+    let resumed = &n.prefill.generate.requests()[0];
+    assert_eq!(resumed.resume_tokens, [10]);
+    assert_eq!(resumed.max_tokens, 4);
+    assert!(resumed.handoff.is_none());
+}
+
+/// The decode node dies after the live switch, mid-answer: the prefill node goes on after
+/// every token the client was sent, none twice, none lost.
+#[tokio::test]
+async fn the_decode_node_dying_after_the_switch_is_finished_on_the_prefill_node() {
+    let n = pair(true);
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 6), live_token(11), switched(2)]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(12), Step::Fail(unavailable())]));
+    n.prefill.generate.then(Ok(vec![
+        prefilled(8, 8),
+        token(13),
+        token(14),
+        token(15),
+        finished(3),
+    ]));
+    let req = request("Hello", "");
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    let evs = events(started).await;
+    assert_eq!(
+        tokens(&evs),
+        [(10, P), (11, P), (12, D), (13, P), (14, P), (15, P)]
+    );
+    finished_last(&evs);
+    let resumed = &n.prefill.generate.requests()[0];
+    assert_eq!(resumed.resume_tokens, [10, 11, 12]);
+    assert_eq!(resumed.max_tokens, 3);
+}
+
+/// Without the fallback, the same death ends the answer with the error after the tokens
+/// sent.
+#[tokio::test]
+async fn without_the_fallback_a_dead_decode_node_ends_the_answer_with_its_error() {
+    let n = pair(false);
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 6), live_token(11), switched(2)]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(12), Step::Fail(unavailable())]));
+    let req = request("Hello", "");
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    let evs = events(started).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, P), (12, D)]);
+    assert!(matches!(evs.last(), Some(Event::Error(_))), "{evs:?}");
+    assert!(n.prefill.generate.requests().is_empty());
+}
+
+/// A frozen decode node (its stream open, silent) is found by the idle bound and the
+/// answer finished on the prefill node.
+#[tokio::test(start_paused = true)]
+async fn a_frozen_decode_node_is_found_by_the_idle_bound() {
+    let n = pair(true);
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 3), live_token(11), switched(2)]));
+    n.decode.generate.then(Ok(vec![Step::Hang]));
+    n.prefill
+        .generate
+        .then(Ok(vec![prefilled(7, 7), token(12), finished(1)]));
+    let req = request("Hello", "");
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    let evs = events(started).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, P), (12, P)]);
+    let cause = evs.iter().find_map(|e| match e {
+        Event::Fallback { cause } => Some(cause.clone()),
+        _ => None,
+    });
+    assert_eq!(cause.as_deref(), Some("timeout"));
+}
+
+/// The phone asked for by name but gone: a named transport is not moved, the client gets
+/// the decode node's unavailability; under `auto`'s choice of the phone, the prefill node
+/// answers instead and says so.
+#[tokio::test]
+async fn a_phone_asked_for_but_gone_is_refused_and_auto_answers_on_the_prefill_node() {
+    let n = pair(true);
+    n.decode.local.then(Err(unavailable()));
+    let req = request("Hello", "");
+    let e = n
+        .backend
+        .start(&req, Transport::Phone, "r1")
+        .await
+        .unwrap_err();
+    assert!(e.is(RouterCode::DecodeUnavailable), "{e:?}");
+    assert!(n.prefill.generate.requests().is_empty());
+
+    // `auto` chose the phone (the route it runs), which is gone.
+    n.decode.local.then(Err(unavailable()));
+    n.prefill
+        .generate
+        .then(Ok(vec![prefilled(5, 0), token(20), finished(1)]));
+    let started = n
+        .backend
+        .run_chosen(&req, super::Route::Phone, "r2")
+        .await
+        .unwrap();
+    assert_eq!(started.transport, Transport::Phone);
+    let evs = events(started).await;
+    assert_eq!(
+        evs.first(),
+        Some(&Event::Fallback {
+            cause: "decode_unavailable".into()
+        })
+    );
+    assert_eq!(tokens(&evs), [(20, P)]);
+}
+
+/// A conversation the decode node ended goes on there (only the new part prefilled on the
+/// phone); once the phone has evicted it, the next turn is split whole and the router
+/// forgets it, so the turn after does not ask the phone first.
+#[tokio::test]
+async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole() {
+    let n = pair(true);
+    let after = r#", "edgesplit": {"handoff": "after"}"#;
+    // Turn 1: split; the decode node writes the answer and holds it.
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 3), handed_off()]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(11), token(12), finished(2)]));
+    let turn1 = request("Hello", after);
+    let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
+    assert_eq!(
+        n.backend.held(&turn1),
+        None,
+        "a new prompt continues nothing"
+    );
+
+    // Turn 2 continues it: the decode node prefills the new part itself.
+    let turn2_prompt = "Hello t10 t11 t12 And then?";
+    let turn2 = request(turn2_prompt, after);
+    assert_eq!(n.backend.held(&turn2), Some(7), "5 prompt + 3 answer - 1");
+    n.decode.local.then(Ok(vec![
+        prefilled(12, 7),
+        token(30),
+        token(31),
+        finished(2),
+    ]));
+    let started = n.backend.start(&turn2, Transport::V2, "t2").await.unwrap();
+    assert_eq!(started.placement, PrefilledOn::DecodeNode);
+    let evs = events(started).await;
+    assert_eq!(tokens(&evs), [(30, D), (31, D)]);
+    let asked = &n.decode.local.requests()[0];
+    assert!(asked.max_uncached.is_some(), "bounded by what pays");
+    assert_eq!(n.prefill.prefill.requests().len(), 1, "nothing split");
+
+    // Turn 3 (live, which would ship only a tail after a prefix the phone holds): the
+    // phone evicted it meanwhile; split whole, the conversation forgotten.
+    let turn3 = request(&format!("{turn2_prompt} t30 t31 Again?"), "");
+    assert_eq!(n.backend.held(&turn3), Some(13), "turn 2's 12 + 2 - 1");
+    n.decode.local.then(Err(status(
+        Code::FailedPrecondition,
+        ErrorCode::NotCached,
+        "the conversation is not cached here",
+    )));
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(40, 20, 2), switched(1)]));
+    n.decode.generate.then(Ok(vec![token(41), finished(1)]));
+    let started = n.backend.start(&turn3, Transport::V2, "t3").await.unwrap();
+    assert_eq!(started.placement, PrefilledOn::PrefillNode);
+    let evs = events(started).await;
+    assert_eq!(tokens(&evs), [(40, P), (41, D)]);
+    let split = n.prefill.prefill.requests();
+    assert_eq!(split.len(), 2);
+    assert_eq!(split[1].handoff.as_ref().unwrap().base_max, 0, "whole");
+    // Turn 3's own answer is now held; what turn 2 held is not.
+    let turn2_again = request(&format!("{turn2_prompt} t30 t31 Other?"), after);
+    assert_eq!(n.backend.held(&turn2_again), None);
+}
+
+/// An `Info` that fails: a split request is answered on the prefill node under the
+/// fallback policy (the cause named, nothing prefilled for a handoff), else refused with
+/// the decode node's unavailability before any prefill.
+#[tokio::test]
+async fn a_failing_info_answers_on_the_prefill_node_or_refuses() {
+    for fallback in [true, false] {
+        let n = pair(fallback);
+        n.decode.info.set(Err(unavailable()));
+        n.prefill
+            .generate
+            .then(Ok(vec![prefilled(5, 0), token(20), finished(1)]));
+        let req = request("Hello", "");
+        let started = n.backend.start(&req, Transport::V2, "r1").await;
+        assert!(n.prefill.prefill.requests().is_empty(), "no split prefill");
+        if fallback {
+            let evs = events(started.unwrap()).await;
+            assert_eq!(
+                evs.first(),
+                Some(&Event::Fallback {
+                    cause: "decode_unavailable".into()
+                })
+            );
+            assert_eq!(tokens(&evs), [(20, P)]);
+        } else {
+            let e = started.unwrap_err();
+            assert!(e.is(RouterCode::DecodeUnavailable), "{e:?}");
+            assert!(n.prefill.generate.requests().is_empty());
+        }
+    }
+}
