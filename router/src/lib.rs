@@ -13,6 +13,7 @@ pub mod error;
 pub mod estimate;
 pub mod metrics;
 mod node_json;
+pub mod openai;
 pub mod placement;
 pub mod recent;
 pub mod respond;

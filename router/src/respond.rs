@@ -5,12 +5,16 @@
 use std::time::Instant;
 
 use edgesplit_proto::pb;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::api::{Endpoint, Transport};
 use crate::backend::{Event, FinishReason, Node};
 use crate::error::ApiError;
 use crate::metrics::RequestObserver;
+use crate::openai::{
+    Body, ChatChoice, ChatDelta, Delta, Edgesplit, Logprobs, Message, PromptTokensDetails,
+    TextChoice, TokenLogprob, ToolCall, Usage,
+};
 pub use crate::recent::Timing;
 use crate::recent::{RecentAnswer, Status};
 use crate::text::TextAssembler;
@@ -329,33 +333,40 @@ impl Answer {
 
     /// The `usage` object.
     #[must_use]
-    pub fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.timing.cached_tokens.unwrap_or(0)},
-        })
+    pub fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.timing.cached_tokens.unwrap_or(0),
+            },
+        }
     }
 
-    /// The `edgesplit` extension object.
+    /// The `edgesplit` extension object, built when the answer ends: its end from the
+    /// request's arrival, and for an `auto` answer from its admission (what
+    /// `predicted_ms` predicts).
+    #[must_use]
+    pub fn edgesplit(&self) -> Edgesplit<'_> {
+        Edgesplit {
+            timing: Timing {
+                actual_ms: self.actual_ms(),
+                ..self.timing.clone()
+            },
+            request_id: &self.meta.request_id,
+            transport: self.meta.transport.as_str(),
+            seed: self.meta.seed,
+            decode_tokens_per_s: self.decode_tps(),
+            e2e_ms: self.meta.received.elapsed().as_secs_f64() * 1000.0,
+            token_ids: self.meta.return_token_ids.then_some(&self.token_ids[..]),
+        }
+    }
+
+    /// [`Answer::edgesplit`] as JSON.
     #[must_use]
     pub fn timing_json(&self) -> Value {
-        // The timing fields under the same names as the recent-answers entry's (one
-        // `Serialize` for both), plus what only the response carries.
-        let mut v = serde_json::to_value(&self.timing).unwrap_or_else(|_| json!({}));
-        v["request_id"] = json!(self.meta.request_id);
-        v["transport"] = json!(self.meta.transport.as_str());
-        v["seed"] = json!(self.meta.seed);
-        v["decode_tokens_per_s"] = json!(self.decode_tps());
-        // Built when the answer ends: its end from the request's arrival, and for an
-        // `auto` answer from its admission (what `predicted_ms` predicts).
-        v["e2e_ms"] = json!(self.meta.received.elapsed().as_secs_f64() * 1000.0);
-        v["actual_ms"] = json!(self.actual_ms());
-        if self.meta.return_token_ids {
-            v["token_ids"] = json!(self.token_ids);
-        }
-        v
+        to_json(&self.edgesplit())
     }
 
     fn finish_str(&self) -> &'static str {
@@ -365,117 +376,145 @@ impl Answer {
     /// The non-streaming response body for the full `text`.
     #[must_use]
     pub fn full_response(&self, text: &str) -> Value {
-        let mut message = json!({"role": "assistant", "content": text});
-        if !self.calls.is_empty() {
-            // As OpenAI: the calls, and content only where the model said something first.
-            let said = text.trim();
-            message["content"] = if said.is_empty() {
-                Value::Null
-            } else {
-                json!(said)
-            };
-            message["tool_calls"] = self
-                .calls
-                .iter()
-                .map(|c| tools::call_json(c, None))
-                .collect();
+        let logprobs = self.logprobs_of(&self.logprobs);
+        let finish_reason = self.finish_str();
+        match self.meta.endpoint {
+            Endpoint::Chat => {
+                let message = if self.calls.is_empty() {
+                    Message {
+                        role: "assistant",
+                        content: Some(text.to_string()),
+                        tool_calls: None,
+                    }
+                } else {
+                    // As OpenAI: the calls, and content only where the model said
+                    // something first.
+                    let said = text.trim();
+                    Message {
+                        role: "assistant",
+                        content: (!said.is_empty()).then(|| said.to_string()),
+                        tool_calls: Some(
+                            self.calls.iter().map(|c| ToolCall::of(c, None)).collect(),
+                        ),
+                    }
+                };
+                let choice = ChatChoice {
+                    index: 0,
+                    message,
+                    logprobs,
+                    finish_reason,
+                };
+                to_json(&self.whole("chat.completion", choice))
+            }
+            Endpoint::Completion => {
+                let choice = TextChoice {
+                    index: 0,
+                    text: text.to_string(),
+                    logprobs,
+                    finish_reason: Some(finish_reason),
+                };
+                to_json(&self.whole("text_completion", choice))
+            }
         }
-        let choice = match self.meta.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": message,
-                "logprobs": self.logprobs_json(&self.logprobs),
-                "finish_reason": self.finish_str(),
-            }),
-            Endpoint::Completion => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": self.logprobs_json(&self.logprobs),
-                "finish_reason": self.finish_str(),
-            }),
-        };
-        json!({
-            "id": self.meta.id,
-            "object": match self.meta.endpoint {
-                Endpoint::Chat => "chat.completion",
-                Endpoint::Completion => "text_completion",
-            },
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [choice],
-            "usage": self.usage(),
-            "edgesplit": self.timing_json(),
-        })
     }
 
-    fn chunk(&self, choices: Value) -> Value {
-        json!({
-            "id": self.meta.id,
-            "object": match self.meta.endpoint {
-                Endpoint::Chat => "chat.completion.chunk",
-                Endpoint::Completion => "text_completion",
-            },
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": choices,
-        })
+    /// A whole response of one `choice`, with its usage and `edgesplit` object.
+    fn whole<C>(&self, object: &'static str, choice: C) -> Body<'_, C> {
+        Body {
+            usage: Some(self.usage()),
+            edgesplit: Some(self.edgesplit()),
+            ..self.chunk_of(vec![choice], object)
+        }
+    }
+
+    /// A chunk of `choices`.
+    fn chunk_of<C>(&self, choices: Vec<C>, object: &'static str) -> Body<'_, C> {
+        Body {
+            id: &self.meta.id,
+            object,
+            created: self.meta.created,
+            model: &self.meta.model,
+            choices,
+            usage: None,
+            edgesplit: None,
+        }
+    }
+
+    /// A chat chunk of one choice.
+    fn chat_chunk<'a>(&'a self, choice: ChatDelta<'a>) -> Body<'a, ChatDelta<'a>> {
+        self.chunk_of(vec![choice], "chat.completion.chunk")
+    }
+
+    /// A completions chunk of one choice.
+    fn text_chunk_of(&self, choice: TextChoice) -> Body<'_, TextChoice> {
+        self.chunk_of(vec![choice], "text_completion")
     }
 
     /// The first SSE chunk (chat: the role).
     #[must_use]
     pub fn role_chunk(&self) -> Option<Value> {
         match self.meta.endpoint {
-            Endpoint::Chat => Some(self.chunk(json!([{
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": null,
-                "finish_reason": null,
-            }]))),
+            Endpoint::Chat => Some(to_json(&self.chat_chunk(ChatDelta {
+                index: 0,
+                delta: Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    tool_calls: None,
+                },
+                logprobs: None,
+                finish_reason: None,
+            }))),
             Endpoint::Completion => None,
         }
     }
 
-    /// The `logprobs` of a choice for `entries` in the endpoint's shape; null when the
-    /// request did not ask. Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
-    /// completions: `{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}]}`.
-    fn logprobs_json(&self, entries: &[(Vec<u8>, pb::TokenLogprobs)]) -> Value {
+    /// The `logprobs` of a choice for `entries` in the endpoint's shape; `None` (null)
+    /// when the request did not ask.
+    fn logprobs_of(&self, entries: &[(Vec<u8>, pb::TokenLogprobs)]) -> Option<Logprobs> {
         if !self.meta.logprobs {
-            return Value::Null;
+            return None;
         }
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        match self.meta.endpoint {
+        Some(match self.meta.endpoint {
             Endpoint::Chat => {
-                let one = |bytes: &[u8], logprob: f32| json!({"token": text(bytes), "logprob": logprob, "bytes": bytes});
-                let content: Vec<Value> = entries
-                    .iter()
-                    .map(|(bytes, lp)| {
-                        let mut e = one(bytes, lp.logprob);
-                        e["top_logprobs"] =
-                            lp.top.iter().map(|t| one(&t.piece, t.logprob)).collect();
-                        e
-                    })
-                    .collect();
-                json!({"content": content, "refusal": null})
+                let one = |bytes: &[u8], logprob: f32| TokenLogprob {
+                    token: text(bytes),
+                    logprob,
+                    bytes: bytes.to_vec(),
+                    top_logprobs: None,
+                };
+                Logprobs::Chat {
+                    content: entries
+                        .iter()
+                        .map(|(bytes, lp)| TokenLogprob {
+                            top_logprobs: Some(
+                                lp.top.iter().map(|t| one(&t.piece, t.logprob)).collect(),
+                            ),
+                            ..one(bytes, lp.logprob)
+                        })
+                        .collect(),
+                    refusal: None,
+                }
             }
-            Endpoint::Completion => json!({
-                "tokens": entries.iter().map(|(b, _)| text(b)).collect::<Vec<_>>(),
-                "token_logprobs": entries.iter().map(|(_, lp)| lp.logprob).collect::<Vec<_>>(),
-                "top_logprobs": entries
+            Endpoint::Completion => Logprobs::Completion {
+                tokens: entries.iter().map(|(b, _)| text(b)).collect(),
+                token_logprobs: entries.iter().map(|(_, lp)| lp.logprob).collect(),
+                top_logprobs: entries
                     .iter()
                     .map(|(_, lp)| {
                         lp.top
                             .iter()
-                            .map(|t| (text(&t.piece), json!(t.logprob)))
-                            .collect::<serde_json::Map<_, _>>()
+                            .map(|t| (text(&t.piece), Value::from(t.logprob)))
+                            .collect()
                     })
-                    .collect::<Vec<_>>(),
-            }),
-        }
+                    .collect(),
+            },
+        })
     }
 
     /// The log-probabilities no chunk has carried yet, in the endpoint's shape.
-    fn unsent_logprobs(&mut self) -> Value {
-        let v = self.logprobs_json(&self.logprobs[self.logprobs_sent..]);
+    fn unsent_logprobs(&mut self) -> Option<Logprobs> {
+        let v = self.logprobs_of(&self.logprobs[self.logprobs_sent..]);
         self.logprobs_sent = self.logprobs.len();
         v
     }
@@ -486,18 +525,21 @@ impl Answer {
     pub fn text_chunk(&mut self, text: &str) -> Value {
         let logprobs = self.unsent_logprobs();
         match self.meta.endpoint {
-            Endpoint::Chat => self.chunk(json!([{
-                "index": 0,
-                "delta": {"content": text},
-                "logprobs": logprobs,
-                "finish_reason": null,
-            }])),
-            Endpoint::Completion => self.chunk(json!([{
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": null,
-            }])),
+            Endpoint::Chat => to_json(&self.chat_chunk(ChatDelta {
+                index: 0,
+                delta: Delta {
+                    content: Some(text.to_string()),
+                    ..Delta::default()
+                },
+                logprobs,
+                finish_reason: None,
+            })),
+            Endpoint::Completion => to_json(&self.text_chunk_of(TextChoice {
+                index: 0,
+                text: text.to_string(),
+                logprobs,
+                finish_reason: None,
+            })),
         }
     }
 
@@ -508,42 +550,82 @@ impl Answer {
         if !self.calls.is_empty() {
             // Each call whole in one delta (OpenAI streams the arguments in pieces; a
             // client joins the pieces, so one piece is the same call).
-            let calls: Vec<Value> = self
+            let logprobs = self.unsent_logprobs();
+            let calls: Vec<ToolCall> = self
                 .calls
                 .iter()
                 .enumerate()
-                .map(|(i, c)| tools::call_json(c, Some(i)))
+                .map(|(i, c)| ToolCall::of(c, Some(i)))
                 .collect();
-            let logprobs = self.unsent_logprobs();
-            out.push(self.chunk(json!([{
-                "index": 0, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": null,
-            }])));
+            out.push(to_json(&self.chat_chunk(ChatDelta {
+                index: 0,
+                delta: Delta {
+                    tool_calls: Some(calls),
+                    ..Delta::default()
+                },
+                logprobs,
+                finish_reason: None,
+            })));
         }
         let logprobs = self.unsent_logprobs();
-        let choice = match self.meta.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": self.finish_str(),
-            }),
-            Endpoint::Completion => json!({
-                "index": 0, "text": "", "logprobs": logprobs, "finish_reason": self.finish_str(),
-            }),
+        let finish_reason = Some(self.finish_str());
+        let (finish, usage) = match self.meta.endpoint {
+            Endpoint::Chat => self.finish_and_usage(
+                ChatDelta {
+                    index: 0,
+                    delta: Delta::default(),
+                    logprobs,
+                    finish_reason,
+                },
+                "chat.completion.chunk",
+            ),
+            Endpoint::Completion => self.finish_and_usage(
+                TextChoice {
+                    index: 0,
+                    text: String::new(),
+                    logprobs,
+                    finish_reason,
+                },
+                "text_completion",
+            ),
         };
-        let mut finish = self.chunk(json!([choice]));
-        finish["edgesplit"] = self.timing_json();
         out.push(finish);
         if self.meta.include_usage {
-            let mut usage = self.chunk(json!([]));
-            usage["usage"] = self.usage();
-            usage["edgesplit"] = self.timing_json();
             out.push(usage);
         }
         out
     }
+
+    /// The finish chunk (the last `choice`, with the `edgesplit` object) and the usage
+    /// chunk (no choice, the usage and the `edgesplit` object).
+    fn finish_and_usage<C: serde::Serialize>(
+        &self,
+        choice: C,
+        object: &'static str,
+    ) -> (Value, Value) {
+        let finish = Body {
+            edgesplit: Some(self.edgesplit()),
+            ..self.chunk_of(vec![choice], object)
+        };
+        let usage: Body<'_, C> = Body {
+            usage: Some(self.usage()),
+            edgesplit: Some(self.edgesplit()),
+            ..self.chunk_of(Vec::new(), object)
+        };
+        (to_json(&finish), to_json(&usage))
+    }
+}
+
+/// A response shape as JSON (its types serialize infallibly: strings, numbers, maps with
+/// string keys).
+fn to_json<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn answer(endpoint: Endpoint, include_usage: bool, stops: Vec<String>) -> Answer {
         Answer::new(
@@ -626,7 +708,7 @@ mod tests {
             Step::Done(String::new())
         );
         assert_eq!(
-            a.usage(),
+            to_json(&a.usage()),
             json!({"prompt_tokens":5,"completion_tokens":3,"total_tokens":8,
                    "prompt_tokens_details":{"cached_tokens":0}})
         );

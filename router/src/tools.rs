@@ -312,17 +312,6 @@ impl Tools {
     }
 }
 
-/// A call as OpenAI returns it (`message.tool_calls[i]`; streamed with its `index`).
-#[must_use]
-pub fn call_json(call: &Call, index: Option<usize>) -> Value {
-    let mut v = json!({"id": call.id, "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments}});
-    if let Some(i) = index {
-        v["index"] = json!(i);
-    }
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
