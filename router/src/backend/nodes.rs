@@ -24,16 +24,27 @@ pub(super) struct Learned {
 /// Both nodes' `Info` answers, prefill first.
 pub type HealthInfos = (Result<pb::NodeInfo, Failure>, Result<pb::NodeInfo, Failure>);
 
-/// The nodes' last `Info` answers, and when the prefill node's came: what a request reads
-/// of the nodes without asking them.
+/// A node's last `Info` answer, and when it came.
+type LastInfo = std::sync::Mutex<Option<(std::time::Instant, pb::NodeInfo)>>;
+
+/// The nodes' last `Info` answers: what a request reads of the nodes without asking them.
 #[derive(Debug, Default)]
 pub(super) struct Known {
-    prefill: std::sync::Mutex<Option<(std::time::Instant, pb::NodeInfo)>>,
-    decode: std::sync::Mutex<Option<pb::NodeInfo>>,
+    prefill: LastInfo,
+    decode: LastInfo,
 }
 
 fn guard<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A node's `Info` call answered: kept in `last` as its last known one (the result passed
+/// on).
+fn answered(last: &LastInfo, info: Result<pb::NodeInfo, Failure>) -> Result<pb::NodeInfo, Failure> {
+    if let Ok(i) = &info {
+        *guard(last) = Some((std::time::Instant::now(), i.clone()));
+    }
+    info
 }
 
 impl Known {
@@ -52,28 +63,7 @@ impl Known {
 
     /// The decode node's last `Info`.
     pub(super) fn decode(&self) -> Option<pb::NodeInfo> {
-        guard(&self.decode).clone()
-    }
-
-    /// A node's `Info` call answered: kept as its last known one (the result passed on).
-    fn prefill_answered(
-        &self,
-        info: Result<pb::NodeInfo, Failure>,
-    ) -> Result<pb::NodeInfo, Failure> {
-        if let Ok(i) = &info {
-            *guard(&self.prefill) = Some((std::time::Instant::now(), i.clone()));
-        }
-        info
-    }
-
-    fn decode_answered(
-        &self,
-        info: Result<pb::NodeInfo, Failure>,
-    ) -> Result<pb::NodeInfo, Failure> {
-        if let Ok(i) = &info {
-            *guard(&self.decode) = Some(i.clone());
-        }
-        info
+        guard(&self.decode).as_ref().map(|(_, i)| i.clone())
     }
 
     /// KV bytes per token of the decode node's model, as its last `Info` said (0 before it
@@ -81,14 +71,14 @@ impl Known {
     pub(super) fn decode_kv_bytes_per_token(&self) -> u64 {
         guard(&self.decode)
             .as_ref()
-            .map_or(0, |i| i.kv_bytes_per_token)
+            .map_or(0, |(_, i)| i.kv_bytes_per_token)
     }
 
     /// A field of each node's last `Info`, prefill first (`None` where a node has not
     /// answered, or `f` says nothing).
     fn both<T>(&self, f: impl Fn(&pb::NodeInfo) -> Option<T>) -> (Option<T>, Option<T>) {
         let prefill = guard(&self.prefill).as_ref().and_then(|(_, i)| f(i));
-        let decode = guard(&self.decode).as_ref().and_then(&f);
+        let decode = guard(&self.decode).as_ref().and_then(|(_, i)| f(i));
         (prefill, decode)
     }
 }
@@ -140,7 +130,7 @@ impl Backend {
                 "the prefill node",
             )
             .await;
-        self.known.prefill_answered(info)
+        answered(&self.known.prefill, info)
     }
 
     /// The prefill node's `Info` for a request: the last answer while it is younger than
@@ -237,7 +227,7 @@ impl Backend {
             let ms = asked.elapsed().as_secs_f64() * 1000.0;
             lock(&self.learned).rates.round_trip(ms);
         }
-        self.known.decode_answered(info)
+        answered(&self.known.decode, info)
     }
 
     pub(super) async fn info_within(
