@@ -203,6 +203,8 @@ fn binary(name: &str) -> anyhow::Result<PathBuf> {
 
 /// Starts `program` (a binary, or a launcher and its binary) with `args`, logging JSON lines
 /// to `log`, with the stack's `secret` and a memory `budget` (`EDGESPLIT_MEM_BUDGET_BYTES`).
+/// The services log at `info`, or at the filter `EDGESPLIT_STACK_LOG` holds (for example
+/// `info,h2=trace` to follow a connection's frames).
 fn spawn(
     program: &[PathBuf],
     args: &[String],
@@ -223,7 +225,10 @@ fn spawn(
     };
     cmd.env_remove("EDGESPLIT_SECRET_FILE")
         .env("EDGESPLIT_LOG_FORMAT", "json")
-        .env("RUST_LOG", "info")
+        .env(
+            "RUST_LOG",
+            std::env::var("EDGESPLIT_STACK_LOG").unwrap_or_else(|_| "info".into()),
+        )
         .args(args)
         .stdout(Stdio::null())
         .stderr(file)

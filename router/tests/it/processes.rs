@@ -412,7 +412,15 @@ async fn sigterm_drains_the_decode_node() {
     let _one = ONE_AT_A_TIME.lock().await;
     // A drain long enough: the answer in flight ends on the decode node itself, a new
     // request meanwhile is served through the fallback, and then the node exits.
-    let mut t = start_three("ddrain", &["--drain-timeout-s", "30"], &[], None).await;
+    // No probes: the signal waits on the decode node's Info, which would count the
+    // calibration's sequence as the answer's.
+    let mut t = start_three(
+        "ddrain",
+        &["--drain-timeout-s", "30"],
+        &["--no-probes"],
+        None,
+    )
+    .await;
     let want = local_story(&t, 60).await;
     let gone = watch_exit(&t.decode_process);
     // The first token comes from the prefill node before the decode node has the
@@ -488,10 +496,12 @@ async fn a_draining_decode_node_takes_the_handoff_an_answer_awaits() {
     // A proxy holds the handoff for 1.5 s. SIGTERM comes while the decode node's
     // `Generate` call waits for it: the client already has its first token, so the answer
     // is in flight, and the draining node takes its handoff and writes it.
+    // No probes: a calibration's handoff waits on the node as this answer's does, and
+    // the signal must come while the answer's own `Generate` waits.
     let mut t = start_three(
         "dawait",
         &["--drain-timeout-s", "30"],
-        &[],
+        &["--no-probes"],
         Some(common::delaying),
     )
     .await;
