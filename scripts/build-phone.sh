@@ -93,7 +93,6 @@ RUSTC=/usr/bin/rustc \
     CMAKE_TOOLCHAIN_FILE_aarch64_unknown_linux_musl="$OUT/toolchain.cmake" \
     BINDGEN_EXTRA_CLANG_ARGS_aarch64_unknown_linux_musl="-nostdlibinc -isystem $ZIG_LIB/libc/include/aarch64-linux-musl -isystem $ZIG_LIB/libc/include/generic-musl -isystem $ZIG_LIB/libc/include/any-linux-any" \
     GGML_CPU_ARM_ARCH="$ARCH" \
-    EDGESPLIT_TOOLCHAIN="zig $ZIG_VERSION, musl" \
     CARGO_PROFILE_RELEASE_DEBUG=false \
     /usr/bin/cargo build --release --target "$TARGET" --target-dir "$OUT" \
     -Zbuild-std=std,panic_abort -p edgesplit-decode --bins >&2

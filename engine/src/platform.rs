@@ -18,18 +18,23 @@ pub const BINDINGS: &str = "llama-cpp-sys-2 0.1.161";
 const NUMERIC_OPTIONS: [&str; 3] = ["LLAMAFILE", "KLEIDIAI", "REPACK"];
 /// ggml CPU features that change nothing computed (threading).
 const NEUTRAL: [&str; 1] = ["OPENMP"];
-/// Whether ggml's flash attention splits one query's cells among threads. The vendored
-/// llama.cpp never does (patches/ggml-cpu-fa-no-split-kv.patch), so a decode step's sums
-/// follow neither the thread count nor where the cells sit; it reports `off`. Named in the
-/// build id, `per-thread` where the feature is absent (a stock ggml: answers that follow
-/// `--threads` past 512 cells).
-const FA_SPLIT_KV: &str = "FA_SPLIT_KV";
+/// The vendored llama.cpp's own switches (patches/), each named in the build id with its
+/// value, or with what a stock ggml does where the feature is absent:
+/// - `FA_SPLIT_KV`: whether flash attention splits one query's cells among threads. The
+///   vendored ggml never does (ggml-cpu-fa-no-split-kv.patch), so a decode step's sums follow
+///   neither the thread count nor where the cells sit: `off`. A stock ggml: `per-thread`
+///   (answers that follow `--threads` past 512 cells).
+/// - `MATH`: how the kernels' float functions are computed. The vendored llama.cpp takes
+///   them from the double functions, rounded, and fuses no multiply-add the source does not
+///   write (llama-cpp-det-math.patch), so glibc and musl builds, GCC and Clang ones, round
+///   alike: `det`. A stock one: `libm` (the C library's float functions).
+const SWITCHES: [(&str, &str); 2] = [("FA_SPLIT_KV", "per-thread"), ("MATH", "libm")];
 
 /// This build and the device it runs on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Platform {
     /// What a handoff peer must share: `llama-cpp-sys-2 0.1.161, ggml 0.26.0, LLAMAFILE on,
-    /// KLEIDIAI off, REPACK off, FA_SPLIT_KV off`.
+    /// KLEIDIAI off, REPACK off, FA_SPLIT_KV off, MATH det`.
     pub build_id: String,
     /// The CPU architecture (`x86_64`, `aarch64`).
     pub arch: String,
@@ -88,17 +93,7 @@ pub(crate) fn read() -> Platform {
     // bindings version pins the commit.
     // SAFETY: a static string.
     let version = unsafe { text(sys::ggml_version()) };
-    let mut platform = describe(&version, &backends());
-    // The C toolchain, where a build script names one other than the platform's usual
-    // (scripts/build-phone.sh: Zig's clang and musl): another compiler and libm round some
-    // sums otherwise, so the same kernels built by another toolchain are not counted as
-    // computing alike (measured: docs/BENCHMARKS.md, "The phone's static file").
-    if let Some(toolchain) = option_env!("EDGESPLIT_TOOLCHAIN") {
-        platform
-            .kernels
-            .push_str(&format!("; built by {toolchain}"));
-    }
-    platform
+    describe(&version, &backends())
 }
 
 /// The platform from what ggml reports (apart, for tests).
@@ -109,10 +104,12 @@ fn describe(version: &str, backends: &[Backend]) -> Platform {
     for o in NUMERIC_OPTIONS {
         build_id.push_str(&format!(", {o} {}", if has(o) { "on" } else { "off" }));
     }
-    let split = cpu
-        .and_then(|b| b.features.iter().find(|(n, _)| n == FA_SPLIT_KV))
-        .map_or("per-thread", |(_, v)| v.as_str());
-    build_id.push_str(&format!(", {FA_SPLIT_KV} {split}"));
+    for (switch, stock) in SWITCHES {
+        let value = cpu
+            .and_then(|b| b.features.iter().find(|(n, _)| n == switch))
+            .map_or(stock, |(_, v)| v.as_str());
+        build_id.push_str(&format!(", {switch} {value}"));
+    }
     let mut kernels = Vec::new();
     for b in backends.iter().filter(|b| b.name != "RPC") {
         if b.name != "CPU" {
@@ -125,7 +122,7 @@ fn describe(version: &str, backends: &[Backend]) -> Platform {
             .filter(|(n, _)| {
                 !NUMERIC_OPTIONS.contains(&n.as_str())
                     && !NEUTRAL.contains(&n.as_str())
-                    && n != FA_SPLIT_KV
+                    && !SWITCHES.iter().any(|(s, _)| s == n)
             })
             .map(|(n, v)| {
                 if v == "1" {
@@ -169,6 +166,7 @@ mod tests {
                     ("LLAMAFILE", "1"),
                     ("OPENMP", "1"),
                     ("FA_SPLIT_KV", "off"),
+                    ("MATH", "det"),
                 ],
             ),
             backend("RPC", &[]),
@@ -182,6 +180,7 @@ mod tests {
                     ("SVE_CNT", "16"),
                     ("LLAMAFILE", "1"),
                     ("FA_SPLIT_KV", "off"),
+                    ("MATH", "det"),
                 ],
             ),
             backend("RPC", &[]),
@@ -191,7 +190,7 @@ mod tests {
         assert_eq!(
             a.build_id,
             "llama-cpp-sys-2 0.1.161, ggml 0.26.0, LLAMAFILE on, KLEIDIAI off, REPACK off, \
-             FA_SPLIT_KV off"
+             FA_SPLIT_KV off, MATH det"
         );
         // Another CPU is the same build; its kernels differ and are reported.
         assert_eq!(a.build_id, b.build_id);
@@ -203,10 +202,11 @@ mod tests {
             &[("AVX2", "1"), ("LLAMAFILE", "1"), ("REPACK", "1")],
         )];
         assert!(describe("0.26.0", &repack).build_id.contains("REPACK on"));
-        // A stock ggml (its split-KV chunks follow the thread count) is another build.
+        // A stock ggml (its split-KV chunks follow the thread count, its float functions
+        // the C library's) is another build.
         assert!(describe("0.26.0", &repack)
             .build_id
-            .ends_with("FA_SPLIT_KV per-thread"));
+            .ends_with("FA_SPLIT_KV per-thread, MATH libm"));
         assert_ne!(describe("0.27.0", &x86).build_id, a.build_id);
         // Another backend is named before the CPU's kernels.
         let cuda = [

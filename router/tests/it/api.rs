@@ -274,7 +274,7 @@ async fn models_and_health() {
         let build = n["build_id"].as_str().unwrap();
         assert!(
             build.starts_with("llama-cpp-sys-2 0.1.161, ggml ")
-                && build.ends_with("REPACK off, FA_SPLIT_KV off"),
+                && build.ends_with("REPACK off, FA_SPLIT_KV off, MATH det"),
             "{n}"
         );
         assert_eq!(n["arch"], std::env::consts::ARCH, "{n}");

@@ -125,9 +125,7 @@ async fn the_static_aarch64_decode_node_serves_from_an_empty_root() {
     assert!(
         h["decode"]["kernels"]
             .as_str()
-            .is_some_and(|k| k.starts_with("CPU: NEON")
-                && k.contains("DOTPROD")
-                && k.ends_with("; built by zig 0.17.1, musl")),
+            .is_some_and(|k| k.starts_with("CPU: NEON") && k.contains("DOTPROD")),
         "{h}"
     );
     // Another architecture, the same build.

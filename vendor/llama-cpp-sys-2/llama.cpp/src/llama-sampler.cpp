@@ -6,6 +6,16 @@
 
 #include "ggml-cpp.h"
 
+#include <cmath>
+
+// EdgeSplit: the samplers' float functions by their double versions rounded to float, as
+// in ggml's CPU kernels (ggml-cpu/det-math.h): glibc's and musl's float functions give
+// other bits for many arguments.
+static inline float ggml_det_expf(float x) { return (float) std::exp((double) x); }
+static inline float ggml_det_logf(float x) { return (float) std::log((double) x); }
+static inline float ggml_det_log2f(float x) { return (float) std::log2((double) x); }
+static inline float ggml_det_powf(float x, float y) { return (float) std::pow((double) x, (double) y); }
+
 #include <array>
 #include <algorithm>
 #include <cassert>
@@ -251,13 +261,13 @@ static void llama_log_softmax(float * array, size_t size) {
     float max_l = *std::max_element(array, array + size);
     float sum = 0.f;
     for (size_t i = 0; i < size; ++i) {
-        float p = expf(array[i] - max_l);
+        float p = ggml_det_expf(array[i] - max_l);
         sum += p;
         array[i] = p;
     }
 
     for (size_t i = 0; i < size; ++i) {
-        array[i] = logf(array[i] / sum);
+        array[i] = ggml_det_logf(array[i] / sum);
     }
 }
 */
@@ -308,7 +318,7 @@ static void llama_sampler_softmax_impl(llama_token_data_array * cur_p, bool do_s
     float cum_sum = 0.0f;
 
     for (size_t i = 0; i < cur_p->size; ++i) {
-        float p = expf(cur_p->data[i].logit - max_l);
+        float p = ggml_det_expf(cur_p->data[i].logit - max_l);
         cur_p->data[i].p = p;
         cum_sum += p;
     }
@@ -1178,7 +1188,7 @@ static void llama_sampler_dist_apply(struct llama_sampler * smpl, llama_token_da
     // apply softmax to obtain the probabilities
     double sum_cum = 0.0f;
     for (size_t i = 0; i < cur_p->size; ++i) {
-        float p = expf(cur_p->data[i].logit - max_l);
+        float p = ggml_det_expf(cur_p->data[i].logit - max_l);
         cur_p->data[i].p = p;
         sum_cum += p;
     }
@@ -1763,7 +1773,7 @@ static void llama_sampler_min_p_apply(struct llama_sampler * smpl, llama_token_d
         for (size_t i = 0; i < cur_p->size; ++i) {
             max_logit = std::max(max_logit, cur_p->data[i].logit);
         }
-        const float min_logit = max_logit + logf(ctx->p); // min logit for p_i >= p * p_max
+        const float min_logit = max_logit + ggml_det_logf(ctx->p); // min logit for p_i >= p * p_max
 
         for (size_t i = 0; i < cur_p->size; ++i) {
             if (cur_p->data[i].logit >= min_logit) {
@@ -1786,7 +1796,7 @@ static void llama_sampler_min_p_apply(struct llama_sampler * smpl, llama_token_d
             llama_token_data_array_partial_sort_inplace(cur_p, cur_p->size);
         }
 
-        const float min_logit = cur_p->data[0].logit + logf(ctx->p); // min logit for p_i >= p * p_max
+        const float min_logit = cur_p->data[0].logit + ggml_det_logf(ctx->p); // min logit for p_i >= p * p_max
         size_t i = 1; // first token always matches
 
         for (; i < cur_p->size; ++i) {
@@ -1842,7 +1852,7 @@ static void llama_sampler_min_p_backend_apply(
     ggml_set_name(max_logit, "max_logit");
 
     // Calculate the threshold value.
-    struct ggml_tensor * threshold = ggml_scale_bias(ctx, max_logit, 1.0f, logf(sctx->p));
+    struct ggml_tensor * threshold = ggml_scale_bias(ctx, max_logit, 1.0f, ggml_det_logf(sctx->p));
     ggml_set_name(threshold, "min_p_threshold");
 
     // Subtract the threshold from logits.
@@ -1921,13 +1931,13 @@ static void llama_sampler_typical_apply(struct llama_sampler * smpl, llama_token
 
     float entropy = 0.0f;
     for (size_t i = 0; i < cur_p->size; ++i) {
-        entropy += -cur_p->data[i].p * logf(cur_p->data[i].p);
+        entropy += -cur_p->data[i].p * ggml_det_logf(cur_p->data[i].p);
     }
 
     // Compute the absolute difference between negative log probability and entropy for each candidate
     std::vector<float> shifted_scores;
     for (size_t i = 0; i < cur_p->size; ++i) {
-        float shifted_score = fabsf(-logf(cur_p->data[i].p) - entropy);
+        float shifted_score = fabsf(-ggml_det_logf(cur_p->data[i].p) - entropy);
         shifted_scores.push_back(shifted_score);
     }
 
@@ -2144,7 +2154,7 @@ static void llama_sampler_temp_ext_apply(struct llama_sampler * smpl, llama_toke
         }
 
         // Calculate maximum possible entropy
-        float max_entropy = -logf(1.0f / cur_p->size);
+        float max_entropy = -ggml_det_logf(1.0f / cur_p->size);
 
         llama_sampler_softmax_impl(cur_p, true);
 
@@ -2153,7 +2163,7 @@ static void llama_sampler_temp_ext_apply(struct llama_sampler * smpl, llama_toke
         for (size_t i = 0; i < cur_p->size; ++i) {
             float prob = cur_p->data[i].p;
             if (prob > 0.0f) { // Ensure no log(0)
-                entropy -= prob * logf(prob);
+                entropy -= prob * ggml_det_logf(prob);
             }
         }
 
@@ -2161,7 +2171,7 @@ static void llama_sampler_temp_ext_apply(struct llama_sampler * smpl, llama_toke
         float normalized_entropy = entropy / max_entropy;
 
         // Map the normalized entropy to the desired temperature range using the power function
-        float dyn_temp = min_temp + (max_temp - min_temp) * powf(normalized_entropy, exponent_val);
+        float dyn_temp = min_temp + (max_temp - min_temp) * ggml_det_powf(normalized_entropy, exponent_val);
 
     #ifdef DEBUG
         LLAMA_LOG_INFO("Your text maxtemp value is: %f\n", max_temp);
@@ -2242,7 +2252,7 @@ static void llama_sampler_temp_ext_backend_apply(
     // Calculate min_temp, max_temp, and max_entropy.
     const float min_temp    = std::max(0.0f, sctx->temp - sctx->delta);
     const float max_temp    = sctx->temp + sctx->delta;
-    const float max_entropy = logf(logits->ne[0]);
+    const float max_entropy = ggml_det_logf(logits->ne[0]);
 
     // Calculate the probabilities.
     struct ggml_tensor * probs = ggml_soft_max(ctx, logits);
@@ -2467,8 +2477,8 @@ static void llama_sampler_mirostat_apply(struct llama_sampler * smpl, llama_toke
     float sum_ti_bi = 0.0;
     float sum_ti_sq = 0.0;
     for (size_t i = 0; i < size_t(ctx->m - 1) && i < cur_p->size - 1; ++i) {
-        float t_i = logf(float(i + 2) / float(i + 1));
-        float b_i = logf(cur_p->data[i].p / cur_p->data[i + 1].p);
+        float t_i = ggml_det_logf(float(i + 2) / float(i + 1));
+        float b_i = ggml_det_logf(cur_p->data[i].p / cur_p->data[i + 1].p);
         sum_ti_bi += t_i * b_i;
         sum_ti_sq += t_i * t_i;
     }
@@ -2476,7 +2486,7 @@ static void llama_sampler_mirostat_apply(struct llama_sampler * smpl, llama_toke
 
     // Compute k from the estimated s_hat and target surprise value
     float epsilon_hat = s_hat - 1;
-    float k = powf((epsilon_hat * powf(2, ctx->mu)) / (1 - powf(ctx->n_vocab, -epsilon_hat)), 1 / s_hat);
+    float k = ggml_det_powf((epsilon_hat * ggml_det_powf(2, ctx->mu)) / (1 - ggml_det_powf(ctx->n_vocab, -epsilon_hat)), 1 / s_hat);
 
     llama_sampler_top_k_impl(cur_p, std::max(int(k), 1));
 
@@ -2486,7 +2496,7 @@ static void llama_sampler_mirostat_apply(struct llama_sampler * smpl, llama_toke
 
     cur_p->selected = idx;
 
-    float observed_surprise = -log2f(cur_p->data[idx].p);
+    float observed_surprise = -ggml_det_log2f(cur_p->data[idx].p);
     float e = observed_surprise - ctx->tau;
 
     // Update mu using the learning rate and error
@@ -2577,7 +2587,7 @@ static void llama_sampler_mirostat_v2_apply(struct llama_sampler * smpl, llama_t
 
     // Truncate the words with surprise values greater than mu
     cur_p->size = std::distance(cur_p->data, std::find_if(cur_p->data, cur_p->data + cur_p->size, [&](const llama_token_data & candidate) {
-        return -log2f(candidate.p) > ctx->mu;
+        return -ggml_det_log2f(candidate.p) > ctx->mu;
     }));
 
     if (cur_p->size == 0) {
@@ -2591,7 +2601,7 @@ static void llama_sampler_mirostat_v2_apply(struct llama_sampler * smpl, llama_t
 
     cur_p->selected = idx;
 
-    float observed_surprise = -log2f(cur_p->data[idx].p);
+    float observed_surprise = -ggml_det_log2f(cur_p->data[idx].p);
     float e = observed_surprise - ctx->tau;
 
     // Update mu using the learning rate and error

@@ -646,6 +646,8 @@ static ggml_backend_feature * ggml_backend_cpu_get_features(ggml_backend_reg_t r
     #endif
         // EdgeSplit: flash attention never splits one query's cells among threads (ops.cpp).
         features.push_back({ "FA_SPLIT_KV", "off" });
+        // EdgeSplit: float functions by their double versions, no contraction (det-math.h).
+        features.push_back({ "MATH", "det" });
 
         features.push_back({ nullptr, nullptr });
 

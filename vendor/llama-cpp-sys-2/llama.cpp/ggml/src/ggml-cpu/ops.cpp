@@ -3533,7 +3533,7 @@ static void ggml_compute_forward_swiglu_oai_f32(
         for (int k = 0; k < nc; k++) {
             const float x = std::min(src0_p[k], limit);
             const float y = std::clamp(src1_p[k], -limit, limit);
-            const float out_glu = x / (1.f + expf(alpha * (-x)));
+            const float out_glu = x / (1.f + ggml_det_expf(alpha * (-x)));
             dst_p[k] = out_glu * (y + 1.f);
         }
 
@@ -3613,7 +3613,7 @@ static void ggml_compute_forward_swiglu_clamp_f32(const ggml_compute_params * pa
         for (int k = 0; k < nc; k++) {
             const float gate = std::min(src0_p[k], limit);
             const float up   = std::clamp(src1_p[k], -limit, limit);
-            dst_p[k]         = gate / (1.f + expf(-gate)) * up;
+            dst_p[k]         = gate / (1.f + ggml_det_expf(-gate)) * up;
         }
 
 #ifndef NDEBUG
@@ -3672,7 +3672,7 @@ static void ggml_compute_forward_swiglu_clamp_f16(const ggml_compute_params * pa
         for (int k = 0; k < nc; k++) {
             const float gate = std::min(GGML_FP16_TO_FP32(src0_p[k]), limit);
             const float up   = std::clamp(GGML_FP16_TO_FP32(src1_p[k]), -limit, limit);
-            dst_p[k]         = GGML_FP32_TO_FP16(gate / (1.f + expf(-gate)) * up);
+            dst_p[k]         = GGML_FP32_TO_FP16(gate / (1.f + ggml_det_expf(-gate)) * up);
         }
 
 #ifndef NDEBUG
@@ -5844,8 +5844,8 @@ static void ggml_compute_forward_soft_max_f32(
     const uint32_t n_head      = ne02;
     const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
 
-    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
-    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+    const float m0 = ggml_det_powf(2.0f, -(max_bias       ) / n_head_log2);
+    const float m1 = ggml_det_powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
 
     float * wp = (float *) params->wdata + (ne00 + CACHE_LINE_SIZE_F32) * ith;
 
@@ -5863,7 +5863,7 @@ static void ggml_compute_forward_soft_max_f32(
 
                 // ALiBi
                 const uint32_t h = i02; // head
-                const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+                const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? ggml_det_powf(m0, h + 1) : ggml_det_powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
 
                 float * sp = (float *)((char *) src0->data + i01*nb01 + i02*nb02 + i03*nb03);
                 float * dp = (float *)((char *)  dst->data + i01*nb1  + i02*nb2  + i03*nb3);
@@ -5905,7 +5905,7 @@ static void ggml_compute_forward_soft_max_f32(
                 assert(sum > 0.0);
 
                 if (sk) {
-                    sum += (ggml_float) expf(sk[i02] - max);
+                    sum += (ggml_float) ggml_det_expf(sk[i02] - max);
                 }
 
                 sum = 1.0/sum;
@@ -6194,10 +6194,10 @@ static void rope_yarn(
         theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix;
 
         // Get n-d magnitude scaling corrected for interpolation
-        mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+        mscale *= 1.0f + 0.1f * ggml_det_logf(1.0f / freq_scale);
     }
-    *cos_theta = cosf(theta) * mscale;
-    *sin_theta = sinf(theta) * mscale;
+    *cos_theta = ggml_det_cosf(theta) * mscale;
+    *sin_theta = ggml_det_sinf(theta) * mscale;
 }
 
 static void ggml_rope_cache_init(
@@ -6368,7 +6368,7 @@ static void ggml_compute_forward_rope_flt(
     // row index used to determine which thread to use
     int ir = 0;
 
-    const float theta_scale = powf(freq_base, -2.0f/n_dims);
+    const float theta_scale = ggml_det_powf(freq_base, -2.0f/n_dims);
 
     float corr_dims[2];
     ggml_rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, corr_dims);
@@ -8671,10 +8671,10 @@ static void ggml_compute_forward_timestep_embedding_f32(
         float * embed_data = (float *)((char *)  dst->data +  i*nb1);
         for (int64_t j = ith; j < half; j += nth) {
             float timestep = ((float *)src0->data)[i];
-            float freq = (float)expf(-logf(max_period) * j / half);
+            float freq = (float)ggml_det_expf(-ggml_det_logf(max_period) * j / half);
             float arg = timestep * freq;
-            embed_data[j] = cosf(arg);
-            embed_data[j + half] = sinf(arg);
+            embed_data[j] = ggml_det_cosf(arg);
+            embed_data[j + half] = ggml_det_sinf(arg);
         }
         if (dim % 2 != 0 && ith == 0) {
             embed_data[2 * half] = 0.f;
@@ -8910,8 +8910,8 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
     const uint32_t n_head      = neq2;
     const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
 
-    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
-    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+    const float m0 = ggml_det_powf(2.0f, -(max_bias       ) / n_head_log2);
+    const float m1 = ggml_det_powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
 
     ggml_type         const k_vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
     ggml_from_float_t const q_to_vec_dot   = ggml_get_type_traits_cpu(k_vec_dot_type)->from_float;
@@ -8930,7 +8930,7 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
         const int iq1 = (ir - iq3*neq2*neq1 - iq2*neq1);
 
         const uint32_t h = iq2; // head index
-        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? ggml_det_powf(m0, h + 1) : ggml_det_powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
 
         float S = 0.0f;      // sum
         float M = -INFINITY; // maximum KQ value
@@ -8977,7 +8977,7 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
             s = s*scale; // scale KQ value
 
             if (logit_softcap != 0.0f) {
-                s = logit_softcap*tanhf(s);
+                s = logit_softcap*ggml_det_tanhf(s);
             }
 
             s += mv; // apply mask
@@ -8985,7 +8985,7 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
             const float Mold = M;
 
             float ms = 1.0f; // upon new higher max val, scale VKQ and KQ sum with this value
-            float vs = 1.0f; // post-softmax KQ value, expf(s - M)
+            float vs = 1.0f; // post-softmax KQ value, ggml_det_expf(s - M)
 
             const char * v_data = ((const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3));
 
@@ -8993,13 +8993,13 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
                 if (s > M) {
                     // s is new maximum, ms < 1.0f, vs == expf(s - s) == 1.0f
                     M = s;
-                    ms = expf(Mold - M);
+                    ms = ggml_det_expf(Mold - M);
 
                     // V = V*expf(Mold - M)
                     ggml_vec_scale_f16(DV, VKQ16, ms);
                 } else {
                     // no new maximum, ms == 1.0f, vs != 1.0f
-                    vs = expf(s - M);
+                    vs = ggml_det_expf(s - M);
                 }
 
                 // V += v*expf(s - M)
@@ -9008,13 +9008,13 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
                 if (s > M) {
                     // s is new maximum, ms < 1.0f, vs == expf(s - s) == 1.0f
                     M = s;
-                    ms = expf(Mold - M);
+                    ms = ggml_det_expf(Mold - M);
 
                     // V = V*expf(Mold - M)
                     ggml_vec_scale_f32(DV, VKQ32, ms);
                 } else {
                     // no new maximum, ms == 1.0f, vs != 1.0f
-                    vs = expf(s - M);
+                    vs = ggml_det_expf(s - M);
                 }
 
                 // V += v*expf(s - M)
@@ -9044,11 +9044,11 @@ static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(
             float vs = 1.0f;
 
             if (s > M) {
-                ms = expf(M - s);
+                ms = ggml_det_expf(M - s);
                 M = s;
                 ggml_vec_scale_f32(DV, VKQ32, ms);
             } else {
-                vs = expf(s - M);
+                vs = ggml_det_expf(s - M);
             }
 
             S = S*ms + vs;
@@ -9146,8 +9146,8 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
     const uint32_t n_head      = neq2;
     const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
 
-    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
-    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+    const float m0 = ggml_det_powf(2.0f, -(max_bias       ) / n_head_log2);
+    const float m1 = ggml_det_powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
 
     int ith = params->ith;
 
@@ -9169,7 +9169,7 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
         GGML_ASSERT(tile_rows > 0);
 
         const uint32_t h = iq2; // head index
-        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+        const float slope = (max_bias > 0.0f) ? h < n_head_log2 ? ggml_det_powf(m0, h + 1) : ggml_det_powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
 
         float S[Q_TILE_SZ];
         float M[Q_TILE_SZ];
@@ -9300,7 +9300,7 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
                 const float Mnew = fmaxf(Mold, tile_max);
 
                 if (Mnew > Mold) {
-                    const float ms = expf(Mold - Mnew);
+                    const float ms = ggml_det_expf(Mold - Mnew);
                     ggml_vec_scale_f32(DV, VKQ32 + tq * DV, ms);
                     S[tq] *= ms;
                 }
@@ -9337,10 +9337,10 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
                 float vs = 1.0f;
 
                 if (s > M[tq]) {
-                    ms = expf(M[tq] - s);
+                    ms = ggml_det_expf(M[tq] - s);
                     ggml_vec_scale_f32(DV, VKQ32 + tq * DV, ms);
                 } else {
-                    vs = expf(s - M[tq]);
+                    vs = ggml_det_expf(s - M[tq]);
                 }
 
                 S[tq] = S[tq] * ms + vs;
@@ -9417,8 +9417,8 @@ static void ggml_flash_attn_ext_reduce_partials(
             if (S_chunk == 0.0f) continue;
 
             const float M_new     = fmaxf(M_final, M_chunk);
-            const float scale_old = expf(M_final - M_new);
-            const float scale_new = expf(M_chunk - M_new);
+            const float scale_old = ggml_det_expf(M_final - M_new);
+            const float scale_new = ggml_det_expf(M_chunk - M_new);
 
             for (int64_t d = 0; d < DV; ++d) {
                 VKQ_final[d] = VKQ_final[d] * scale_old + VKQ_chunk[d] * scale_new;
@@ -10070,7 +10070,7 @@ static void ggml_compute_forward_ssm_scan_f32(
                 for (int h = ih0; h < ih1; ++h) {
                     // ref: https://github.com/state-spaces/mamba/blob/62db608da60f6fc790b8ed9f4b3225e95ca15fde/mamba_ssm/ops/triton/softplus.py#L16
                     const float dt_soft_plus = ggml_compute_softplus_f32(dt[h]);
-                    const float dA = expf(dt_soft_plus * A[h]);
+                    const float dA = ggml_det_expf(dt_soft_plus * A[h]);
                     const int g = h / (nh / ng); // repeat_interleave
 
                     // dim
@@ -10205,7 +10205,7 @@ static void ggml_compute_forward_ssm_scan_f32(
                             const int i = i0 + ii*nc;
                             const int ig = i0 + g*nc;
                             // state = prev_state * dA + dB * x
-                            const float state = (s0[i] * expf(dt_soft_plus * A[i0 + h*nc])) + (B[ig] * x_dt);
+                            const float state = (s0[i] * ggml_det_expf(dt_soft_plus * A[i0 + h*nc])) + (B[ig] * x_dt);
                             // y = rowwise_dotprod(state, C)
                             sumf += state * C[ig];
                             s[i] = state;
@@ -11237,14 +11237,14 @@ static void ggml_compute_forward_gated_delta_net_one_chunk(
             if (kda) {
                 // precompute exp(g) into delta scratch (reused below)
                 for (int64_t i = 0; i < S_v; ++i) {
-                    delta[i] = expf(g_d[i]);
+                    delta[i] = ggml_det_expf(g_d[i]);
                 }
                 // S[i][:] *= exp(g[i]) => for each row j of M: M[j][i] *= exp(g[i])
                 for (int64_t j = 0; j < S_v; ++j) {
                     ggml_vec_mul_f32(S_v, &s_out[j * S_v], &s_out[j * S_v], delta);
                 }
             } else {
-                ggml_vec_scale_f32(S_v * S_v, s_out, expf(g_d[0]));
+                ggml_vec_scale_f32(S_v * S_v, s_out, ggml_det_expf(g_d[0]));
             }
 
             // delta[j] = sum_i S[i][j] * k[i] = dot(row j of M, k)
@@ -11434,7 +11434,7 @@ static void ggml_compute_forward_dsv4_hc_comb_f32(
             float sum = 0.0f;
             for (int64_t idst = 0; idst < hc; ++idst) {
                 const int64_t idx = idst + hc*isrc;
-                const float v = expf(comb[idx] - max);
+                const float v = ggml_det_expf(comb[idx] - max);
                 comb[idx] = v;
                 sum += v;
             }
@@ -11530,7 +11530,7 @@ static void ggml_compute_forward_dsv4_hc_pre_f32(
             float wv;
             if (gated) {
                 const float gv = *(const float *) ((const char *) weights->data + i0*nbw0 + ih*nbw1 + it*nbw2);
-                wv = 1.0f / (1.0f + expf(-gv));
+                wv = 1.0f / (1.0f + ggml_det_expf(-gv));
             } else {
                 wv = *(const float *) ((const char *) weights->data + ih*nbw0 + it*nbw1);
             }

@@ -1,4 +1,5 @@
 #include "unary-ops.h"
+#include "det-math.h"
 
 static inline float op_abs(float x) {
     return fabsf(x);
@@ -17,11 +18,11 @@ static inline float op_step(float x) {
 }
 
 static inline float op_tanh(float x) {
-    return tanhf(x);
+    return ggml_det_tanhf(x);
 }
 
 static inline float op_elu(float x) {
-    return (x > 0.f) ? x : expm1f(x);
+    return (x > 0.f) ? x : ggml_det_expm1f(x);
 }
 
 static inline float op_relu(float x) {
@@ -29,7 +30,7 @@ static inline float op_relu(float x) {
 }
 
 static inline float op_sigmoid(float x) {
-    return 1.f / (1.f + expf(-x));
+    return 1.f / (1.f + ggml_det_expf(-x));
 }
 
 static inline float op_hardsigmoid(float x) {
@@ -37,7 +38,7 @@ static inline float op_hardsigmoid(float x) {
 }
 
 static inline float op_exp(float x) {
-    return expf(x);
+    return ggml_det_expf(x);
 }
 
 static inline float op_hardswish(float x) {
@@ -57,28 +58,28 @@ static inline float op_xielu(float x, float alpha_n, float alpha_p, float beta, 
         return alpha_p * x * x + beta * x;
     } else {
         const float min_x_eps = fminf(x, eps);
-        return (expm1f(min_x_eps) - x) * alpha_n + beta * x;
+        return (ggml_det_expm1f(min_x_eps) - x) * alpha_n + beta * x;
     }
 }
 
 static inline float op_sin(float x) {
-    return sinf(x);
+    return ggml_det_sinf(x);
 }
 
 static inline float op_cos(float x) {
-    return cosf(x);
+    return ggml_det_cosf(x);
 }
 
 static inline float op_log(float x) {
-    return logf(x);
+    return ggml_det_logf(x);
 }
 
 static inline float op_expm1(float x) {
-    return expf(x) - 1.0f;
+    return ggml_det_expf(x) - 1.0f;
 }
 
 static inline float op_softplus(float x) {
-    return (x > 20.0f) ? x : logf(1.0f + expf(x));
+    return (x > 20.0f) ? x : ggml_det_logf(1.0f + ggml_det_expf(x));
 }
 
 static inline float op_floor(float x) {

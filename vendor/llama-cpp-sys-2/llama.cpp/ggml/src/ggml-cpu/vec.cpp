@@ -592,7 +592,7 @@ ggml_float ggml_vec_soft_max_f32(const int n, float * y, const float * x, float 
     return (ggml_float)__riscv_vfmv_f_s_f64m1_f64(vsum);
 #endif
     for (; i < n; ++i) {
-        float val = expf(x[i] - max);
+        float val = ggml_det_expf(x[i] - max);
         sum += (ggml_float)val;
         y[i] = val;
     }
@@ -607,7 +607,7 @@ ggml_float ggml_vec_log_soft_max_f32(const int n, float * y, const float * x, fl
     for (; i < n; ++i) {
         float val = x[i] - max;
         y[i] = val;
-        sum += (ggml_float)expf(val);
+        sum += (ggml_float)ggml_det_expf(val);
     }
-    return sum = (ggml_float)logf(sum);
+    return sum = (ggml_float)ggml_det_logf(sum);
 }

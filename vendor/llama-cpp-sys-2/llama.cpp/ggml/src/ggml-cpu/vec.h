@@ -6,6 +6,7 @@
 #include "simd-mappings.h"
 #include "ggml.h"
 #include "ggml-cpu.h"
+#include "det-math.h"
 
 #if defined(GGML_USE_ACCELERATE)
 #include <Accelerate/Accelerate.h>
@@ -869,22 +870,22 @@ inline static void ggml_vec_sqrt_f16 (const int n, ggml_fp16_t * y, const ggml_f
         y[i] = GGML_CPU_FP32_TO_FP16(sqrtf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
-inline static void ggml_vec_log_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = logf(x[i]);  }
+inline static void ggml_vec_log_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = ggml_det_logf(x[i]);  }
 inline static void ggml_vec_log_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(logf(GGML_CPU_FP16_TO_FP32(x[i])));
+        y[i] = GGML_CPU_FP32_TO_FP16(ggml_det_logf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
-inline static void ggml_vec_sin_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = sinf(x[i]);  }
+inline static void ggml_vec_sin_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = ggml_det_sinf(x[i]);  }
 inline static void ggml_vec_sin_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(sinf(GGML_CPU_FP16_TO_FP32(x[i])));
+        y[i] = GGML_CPU_FP32_TO_FP16(ggml_det_sinf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
-inline static void ggml_vec_cos_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = cosf(x[i]);  }
+inline static void ggml_vec_cos_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = ggml_det_cosf(x[i]);  }
 inline static void ggml_vec_cos_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(cosf(GGML_CPU_FP16_TO_FP32(x[i])));
+        y[i] = GGML_CPU_FP32_TO_FP16(ggml_det_cosf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
 inline static void ggml_vec_abs_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = fabsf(x[i]); }
@@ -906,17 +907,17 @@ inline static void ggml_vec_step_f16 (const int n, ggml_fp16_t * y, const ggml_f
         y[i] = GGML_CPU_FP32_TO_FP16((GGML_CPU_FP16_TO_FP32(x[i]) > 0.f) ? 1.f : 0.f);
     }
 }
-inline static void ggml_vec_tanh_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = tanhf(x[i]);  }
+inline static void ggml_vec_tanh_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = ggml_det_tanhf(x[i]);  }
 inline static void ggml_vec_tanh_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(tanhf(GGML_CPU_FP16_TO_FP32(x[i])));
+        y[i] = GGML_CPU_FP32_TO_FP16(ggml_det_tanhf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
-inline static void ggml_vec_elu_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = (x[i] > 0.f) ? x[i] : expm1f(x[i]); }
+inline static void ggml_vec_elu_f32  (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = (x[i] > 0.f) ? x[i] : ggml_det_expm1f(x[i]); }
 inline static void ggml_vec_elu_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
         const float v = GGML_CPU_FP16_TO_FP32(x[i]);
-        y[i] = GGML_CPU_FP32_TO_FP16((v > 0.f) ? v : expm1f(v));
+        y[i] = GGML_CPU_FP32_TO_FP16((v > 0.f) ? v : ggml_det_expm1f(v));
     }
 }
 inline static void ggml_vec_relu_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = (x[i] > 0.f) ? x[i] : 0.f; }
@@ -933,10 +934,10 @@ inline static void ggml_vec_leaky_relu_f16 (const int n, ggml_fp16_t * y, const 
         y[i] = GGML_CPU_FP32_TO_FP16(((v > 0.f) ? v : 0.f) + ns * ((v < 0.0f) ? v : 0.f));
     }
 }
-inline static void ggml_vec_sigmoid_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = 1.f / (1.f + expf(-x[i])); }
+inline static void ggml_vec_sigmoid_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = 1.f / (1.f + ggml_det_expf(-x[i])); }
 inline static void ggml_vec_sigmoid_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(1.f / (1.f + expf(-GGML_CPU_FP16_TO_FP32(x[i]))));
+        y[i] = GGML_CPU_FP32_TO_FP16(1.f / (1.f + ggml_det_expf(-GGML_CPU_FP16_TO_FP32(x[i]))));
     }
 }
 // TODO: optimize performance
@@ -953,10 +954,10 @@ inline static void ggml_vec_hardsigmoid_f16 (const int n, ggml_fp16_t * y, const
         y[i] = GGML_CPU_FP32_TO_FP16(fminf(1.0f, fmaxf(0.0f, (GGML_CPU_FP16_TO_FP32(x[i]) + 3.0f) / 6.0f)));
     }
 }
-inline static void ggml_vec_exp_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = expf(x[i]); }
+inline static void ggml_vec_exp_f32 (const int n, float * y, const float * x) { for (int i = 0; i < n; ++i) y[i] = ggml_det_expf(x[i]); }
 inline static void ggml_vec_exp_f16 (const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
-        y[i] = GGML_CPU_FP32_TO_FP16(expf(GGML_CPU_FP16_TO_FP32(x[i])));
+        y[i] = GGML_CPU_FP32_TO_FP16(ggml_det_expf(GGML_CPU_FP16_TO_FP32(x[i])));
     }
 }
 
@@ -966,7 +967,7 @@ static const float SQRT_2_OVER_PI  = 0.79788456080286535587989211986876f;
 static const float SQRT_2_INV      = 0.70710678118654752440084436210484f;
 
 inline static float ggml_gelu_f32(float x) {
-    return 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)));
+    return 0.5f*x*(1.0f + ggml_det_tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)));
 }
 
 inline static void ggml_vec_gelu_f16(const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
@@ -985,7 +986,7 @@ inline static void ggml_vec_gelu_bf16(const int n, ggml_bf16_t * y, const ggml_b
 inline static void ggml_vec_gelu_erf_f16(const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
     for (int i = 0; i < n; ++i) {
         float xi = GGML_CPU_FP16_TO_FP32(x[i]);
-        float res = 0.5f*xi*(1.0f + erff(xi*SQRT_2_INV));
+        float res = 0.5f*xi*(1.0f + ggml_det_erff(xi*SQRT_2_INV));
         y[i] = GGML_CPU_FP32_TO_FP16(res);
     }
 }
@@ -993,7 +994,7 @@ inline static void ggml_vec_gelu_erf_f16(const int n, ggml_fp16_t * y, const ggm
 inline static void ggml_vec_gelu_erf_bf16(const int n, ggml_bf16_t * y, const ggml_bf16_t * x) {
     for (int i = 0; i < n; ++i) {
         float xi = GGML_BF16_TO_FP32(x[i]);
-        y[i] = GGML_FP32_TO_BF16(0.5f*xi*(1.0f + erff(xi*SQRT_2_INV)));
+        y[i] = GGML_FP32_TO_BF16(0.5f*xi*(1.0f + ggml_det_erff(xi*SQRT_2_INV)));
     }
 }
 
@@ -1023,12 +1024,12 @@ inline static void ggml_vec_gelu_f32(const int n, float * y, const float * x) {
 inline static void ggml_vec_gelu_erf_f32(const int n, float * y, const float * x) {
     for (int i = 0; i < n; ++i) {
         float xi = x[i];
-        y[i] = 0.5f*xi*(1.0f + erff(xi*SQRT_2_INV));
+        y[i] = 0.5f*xi*(1.0f + ggml_det_erff(xi*SQRT_2_INV));
     }
 }
 
 inline static float ggml_gelu_quick_f32(float x) {
-    return x*(1.0f/(1.0f+expf(GELU_QUICK_COEF*x)));
+    return x*(1.0f/(1.0f+ggml_det_expf(GELU_QUICK_COEF*x)));
 }
 
 inline static void ggml_vec_gelu_quick_f16(const int n, ggml_fp16_t * y, const ggml_fp16_t * x) {
@@ -1063,11 +1064,11 @@ inline static void ggml_vec_gelu_quick_f32(const int n, float * y, const float *
 
 // Sigmoid Linear Unit (SiLU) function
 inline static float ggml_silu_f32(float x) {
-    return x/(1.0f + expf(-x));
+    return x/(1.0f + ggml_det_expf(-x));
 }
 inline static ggml_fp16_t ggml_silu_f16(ggml_fp16_t x) {
     float v = GGML_CPU_FP16_TO_FP32(x);
-    return GGML_CPU_FP32_TO_FP16(v/(1.0f + expf(-v)));
+    return GGML_CPU_FP32_TO_FP16(v/(1.0f + ggml_det_expf(-v)));
 }
 
 #if __FINITE_MATH_ONLY__
@@ -1401,13 +1402,13 @@ inline static void ggml_vec_silu_bf16(const int n, ggml_bf16_t * y, const ggml_b
 }
 
 inline static float ggml_silu_backward_f32(float x, float dy) {
-    const float s = 1.0f/(1.0f + expf(-x));
+    const float s = 1.0f/(1.0f + ggml_det_expf(-x));
     return dy*s*(1.0f + x*(1.0f - s));
 }
 
 inline static ggml_fp16_t ggml_silu_backward_f16(ggml_fp16_t x, ggml_fp16_t dy) {
     const float v = GGML_CPU_FP16_TO_FP32(x);
-    const float s = 1.0f/(1.0f + expf(-v));
+    const float s = 1.0f/(1.0f + ggml_det_expf(-v));
     return GGML_CPU_FP32_TO_FP16(GGML_CPU_FP16_TO_FP32(dy)*s*(1.0f + v*(1.0f - s)));
 }
 
@@ -1486,7 +1487,7 @@ inline static void ggml_vec_swiglu_f16(const int n, ggml_fp16_t * y, const ggml_
     for (int i = 0; i < n; ++i) {
         float xi = GGML_CPU_FP16_TO_FP32(x[i]);
         float gi = GGML_CPU_FP16_TO_FP32(g[i]);
-        y[i] = GGML_CPU_FP32_TO_FP16((xi/(1.0f + expf(-xi))) * gi);
+        y[i] = GGML_CPU_FP32_TO_FP16((xi/(1.0f + ggml_det_expf(-xi))) * gi);
     }
 }
 
@@ -1494,14 +1495,14 @@ inline static void ggml_vec_swiglu_bf16(const int n, ggml_bf16_t * y, const ggml
     for (int i = 0; i < n; ++i) {
         float xi = GGML_BF16_TO_FP32(x[i]);
         float gi = GGML_BF16_TO_FP32(g[i]);
-        y[i] = GGML_FP32_TO_BF16((xi/(1.0f + expf(-xi))) * gi);
+        y[i] = GGML_FP32_TO_BF16((xi/(1.0f + ggml_det_expf(-xi))) * gi);
     }
 }
 
 inline static void ggml_vec_geglu_erf_f32(const int n, float * y, const float * x, const float * g) {
     for (int i = 0; i < n; ++i) {
         float xi = x[i];
-        y[i] = 0.5f * xi * (1.0f + erff(xi*SQRT_2_INV)) * g[i];
+        y[i] = 0.5f * xi * (1.0f + ggml_det_erff(xi*SQRT_2_INV)) * g[i];
     }
 }
 
@@ -1509,7 +1510,7 @@ inline static void ggml_vec_geglu_erf_f16(const int n, ggml_fp16_t * y, const gg
     for (int i = 0; i < n; ++i) {
         float xi = GGML_CPU_FP16_TO_FP32(x[i]);
         float gi = GGML_CPU_FP16_TO_FP32(g[i]);
-        y[i] = GGML_CPU_FP32_TO_FP16(0.5f * xi * (1.0f + erff(xi*SQRT_2_INV)) * gi);
+        y[i] = GGML_CPU_FP32_TO_FP16(0.5f * xi * (1.0f + ggml_det_erff(xi*SQRT_2_INV)) * gi);
     }
 }
 
@@ -1517,7 +1518,7 @@ inline static void ggml_vec_geglu_erf_bf16(const int n, ggml_bf16_t * y, const g
     for (int i = 0; i < n; ++i) {
         float xi = GGML_BF16_TO_FP32(x[i]);
         float gi = GGML_BF16_TO_FP32(g[i]);
-        y[i] = GGML_FP32_TO_BF16(0.5f * xi * (1.0f + erff(xi*SQRT_2_INV)) * gi);
+        y[i] = GGML_FP32_TO_BF16(0.5f * xi * (1.0f + ggml_det_erff(xi*SQRT_2_INV)) * gi);
     }
 }
 
