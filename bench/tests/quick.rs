@@ -65,11 +65,15 @@ fn quick_run_writes_every_output() {
         assert!(s["energy_note"].as_str().is_some() || s["energy_j"].as_f64().is_some());
         if s["mode"] == "pair" {
             // Temperature 0: every EdgeSplit transport gives the same text. The stock
-            // server is another llama.cpp version (pinned: llama-cpp-python 0.3.36's
-            // tree), so its agreement is not our invariant in general; with both versions
-            // pinned it is deterministic, and on the bench's prompts (which carry a system
-            // message) it agrees: a change there is worth a look.
-            assert_eq!(s["same_as_reference"], 1, "{s}");
+            // server is another llama.cpp (pinned: llama-cpp-python 0.3.36's tree) whose
+            // float functions are the C library's, where ours are not
+            // (patches/llama-cpp-det-math.patch): its agreement is recorded, a measurement,
+            // not our invariant.
+            if s["transport"] == "stock" {
+                assert!(s["same_as_reference"].is_i64(), "{s}");
+            } else {
+                assert_eq!(s["same_as_reference"], 1, "{s}");
+            }
             assert_eq!(s["excluded"], i64::from(s["pair"] == 0));
         }
         if s["transport"] == "v1" || s["transport"] == "v2" {
