@@ -86,6 +86,9 @@ pub struct StackConfig {
     /// The handoff path (prefill -> decode's V2 port) through a link shaped per connection
     /// (the tests' faults: a held connection, a slow link) instead of the stack's profile.
     pub handoff_shape: Option<fn() -> Shape>,
+    /// More decode nodes for the router's pool (`--decode-url` repeated), each with these
+    /// extra arguments; their links are direct (not emulated) and unshaped.
+    pub more_decode: Vec<Vec<String>>,
     /// Two devices on this machine: the phone side at this fraction of a core of its own,
     /// the laptop side on another ([`crate::devices`]); `None`: the services share the
     /// machine's cores.
@@ -126,6 +129,7 @@ impl StackConfig {
             decode_extra: Vec::new(),
             prefill_extra: Vec::new(),
             handoff_shape: None,
+            more_decode: Vec::new(),
             phone_speed: None,
         }
     }
@@ -151,6 +155,8 @@ pub struct Stack {
     pub decode_process: Child,
     pub prefill_process: Child,
     pub router_process: Child,
+    /// The pool's other decode nodes ([`StackConfig::more_decode`]): gRPC URL and process.
+    pub more_decode: Vec<(String, Child)>,
     links: Vec<Link>,
     /// Dropped after the processes (its cgroup is removed once they are gone).
     devices: Option<Devices>,
@@ -162,7 +168,10 @@ impl Drop for Stack {
             &mut self.router_process,
             &mut self.prefill_process,
             &mut self.decode_process,
-        ] {
+        ]
+        .into_iter()
+        .chain(self.more_decode.iter_mut().map(|d| &mut d.1))
+        {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -405,6 +414,32 @@ impl Stack {
         }
         links.extend(handoff_link);
         links.extend(v1_link);
+        let mut more_decode = Vec::new();
+        for (i, extra) in cfg.more_decode.iter().enumerate() {
+            let mut args = common(extra);
+            args.extend(
+                [
+                    "--handoff-listen",
+                    "127.0.0.1:0",
+                    "--v1-listen",
+                    "127.0.0.1:0",
+                    "--handoff-wait-s",
+                    "60",
+                ]
+                .map(String::from),
+            );
+            args.extend(extra.iter().cloned());
+            let d = guard
+                .start(
+                    &[binary("edgesplit-decode")?],
+                    &args,
+                    &cfg.dir.join(format!("decode-{}.log", i + 2)),
+                    "decode node listening",
+                    (cfg.secret.as_deref(), None),
+                )
+                .await?;
+            more_decode.push(format!("http://{}", field(&d, "grpc")?));
+        }
         let grpc_at = if cfg.direct {
             decode_grpc.clone()
         } else {
@@ -462,6 +497,9 @@ impl Stack {
             "--decode-url".into(),
             format!("http://{grpc_at}"),
         ];
+        for url in &more_decode {
+            rargs.extend(["--decode-url".into(), url.clone()]);
+        }
         if let Some(n) = cfg.parallel {
             rargs.extend(["--max-in-flight".into(), n.to_string()]);
         }
@@ -478,12 +516,18 @@ impl Stack {
             .await?;
         let router = format!("http://{}", field(&r, "addr")?);
 
-        let mut processes = std::mem::take(&mut guard.0).into_iter();
-        let (Some(decode_process), Some(prefill_process), Some(router_process)) =
-            (processes.next(), processes.next(), processes.next())
+        // Started in this order: the decode node, the pool's others, the prefill node,
+        // the router.
+        let mut processes = std::mem::take(&mut guard.0);
+        let (Some(router_process), Some(prefill_process)) = (processes.pop(), processes.pop())
         else {
-            unreachable!("three processes were started");
+            unreachable!("the router and the prefill node were started");
         };
+        let mut processes = processes.into_iter();
+        let Some(decode_process) = processes.next() else {
+            unreachable!("the decode node was started");
+        };
+        let more_decode = more_decode.into_iter().zip(processes).collect();
         let mut stack = Stack {
             router,
             flash_attn: false,
@@ -496,6 +540,7 @@ impl Stack {
             decode_process,
             prefill_process,
             router_process,
+            more_decode,
             links,
             devices,
         };
@@ -530,7 +575,10 @@ impl Stack {
                 &mut self.decode_process,
                 &mut self.prefill_process,
                 &mut self.router_process,
-            ] {
+            ]
+            .into_iter()
+            .chain(self.more_decode.iter_mut().map(|d| &mut d.1))
+            {
                 if let Some(status) = c.try_wait()? {
                     anyhow::bail!(
                         "a service exited ({status}) while starting; see the logs in {}",

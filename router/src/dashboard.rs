@@ -132,9 +132,31 @@ fn host_port(url: &str) -> &str {
 }
 
 async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
-    let (p, d) = tokio::join!(s.backend.prefill_info(), s.backend.decode_info());
-    let prefill = node_json(p, &s.backend.prefill_url());
-    let decode = node_json(d, &s.backend.decode_url());
+    let pool = &s.pool;
+    let (p, d) = tokio::join!(
+        pool.first().prefill_info(),
+        futures::future::join_all((0..pool.len()).map(|i| pool.pair(i).decode_info()))
+    );
+    let urls = pool.urls();
+    let prefill_info = p.as_ref().ok().cloned();
+    let mut prefill = node_json(p, &pool.first().prefill_url());
+    prefill["tokens_written"] = json!(s.metrics.tokens_written("prefill"));
+    let nodes: Vec<Value> = d
+        .into_iter()
+        .zip(&urls)
+        .map(|(d, url)| {
+            let state = crate::backend::NodeState::of(prefill_info.as_ref(), &d);
+            let mut v = node_json(d, url);
+            v["state"] = json!(state.as_str());
+            if let Some(why) = state.why() {
+                v["why"] = json!(why);
+            }
+            v["tokens_written"] = json!(s.metrics.tokens_written(url));
+            v
+        })
+        .collect();
+    // The handoff listeners of the first decode node.
+    let decode = nodes[0].clone();
     let (v2, v1) = tokio::join!(
         probe(decode["handoff_addr"].as_str().unwrap_or("")),
         probe(host_port(decode["v1_url"].as_str().unwrap_or(""))),
@@ -153,6 +175,7 @@ async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
         },
         "prefill": prefill,
         "decode": decode,
+        "decode_nodes": nodes,
         "handoff": {"up": v2["up"] == true && v1["up"] == true, "v2": v2, "v1": v1},
     }))
 }

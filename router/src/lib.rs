@@ -49,13 +49,15 @@ pub struct Config {
         default_value = "http://127.0.0.1:50051"
     )]
     pub prefill_url: String,
-    /// Decode node gRPC URL.
+    /// Decode node gRPC URL; repeated (or comma-separated in the variable) for a pool of
+    /// decode nodes, each request going to the one that serves it best.
     #[arg(
         long,
         env = "EDGESPLIT_DECODE_URL",
+        value_delimiter = ',',
         default_value = "http://127.0.0.1:50052"
     )]
-    pub decode_url: String,
+    pub decode_url: Vec<String>,
     /// Default transport: auto (the default: the router chooses local, v2 live or after, or
     /// phone per request from measured rates, the link and the load, under `--objective`;
     /// a v2 split while nothing is measured), v2 (every request split, framed TCP), v1
@@ -213,39 +215,45 @@ pub async fn run(
     }
     let api_key = load_api_key(config.api_key_file.as_deref())?;
     exposure_allowed(listener.local_addr()?, api_key.is_some(), config.insecure)?;
-    let backend = Backend::new(BackendConfig {
-        prefill_url: config.prefill_url.clone(),
-        decode_url: config.decode_url.clone(),
-        connect_timeout: Duration::from_millis(config.connect_timeout_ms),
-        info_timeout: Duration::from_millis(config.info_timeout_ms),
-        first_token_timeout: Duration::from_secs(config.first_token_timeout_s),
-        fallback: config.on_split_failure == OnSplitFailure::Fallback,
-        token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
-        handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
-        handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
-        handoff: config.handoff,
-        continue_on: config.continue_on,
-        objective: config.objective,
-        link,
-        probes: !config.no_probes,
-    })?;
+    let pool = backend::Pool::new(
+        BackendConfig {
+            prefill_url: config.prefill_url.clone(),
+            decode_url: String::new(),
+            connect_timeout: Duration::from_millis(config.connect_timeout_ms),
+            info_timeout: Duration::from_millis(config.info_timeout_ms),
+            first_token_timeout: Duration::from_secs(config.first_token_timeout_s),
+            fallback: config.on_split_failure == OnSplitFailure::Fallback,
+            token_idle_timeout: Duration::from_millis(config.token_idle_timeout_ms),
+            handoff_error_grace: Duration::from_millis(config.handoff_error_grace_ms),
+            handoff_report_wait: Duration::from_millis(config.handoff_report_wait_ms),
+            handoff: config.handoff,
+            continue_on: config.continue_on,
+            objective: config.objective,
+            link,
+            probes: !config.no_probes,
+        },
+        &config.decode_url,
+    )?;
+    if pool.len() > 1 {
+        pool.watch().await;
+    }
     let max_in_flight = match config.max_in_flight {
         Some(n) => n,
         None => {
-            let n = match backend.decode_info().await {
-                Ok(i) if i.parallel > 0 => i.parallel as usize,
-                _ => DEFAULT_DECODE_PARALLEL,
-            };
+            let n = pool
+                .decode_parallel()
+                .await
+                .unwrap_or(DEFAULT_DECODE_PARALLEL);
             tracing::info!(
                 max_in_flight = n,
-                "admission limit: the decode node's sequences"
+                "admission limit: the decode nodes' sequences"
             );
             n
         }
     };
     let follow_decode = config.max_in_flight.is_none();
     let state = Arc::new(state::AppState {
-        backend,
+        pool,
         metrics: Arc::new(metrics::Metrics::new()),
         default_transport: config.transport,
         objective: config.objective,
@@ -270,7 +278,22 @@ pub async fn run(
                 let Some(s) = state.upgrade() else {
                     return;
                 };
-                let _ = s.backend.prefill_info().await;
+                let _ = s.pool.first().prefill_info().await;
+            }
+        });
+    }
+    if state.pool.len() > 1 {
+        // Which decode nodes are usable (`backend/pool.rs`).
+        let state = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(backend::WATCH_EVERY);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(s) = state.upgrade() else {
+                    return;
+                };
+                s.pool.watch().await;
             }
         });
     }
@@ -279,7 +302,7 @@ pub async fn run(
         let state = Arc::downgrade(&state);
         tokio::spawn(async move {
             if let Some(s) = state.upgrade() {
-                s.backend.calibrate().await;
+                s.pool.calibrate().await;
             }
             let mut ticks = tokio::time::interval(backend::IDLE_TICK);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -288,7 +311,7 @@ pub async fn run(
                 let Some(s) = state.upgrade() else {
                     return;
                 };
-                s.backend.measure_idle().await;
+                s.pool.measure_idle().await;
             }
         });
     }
@@ -298,15 +321,7 @@ pub async fn run(
             Arc::downgrade(&state),
             FOLLOW_DECODE_EVERY,
             |s| &s.admission,
-            |s| {
-                Box::pin(async {
-                    s.backend
-                        .decode_info()
-                        .await
-                        .ok()
-                        .map(|i| i.parallel as usize)
-                })
-            },
+            |s| Box::pin(s.pool.decode_parallel()),
         ));
     }
     let drain = Duration::from_secs(config.drain_timeout_s);

@@ -18,6 +18,7 @@
 //! | `edgesplit:handoff_bytes_total{transport}` | counter | KV bytes handed over |
 //! | `edgesplit:handoff_seconds{transport,outcome}` | histogram | handoff time (connect to ACK) |
 //! | `edgesplit:fallbacks_total{cause}` | counter | requests finished on another node than planned |
+//! | `edgesplit:node_tokens_total{node}` | counter | answer tokens each node wrote: `prefill`, or a decode node's URL |
 
 pub use edgesplit_proto::metrics::label;
 use edgesplit_proto::metrics::{phase_histogram, HandoffSeries, Labels};
@@ -62,6 +63,8 @@ pub struct Metrics {
     /// Same series (and buckets) as the prefill node's of the same names.
     pub handoffs: HandoffSeries,
     pub fallbacks: Family<Labels, Counter>,
+    /// Answer tokens written by each node (`node`: `prefill`, or a decode node's URL).
+    pub node_tokens: Family<Labels, Counter>,
     /// `transport: "auto"`'s choices, by mode and objective.
     pub choices: Family<Labels, Counter>,
     /// `transport: "auto"`: each answer's actual end over its predicted end, by mode.
@@ -98,6 +101,7 @@ impl Metrics {
             queued: Gauge::default(),
             handoffs,
             fallbacks: Family::default(),
+            node_tokens: Family::default(),
             choices: Family::default(),
             actual_over_predicted: Family::new_with_constructor(|| Histogram::new(RATIO)),
             recent: Recent::default(),
@@ -170,6 +174,11 @@ impl Metrics {
                 m.fallbacks.clone(),
             );
             r.register(
+                "edgesplit:node_tokens",
+                "Answer tokens each node wrote: prefill, or a decode node's URL",
+                m.node_tokens.clone(),
+            );
+            r.register(
                 "edgesplit:auto_choices",
                 "Requests whose mode the router chose (transport auto), by mode and objective",
                 m.choices.clone(),
@@ -181,6 +190,12 @@ impl Metrics {
             );
         }
         m
+    }
+
+    /// Answer tokens the node `node` wrote since start (`prefill`, or a decode node's URL).
+    #[must_use]
+    pub fn tokens_written(&self, node: &str) -> u64 {
+        self.node_tokens.get_or_create(&label("node", node)).get()
     }
 
     /// Counts a failed request.
@@ -216,6 +231,17 @@ impl Metrics {
                     .inc();
                 if let Some(cause) = &a.timing.fallback {
                     self.fallbacks.get_or_create(&label("cause", cause)).inc();
+                }
+                let on_decode = a.timing.decode_node_tokens.min(a.completion_tokens);
+                if let (Some(node), true) = (&a.timing.decode_node, on_decode > 0) {
+                    self.node_tokens
+                        .get_or_create(&label("node", node))
+                        .inc_by(u64::from(on_decode));
+                }
+                if a.completion_tokens > on_decode {
+                    self.node_tokens
+                        .get_or_create(&label("node", "prefill"))
+                        .inc_by(u64::from(a.completion_tokens - on_decode));
                 }
                 if let (Some(mode), Some(objective)) = (a.timing.mode, a.timing.objective) {
                     self.choices

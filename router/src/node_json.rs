@@ -3,7 +3,8 @@
 
 use serde_json::{json, Value};
 
-use crate::backend::Failure;
+use crate::backend::{Failure, NodeState};
+use edgesplit_proto::pb::NodeInfo;
 
 /// A prefill node's layer split (`--rpc-peer`) as `/health` and the dashboard
 /// show it.
@@ -53,4 +54,27 @@ pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Valu
         }
         Err(e) => json!({"status": "unavailable", "error": e.message}),
     }
+}
+
+/// Each decode node as `/health` shows it (its URL, its state in the pool with why, and its
+/// `Info`), from the nodes' answers in `--decode-url` order.
+pub(crate) fn decode_nodes(
+    prefill: &Result<NodeInfo, Failure>,
+    decode: &[Result<NodeInfo, Failure>],
+    urls: &[String],
+) -> Vec<Value> {
+    decode
+        .iter()
+        .zip(urls)
+        .map(|(d, url)| {
+            let state = NodeState::of(prefill.as_ref().ok(), d);
+            let mut v = health(d);
+            v["url"] = json!(url);
+            v["state"] = json!(state.as_str());
+            if let Some(why) = state.why() {
+                v["why"] = json!(why);
+            }
+            v
+        })
+        .collect()
 }

@@ -81,6 +81,9 @@ pub struct Timing {
     /// Which node prefilled the prompt: `prefill_node`, or `decode_node` (it continued a
     /// conversation it held; nothing crossed the link).
     pub placement: Option<&'static str>,
+    /// The decode node the answer used (its `--decode-url`): every transport but `local`
+    /// and `layers`, whatever part it then took (a fallback says when it took none).
+    pub decode_node: Option<String>,
     /// Of the prompt, the tokens whose cached KV was reused (not prefilled).
     pub cached_tokens: Option<u32>,
     /// The node that wrote the answer's first token: `prefill`, or `decode` (it continued

@@ -188,7 +188,8 @@ async fn serve_inner(
         .or(header_transport)
         .unwrap_or(s.default_transport);
     let info = s
-        .backend
+        .pool
+        .first()
         .prefill_info_fresh(crate::PREFILL_INFO_MAX_AGE)
         .await?;
     if let Some(m) = &req.model {
@@ -202,7 +203,8 @@ async fn serve_inner(
     let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
     let admitted = Instant::now();
     tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
-    let started = s.backend.start(&req, transport, &request_id).await?;
+    let (started, node) = s.pool.start(&req, transport, &request_id).await?;
+    let pair = s.pool.pair(node);
     let observer = observer.started();
     let meta = Meta {
         id: match endpoint {
@@ -230,14 +232,15 @@ async fn serve_inner(
     )
     .observed(observer);
     if req.max_tokens == 0 {
-        answer = answer.measuring_length(s.backend.answer_length_meter());
+        answer = answer.measuring_length(pair.answer_length_meter());
     }
     answer.timing.placement = Some(started.placement.as_str());
     (answer.timing.prefill_arch, answer.timing.decode_arch) =
-        s.backend.archs(started.transport, started.placement);
-    answer.timing.same_numerics = s
-        .backend
-        .same_numerics(started.transport, started.placement);
+        pair.archs(started.transport, started.placement);
+    answer.timing.same_numerics = pair.same_numerics(started.transport, started.placement);
+    if !matches!(started.transport, Transport::Local | Transport::Layers) {
+        answer.timing.decode_node = Some(pair.decode_url());
+    }
     answer.timing.cached_tokens = started.cached_tokens;
     if let Some(choice) = started.choice {
         answer.timing.mode = Some(choice.mode.as_str());
@@ -359,7 +362,8 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 
 async fn models(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let info = s
-        .backend
+        .pool
+        .first()
         .prefill_info_fresh(crate::PREFILL_INFO_MAX_AGE)
         .await?;
     Ok(Json(json!({
@@ -395,8 +399,11 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
         )
             .into_response();
     }
-    let (p, d) = s.backend.infos_within(HEALTH_INFO_MAX_AGE).await;
-    let ok = p.is_ok() && d.is_ok();
+    let (p, d) = s.pool.infos_within(HEALTH_INFO_MAX_AGE).await;
+    let nodes = node_json::decode_nodes(&p, &d, &s.pool.urls());
+    // Every node answers (a decode node refused by the handshake's checks answers too:
+    // its `state` says so, and requests go to the others).
+    let ok = p.is_ok() && d.iter().all(Result::is_ok);
     let status = if ok { "ok" } else { "degraded" };
     let detailed = s
         .api_key
@@ -406,7 +413,8 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
         json!({
             "status": status,
             "prefill": node_json::health(&p),
-            "decode": node_json::health(&d),
+            "decode": nodes[0],
+            "decode_nodes": nodes,
         })
     } else {
         json!({"status": status})

@@ -6,12 +6,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::api::Transport;
-use crate::backend::Backend;
+use crate::backend::Pool;
 use crate::error::ApiError;
 
 /// Shared state of the handlers.
 pub struct AppState {
-    pub backend: Backend,
+    /// The prefill node and the decode nodes it pairs with.
+    pub pool: Pool,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     pub default_transport: Transport,
     /// What `transport: "auto"` optimizes when a request does not say (`--objective`).

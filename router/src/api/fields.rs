@@ -92,7 +92,13 @@ pub(super) fn known_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Resu
     let nested: [(&str, &[&str]); 2] = [
         (
             "edgesplit",
-            &["transport", "handoff", "objective", "return_token_ids"],
+            &[
+                "transport",
+                "handoff",
+                "objective",
+                "node",
+                "return_token_ids",
+            ],
         ),
         ("stream_options", &["include_usage"]),
     ];

@@ -223,6 +223,9 @@ pub struct ValidRequest {
     pub handoff: Option<HandoffMode>,
     /// `edgesplit.objective`: what `transport: "auto"` optimizes (else the router's).
     pub objective: Option<Objective>,
+    /// `edgesplit.node`: the decode node (its `--decode-url`) a split or `phone` answer
+    /// uses, and the only one `auto` considers (else the router chooses).
+    pub node: Option<String>,
     /// `cache_prompt` (llama-server's name; default true): the nodes may reuse the KV they
     /// keep from earlier requests for this prompt (ARCHITECTURE.md, "Conversations").
     pub cache_prompt: bool,
@@ -373,6 +376,7 @@ pub fn parse(
     let transport = edgesplit_name(&obj, "transport", Transport::parse)?;
     let handoff = edgesplit_name(&obj, "handoff", HandoffMode::parse)?;
     let objective = edgesplit_name(&obj, "objective", Objective::parse)?;
+    let node = edgesplit_name(&obj, "node", node_name)?;
     let return_token_ids = match obj.get("edgesplit") {
         Some(Value::Object(o)) => boolean(o, "return_token_ids")?,
         None | Some(Value::Null) => false,
@@ -401,8 +405,23 @@ pub fn parse(
         transport,
         handoff,
         objective,
+        node,
         tools,
     })
+}
+
+/// Longest `edgesplit.node` accepted (a node's URL).
+const MAX_NODE_NAME: usize = 512;
+
+/// `edgesplit.node`: a decode node's URL, checked against the router's nodes when the
+/// request runs (`backend/pool.rs`).
+fn node_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > MAX_NODE_NAME {
+        return Err(format!(
+            "edgesplit.node must name a decode node by its URL (1 to {MAX_NODE_NAME} bytes)"
+        ));
+    }
+    Ok(s.to_string())
 }
 
 /// `edgesplit.<key>`, a name `parse` reads (absent or null: `None`).

@@ -121,14 +121,20 @@ impl Backend {
     }
 
     /// `transport: "auto"`: the cost model's choice among the modes this request can take
-    /// under its objective (`cost.rs`), then that mode's path. A conversation the decode
-    /// node holds keeps today's placement rule (`held_turn`, `--continue-on`); a request
-    /// that names its handoff mode is split in that mode.
+    /// under its objective (`cost.rs`), then that mode's path.
     pub(super) async fn start_auto(
         &self,
         req: &ValidRequest,
         request_id: &str,
     ) -> Result<Started, Failure> {
+        let plan = self.plan_auto(req).await?;
+        self.run_auto(req, plan, request_id).await
+    }
+
+    /// What `auto` chooses for `req` on this pair, before anything runs. A conversation
+    /// the decode node holds keeps the placement rule (`held_turn`, `--continue-on`); a
+    /// request that names its handoff mode is split in that mode.
+    pub(super) async fn plan_auto(&self, req: &ValidRequest) -> Result<AutoPlan, Failure> {
         lock(&self.learned).last_auto = Some(std::time::Instant::now());
         self.calibrated().await;
         let objective = req.objective.unwrap_or(self.config.objective);
@@ -167,18 +173,48 @@ impl Backend {
             };
             cost::choose(&measured, &request, objective, allowed, default)
         };
+        Ok(AutoPlan {
+            held,
+            default,
+            choice,
+        })
+    }
+
+    /// Runs what [`Backend::plan_auto`] chose.
+    pub(super) async fn run_auto(
+        &self,
+        req: &ValidRequest,
+        plan: AutoPlan,
+        request_id: &str,
+    ) -> Result<Started, Failure> {
+        let AutoPlan {
+            held,
+            default,
+            mut choice,
+        } = plan;
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
         // A held conversation goes the default split way, where `held_turn` decides.
         let route = if held { default } else { choice.mode };
         let mut started = self.run_chosen(req, route, request_id).await?;
         if let Some(tokens) = started.prompt_tokens {
-            lock(&self.learned).rates.prompt_seen(chars, tokens);
+            lock(&self.learned)
+                .rates
+                .prompt_seen(input_chars(&req.input), tokens);
         }
-        let mut choice = choice;
         if held && started.placement == PrefilledOn::DecodeNode {
             choice.mode = Route::Phone;
         }
         started.choice = Some(choice);
         Ok(started)
     }
+}
+
+/// `auto`'s choice for one request on one pair, not yet run.
+#[derive(Debug, Clone)]
+pub(super) struct AutoPlan {
+    /// The decode node holds the request's conversation.
+    pub(super) held: bool,
+    /// The split the request takes when nothing is measured (its handoff mode).
+    pub(super) default: Route,
+    pub(super) choice: Choice,
 }

@@ -163,6 +163,13 @@ impl Default for FakeDecode {
     }
 }
 
+impl FakeDecode {
+    /// The `Info` a scripted decode node answers until a test changes it.
+    pub(crate) fn info_answer(&self) -> pb::NodeInfo {
+        lock(&self.info.answer).clone().unwrap_or_default()
+    }
+}
+
 impl PrefillCalls for FakePrefill {
     fn prefill(&self, req: pb::PrefillRequest) -> Call<'_, Events<pb::PrefillEvent>> {
         self.prefill.call(req)

@@ -30,13 +30,16 @@ pub(super) fn answer_tokens(req: &ValidRequest, learned: &Mutex<Learned>) -> f64
     lock(learned).rates.expected_answer(req.max_tokens)
 }
 
-/// The work queues of both nodes.
+/// The work queues of a pair's nodes: the laptop's (the prefill node's), shared by every
+/// decode node's pair in a pool ([`Load::beside`]), and this pair's phone's.
 #[derive(Debug, Default)]
 pub(super) struct Load {
-    laptop: Mutex<Queue>,
+    laptop: Arc<Mutex<Queue>>,
     phone: Mutex<Queue>,
-    next_id: AtomicU64,
 }
+
+/// Answer ids, unique in the process: pairs share the laptop's queue.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// One node's answers and the work each has left, as of `at`.
 #[derive(Debug, Default)]
@@ -165,6 +168,14 @@ pub(super) struct Busy {
 }
 
 impl Load {
+    /// The queues of another decode node's pair: the same laptop, its own phone.
+    pub(super) fn beside(other: &Load) -> Load {
+        Load {
+            laptop: other.laptop.clone(),
+            phone: Mutex::default(),
+        }
+    }
+
     fn queue(&self, phone: bool) -> std::sync::MutexGuard<'_, Queue> {
         let q = if phone { &self.phone } else { &self.laptop };
         // A poisoned lock holds only estimates.
@@ -174,7 +185,7 @@ impl Load {
     /// Counts an answer on the phone (the decode node) or the laptop until the guard drops,
     /// expected to take `work_ms` of the node's time.
     pub(super) fn take(self: &Arc<Self>, phone: bool, work_ms: f64) -> Busy {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let mut q = self.queue(phone);
         q.advance(Instant::now());
         q.jobs.push((id, work_ms.max(0.0)));

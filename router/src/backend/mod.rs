@@ -34,6 +34,9 @@ mod fallback;
 mod handoff;
 mod load;
 mod nodes;
+mod pool;
+#[cfg(test)]
+mod pool_tests;
 mod probe;
 mod route;
 mod seam;
@@ -56,6 +59,7 @@ pub use fallback::Fallback;
 use load::Load;
 pub use nodes::HealthInfos;
 use nodes::{Known, Learned};
+pub use pool::{best, refusal, Candidate, NodeState, Pool, WATCH_EVERY};
 pub use probe::{Probe, CALIBRATION_WAIT, IDLE_TICK};
 pub use route::{Route, Wire};
 pub use seam::{DecodeCalls, Events, GrpcDecode, GrpcPrefill, PrefillCalls};
@@ -195,6 +199,41 @@ impl Backend {
             learned: Arc::default(),
             load: Arc::default(),
         }
+    }
+
+    /// The pair of the same prefill node with another decode node, `decode`, reached at
+    /// `decode_url` (a pool's next member, `pool.rs`): the prefill node's client and its
+    /// queue of work are this pair's; the decode node's `Info`, figures, load and held
+    /// conversations its own.
+    #[must_use]
+    pub fn beside(&self, decode_url: String, decode: Arc<dyn DecodeCalls>) -> Self {
+        let config = BackendConfig {
+            decode_url,
+            ..self.config.clone()
+        };
+        Self {
+            prefill: self.prefill.clone(),
+            decode,
+            calibrated: Arc::new(tokio::sync::watch::channel(!config.probes).0),
+            config,
+            known: Arc::new(Known::beside(&self.known)),
+            health_infos: Arc::default(),
+            learned: Arc::default(),
+            load: Arc::new(Load::beside(&self.load)),
+        }
+    }
+
+    /// A gRPC client of the decode node at `url`, over this backend's link.
+    ///
+    /// # Errors
+    /// A malformed URL.
+    pub fn grpc_decode(&self, url: &str) -> anyhow::Result<Arc<dyn DecodeCalls>> {
+        Ok(Arc::new(GrpcDecode::new(
+            self.config
+                .link
+                .grpc_channel(url, self.config.connect_timeout)?,
+            GrpcCredentials(self.config.link.secret_arc()),
+        )))
     }
 
     /// Starts `req` on `transport`; returns once the first token (or an error) is known.

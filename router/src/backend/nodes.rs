@@ -28,9 +28,10 @@ pub type HealthInfos = (Result<pb::NodeInfo, Failure>, Result<pb::NodeInfo, Fail
 type LastInfo = std::sync::Mutex<Option<(std::time::Instant, pb::NodeInfo)>>;
 
 /// The nodes' last `Info` answers: what a request reads of the nodes without asking them.
+/// The prefill node's is shared by every pair of a pool ([`Known::beside`]).
 #[derive(Debug, Default)]
 pub(super) struct Known {
-    prefill: LastInfo,
+    prefill: std::sync::Arc<LastInfo>,
     decode: LastInfo,
 }
 
@@ -48,6 +49,14 @@ fn answered(last: &LastInfo, info: Result<pb::NodeInfo, Failure>) -> Result<pb::
 }
 
 impl Known {
+    /// What another decode node's pair knows at first: the same prefill node's `Info`.
+    pub(super) fn beside(other: &Known) -> Known {
+        Known {
+            prefill: other.prefill.clone(),
+            decode: LastInfo::default(),
+        }
+    }
+
     /// The prefill node's last `Info`.
     pub(super) fn prefill(&self) -> Option<pb::NodeInfo> {
         guard(&self.prefill).as_ref().map(|(_, i)| i.clone())

@@ -18,7 +18,7 @@ use super::fake::{FakeDecode, FakePrefill, Step};
 use super::{Backend, BackendConfig, ContinueOn, Event, Node, PrefilledOn, RouterCode, Started};
 use crate::api::{self, Endpoint, HandoffMode, Objective, Transport, ValidRequest};
 
-fn config(fallback: bool) -> BackendConfig {
+pub(super) fn config(fallback: bool) -> BackendConfig {
     BackendConfig {
         prefill_url: "http://prefill.test".into(),
         decode_url: "http://decode.test".into(),
@@ -56,13 +56,13 @@ fn pair(fallback: bool) -> Pair {
 }
 
 /// A completion request for `prompt`, with `extra` fields (JSON object members).
-fn request(prompt: &str, extra: &str) -> ValidRequest {
+pub(super) fn request(prompt: &str, extra: &str) -> ValidRequest {
     let body = format!(r#"{{"prompt": {prompt:?}, "max_tokens": 6, "temperature": 0{extra}}}"#);
     api::parse(Endpoint::Completion, body.as_bytes(), || 7).expect("a valid request")
 }
 
 /// Every event of the answer, to its end (the sender dropped).
-async fn events(started: Started) -> Vec<Event> {
+pub(super) async fn events(started: Started) -> Vec<Event> {
     let mut rx = started.events;
     let mut all = Vec::new();
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
@@ -75,7 +75,7 @@ async fn events(started: Started) -> Vec<Event> {
 }
 
 /// The answer's tokens, with the node that wrote each.
-fn tokens(events: &[Event]) -> Vec<(i32, Node)> {
+pub(super) fn tokens(events: &[Event]) -> Vec<(i32, Node)> {
     events
         .iter()
         .filter_map(|e| match e {
@@ -92,7 +92,7 @@ fn finished_last(events: &[Event]) {
     );
 }
 
-fn unavailable() -> Status {
+pub(super) fn unavailable() -> Status {
     Status::unavailable("transport error: connection reset")
 }
 

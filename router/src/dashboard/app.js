@@ -110,14 +110,30 @@ async function refreshStatus() {
   const layers = $('transport-layers');
   layers.hidden = layers.disabled = !(ls && ls.state === 'split');
   if (layers.disabled && $('transport').value === 'layers') $('transport').value = 'auto';
-  const d = s.decode;
-  const drows = nodeRows(d);
-  if (d.up) {
-    drows.push(['handoffs received / refused', d.handoffs_received + ' / ' + d.handoffs_refused]);
-    drows.push(['KV bytes received', fmtBytes(d.handoff_bytes_received)]);
-    if (d.kv_budget_bytes) drows.push(['KV budget', fmtBytes(d.kv_budget_bytes)]);
-  }
-  setCard('card-decode', d.up, d.up ? 'up' : 'down', drows);
+  // A card per decode node: the first is the page's own, the others are added after it.
+  const written = s.decode_nodes.reduce((t, d) => t + d.tokens_written, s.prefill.tokens_written || 0);
+  s.decode_nodes.forEach((d, i) => {
+    const id = i === 0 ? 'card-decode' : 'card-decode-' + i;
+    if (!$(id)) {
+      const prev = $(i === 1 ? 'card-decode' : 'card-decode-' + (i - 1));
+      const card = el('article', { class: 'card unknown', id }, el('h2', {}, 'Decode node'),
+        el('p', { class: 'state' }, '…'));
+      prev.after(card);
+    }
+    if (s.decode_nodes.length > 1) {
+      $(id).querySelector('h2').textContent = 'Decode node ' + (i + 1) + ' of ' + s.decode_nodes.length;
+    }
+    const drows = nodeRows(d);
+    if (d.up) {
+      drows.push(['handoffs received / refused', d.handoffs_received + ' / ' + d.handoffs_refused]);
+      drows.push(['KV bytes received', fmtBytes(d.handoff_bytes_received)]);
+      if (d.kv_budget_bytes) drows.push(['KV budget', fmtBytes(d.kv_budget_bytes)]);
+    }
+    if (d.why) drows.push(['not used', d.why]);
+    drows.push(['answer tokens written', d.tokens_written +
+      (written ? ' (' + fmt(100 * d.tokens_written / written, 0) + '%)' : '')]);
+    setCard(id, d.state === 'ready', d.state, drows);
+  });
   const h = s.handoff;
   const hrow = (name, x) => [name, x.up ? x.addr + ' (connect ' + fmt(x.connect_ms, 1) + ' ms)' : (x.addr || '-') + ': ' + x.error];
   setCard('card-handoff', h.up, h.up ? 'up' : 'down', [hrow('V2 (TCP)', h.v2), hrow('V1 (HTTP)', h.v1)]);

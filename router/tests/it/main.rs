@@ -25,6 +25,7 @@ mod fidelity;
 mod gemma;
 mod handoff;
 mod hostile;
+mod household;
 mod interop_llama_server;
 mod layers;
 mod live;

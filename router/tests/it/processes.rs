@@ -76,6 +76,8 @@ pub(crate) struct ThreeOptions<'a> {
     pub(crate) handoff_via: Option<fn() -> common::Shape>,
     /// The three services' shared secret (`EDGESPLIT_SECRET`): private links.
     pub(crate) secret: Option<&'a str>,
+    /// More decode nodes in the router's pool, each with these extra arguments.
+    pub(crate) more_decode: Vec<Vec<String>>,
 }
 
 impl<'a> ThreeOptions<'a> {
@@ -88,6 +90,7 @@ impl<'a> ThreeOptions<'a> {
             router_extra: &[],
             handoff_via: None,
             secret: None,
+            more_decode: Vec::new(),
         }
     }
 }
@@ -123,6 +126,7 @@ pub(crate) async fn start_three_with(o: ThreeOptions<'_>) -> Stack {
         router_extra: strings(o.router_extra),
         handoff_shape: o.handoff_via,
         secret: o.secret.map(str::to_string),
+        more_decode: o.more_decode,
         ..StackConfig::new(common::model(common::SMOLLM2), 1024, 0, dir)
     };
     Stack::start(&cfg, Profile::rate(0)).await.unwrap()
@@ -343,7 +347,7 @@ async fn stream_and_signal<F: std::future::Future<Output = ()>>(
 }
 
 /// [`stream_and_signal`], running `signal` once `pieces` non-empty content pieces arrived.
-async fn stream_and_signal_after<F: std::future::Future<Output = ()>>(
+pub(crate) async fn stream_and_signal_after<F: std::future::Future<Output = ()>>(
     base: &str,
     body: &serde_json::Value,
     pieces: usize,
@@ -387,7 +391,7 @@ async fn stream_and_signal_after<F: std::future::Future<Output = ()>>(
 /// A long greedy answer over V2, handed over after its first token: the drains and kills
 /// here are those of the `after` handoff (the decode node's `Generate` waits for the
 /// state); the live handoff's kill is its own test.
-fn story(max: u32, stream: bool) -> serde_json::Value {
+pub(crate) fn story(max: u32, stream: bool) -> serde_json::Value {
     json!({
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
         "max_tokens": max, "temperature": 0, "stream": stream,
@@ -396,7 +400,7 @@ fn story(max: u32, stream: bool) -> serde_json::Value {
 }
 
 /// The same answer on the single-device path.
-async fn local_story(t: &Stack, max: u32) -> String {
+pub(crate) async fn local_story(t: &Stack, max: u32) -> String {
     let mut body = story(max, false);
     body["edgesplit"]["transport"] = json!("local");
     let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.router), &body).await;

@@ -1,0 +1,517 @@
+//! A pool of decode nodes (`--decode-url` repeated): one [`Backend`] pair per decode node,
+//! all with the same prefill node, whose client, last `Info` and queue of work the pairs
+//! share (`Backend::beside`). Each pair keeps its decode node's own `Info`, measured
+//! figures, load and held conversations.
+//!
+//! Each request goes to one pair ([`Pool::start`]):
+//! - a conversation a usable decode node holds goes on there (its KV is there);
+//! - a request that names a node (`edgesplit.node`) goes to it;
+//! - `auto` asks every usable pair's cost model and takes the best of their choices under
+//!   the request's objective ([`best`]): the laptop alone is the same on every pair, each
+//!   pair adds its phone's modes;
+//! - a named split or `phone` goes to the usable decode node with the least work queued.
+//!
+//! Usable: the node answered its last `Info` and computes as the prefill node does (same
+//! model, build, KV cache types and flash attention: the handoff's handshake would refuse
+//! it otherwise). [`Pool::watch`] asks every node's `Info` twice a second, so a node that
+//! died is left out from its first failed `Info` and taken again within a second of its
+//! return. An answer under way on a node that dies finishes on the prefill node (the
+//! pair's fallback), as with one decode node. A pool of one uses its node whatever its
+//! state: its own failures explain themselves.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use edgesplit_proto::pb;
+
+use super::choice::AutoPlan;
+use super::cost::{Choice, OFFLOAD_BOUND};
+use super::route::Route;
+use super::{Backend, Failure, Started};
+use crate::api::{Objective, Transport, ValidRequest};
+
+/// How often [`Pool::watch`] asks the decode nodes' `Info`.
+pub const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// What the router knows of one decode node's fitness.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeState {
+    /// Not asked yet.
+    Unknown,
+    /// It answered its last `Info`, and computes as the prefill node does.
+    Ready,
+    /// Its last `Info` failed: why.
+    Down(String),
+    /// It answered, but the handoff's handshake would refuse it: why.
+    Refused(String),
+}
+
+impl NodeState {
+    /// A decode node's state from its `Info` answer and the prefill node's (`None`: not
+    /// known, nothing to compare with).
+    #[must_use]
+    pub fn of(prefill: Option<&pb::NodeInfo>, decode: &Result<pb::NodeInfo, Failure>) -> Self {
+        match decode {
+            Err(e) => NodeState::Down(e.message.clone()),
+            Ok(d) => match prefill.and_then(|p| refusal(p, d)) {
+                Some(why) => NodeState::Refused(why),
+                None => NodeState::Ready,
+            },
+        }
+    }
+
+    /// The state's name (`/health`, the dashboard).
+    #[must_use]
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            NodeState::Unknown => "unknown",
+            NodeState::Ready => "ready",
+            NodeState::Down(_) => "down",
+            NodeState::Refused(_) => "refused",
+        }
+    }
+
+    /// Why the node is not used (`None` when it is ready or not asked yet).
+    #[must_use]
+    pub fn why(&self) -> Option<&str> {
+        match self {
+            NodeState::Down(w) | NodeState::Refused(w) => Some(w),
+            NodeState::Unknown | NodeState::Ready => None,
+        }
+    }
+}
+
+struct Member {
+    backend: Backend,
+    state: Mutex<NodeState>,
+}
+
+/// The decode nodes and the pairs they make with the prefill node.
+pub struct Pool {
+    members: Vec<Member>,
+}
+
+/// Why a decode node answering `decode` would be refused by a prefill node answering
+/// `prefill` (the handshake's checks, read from both `Info`s), or `None`.
+#[must_use]
+pub fn refusal(prefill: &pb::NodeInfo, decode: &pb::NodeInfo) -> Option<String> {
+    if decode.model_fingerprint != prefill.model_fingerprint {
+        return Some(format!(
+            "another model: {} (the prefill node's: {})",
+            decode.model_id, prefill.model_id
+        ));
+    }
+    if decode.build_id != prefill.build_id {
+        return Some(format!(
+            "another build: {} (the prefill node's: {})",
+            decode.build_id, prefill.build_id
+        ));
+    }
+    if (decode.type_k, decode.type_v) != (prefill.type_k, prefill.type_v) {
+        return Some("another KV cache type".into());
+    }
+    if decode.flash_attn != prefill.flash_attn {
+        return Some(format!(
+            "flash attention {} (the prefill node's: {})",
+            on_off(decode.flash_attn),
+            on_off(prefill.flash_attn)
+        ));
+    }
+    None
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// One pair's `auto` choice, as [`best`] compares them.
+#[derive(Debug, Clone)]
+pub struct Candidate<'a> {
+    pub choice: &'a Choice,
+    /// Node time (ms) the work queued on this pair's decode node has left.
+    pub phone_backlog_ms: f64,
+}
+
+/// Which of the pairs' `auto` choices runs (an index into `candidates`, which is not
+/// empty), under `objective` with `laptop_busy` answers on the shared laptop:
+/// - while no pair has a prediction, the one whose decode node has the least work queued;
+/// - a pair with no prediction whose decode node is idle is tried (its figures are
+///   measured by that answer), so that a node that joins is measured;
+/// - else the choice the objective prefers, as `cost::choose` ranks modes: the soonest
+///   end (`latency`), the least laptop time among those ending within
+///   [`OFFLOAD_BOUND`] of the soonest (`offload`), `balanced` as `latency` on an idle
+///   laptop and `offload` on a busy one.
+#[must_use]
+pub fn best(candidates: &[Candidate<'_>], objective: Objective, laptop_busy: usize) -> usize {
+    let least_queued = |among: &mut dyn Iterator<Item = (usize, &Candidate<'_>)>| {
+        among
+            .min_by(|a, b| a.1.phone_backlog_ms.total_cmp(&b.1.phone_backlog_ms))
+            .map_or(0, |(i, _)| i)
+    };
+    let predicted: Vec<(usize, super::cost::Cost)> = candidates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| c.choice.predicted.map(|p| (i, p)))
+        .collect();
+    if predicted.is_empty() {
+        return least_queued(&mut candidates.iter().enumerate());
+    }
+    if let Some(i) = candidates
+        .iter()
+        .position(|c| c.choice.predicted.is_none() && c.phone_backlog_ms == 0.0)
+    {
+        return i;
+    }
+    let effective = match objective {
+        Objective::Balanced if laptop_busy == 0 => Objective::Latency,
+        Objective::Balanced => Objective::Offload,
+        o => o,
+    };
+    let soonest = predicted
+        .iter()
+        .map(|(_, c)| c.e2e_ms)
+        .fold(f64::INFINITY, f64::min);
+    let ranked = predicted.iter().min_by(|a, b| match effective {
+        Objective::Offload => {
+            let within = |c: &super::cost::Cost| c.e2e_ms <= soonest * OFFLOAD_BOUND;
+            within(&b.1)
+                .cmp(&within(&a.1))
+                .then(a.1.laptop_ms.total_cmp(&b.1.laptop_ms))
+                .then(a.1.e2e_ms.total_cmp(&b.1.e2e_ms))
+        }
+        _ => a.1.e2e_ms.total_cmp(&b.1.e2e_ms),
+    });
+    ranked.map_or(0, |(i, _)| *i)
+}
+
+impl Pool {
+    /// The pairs of the prefill node `config` names with each of `decode_urls` (at least
+    /// one), over gRPC.
+    ///
+    /// # Errors
+    /// No decode node, or a malformed URL.
+    pub fn new(config: super::BackendConfig, decode_urls: &[String]) -> anyhow::Result<Pool> {
+        let (first, rest) = decode_urls
+            .split_first()
+            .ok_or_else(|| anyhow::anyhow!("no decode node: give --decode-url"))?;
+        let first = Backend::new(super::BackendConfig {
+            decode_url: first.clone(),
+            ..config
+        })?;
+        let mut backends = vec![first.clone()];
+        for url in rest {
+            anyhow::ensure!(
+                decode_urls.iter().filter(|u| *u == url).count() == 1,
+                "--decode-url {url} is given twice"
+            );
+            backends.push(first.beside(url.clone(), first.grpc_decode(url)?));
+        }
+        Ok(Pool::of(backends))
+    }
+
+    /// A pool of `backends`, pairs of one prefill node (the first's, shared through
+    /// `Backend::beside`).
+    #[must_use]
+    pub fn of(backends: Vec<Backend>) -> Pool {
+        Pool {
+            members: backends
+                .into_iter()
+                .map(|backend| Member {
+                    backend,
+                    state: Mutex::new(NodeState::Unknown),
+                })
+                .collect(),
+        }
+    }
+
+    /// The first pair: what the prefill node answers is the same on every pair.
+    #[must_use]
+    pub fn first(&self) -> &Backend {
+        &self.members[0].backend
+    }
+
+    /// The pair of the `i`-th decode node.
+    #[must_use]
+    pub fn pair(&self, i: usize) -> &Backend {
+        &self.members[i].backend
+    }
+
+    /// How many decode nodes the pool has.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Always false: a pool has at least one decode node.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Each decode node's URL and state as [`Pool::watch`] last set it, in `--decode-url`
+    /// order.
+    #[must_use]
+    pub fn states(&self) -> Vec<(String, NodeState)> {
+        self.members
+            .iter()
+            .map(|m| (m.backend.decode_url(), state_of(m)))
+            .collect()
+    }
+
+    /// Each decode node's URL, in `--decode-url` order.
+    #[must_use]
+    pub fn urls(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| m.backend.decode_url())
+            .collect()
+    }
+
+    /// Asks every decode node's `Info` (at once) and sets each one's state from it.
+    pub async fn watch(&self) {
+        let prefill = match self.first().known.prefill() {
+            Some(i) => Some(i),
+            None => self.first().prefill_info().await.ok(),
+        };
+        let infos =
+            futures::future::join_all(self.members.iter().map(|m| m.backend.decode_info())).await;
+        for (m, info) in self.members.iter().zip(infos) {
+            let state = NodeState::of(prefill.as_ref(), &info);
+            let mut last = m
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *last != state {
+                let url = m.backend.decode_url();
+                match state.why() {
+                    Some(why) => {
+                        tracing::warn!(node = %url, state = state.as_str(), why, "decode node");
+                    }
+                    None => tracing::info!(node = %url, state = state.as_str(), "decode node"),
+                }
+                *last = state;
+            }
+        }
+    }
+
+    /// The prefill node's `Info` and each decode node's (`/health`, the dashboard), each
+    /// pair's last answers while younger than `max_age` (`Backend::infos_within`).
+    pub async fn infos_within(
+        &self,
+        max_age: Duration,
+    ) -> (
+        Result<pb::NodeInfo, Failure>,
+        Vec<Result<pb::NodeInfo, Failure>>,
+    ) {
+        let infos =
+            futures::future::join_all(self.members.iter().map(|m| m.backend.infos_within(max_age)))
+                .await;
+        let mut prefill = Vec::with_capacity(1);
+        let decode = infos
+            .into_iter()
+            .map(|(p, d)| {
+                if prefill.is_empty() {
+                    prefill.push(p);
+                }
+                d
+            })
+            .collect();
+        // `Pool::new` makes at least one pair.
+        let prefill = prefill.pop().unwrap_or_else(|| {
+            Err(Failure::unavailable(
+                super::RouterCode::DecodeUnavailable,
+                "the router has no decode node",
+            ))
+        });
+        (prefill, decode)
+    }
+
+    /// The sequences the decode nodes that answer serve at once, added (`None` when none
+    /// answers): the router's admission limit follows it.
+    pub async fn decode_parallel(&self) -> Option<usize> {
+        let infos =
+            futures::future::join_all(self.members.iter().map(|m| m.backend.decode_info())).await;
+        let parallel: Vec<usize> = infos
+            .into_iter()
+            .filter_map(Result::ok)
+            .filter(|i| i.parallel > 0)
+            .map(|i| i.parallel as usize)
+            .collect();
+        (!parallel.is_empty()).then(|| parallel.iter().sum())
+    }
+
+    /// The pairs a request may go to: the ready ones; when none is, those not refused;
+    /// else the first (its failures then explain themselves). A pool of one: its pair.
+    fn usable(&self) -> Vec<usize> {
+        if self.members.len() == 1 {
+            return vec![0];
+        }
+        let states: Vec<NodeState> = self.members.iter().map(state_of).collect();
+        let ready: Vec<usize> = (0..states.len())
+            .filter(|&i| states[i] == NodeState::Ready)
+            .collect();
+        if !ready.is_empty() {
+            return ready;
+        }
+        let not_refused: Vec<usize> = (0..states.len())
+            .filter(|&i| !matches!(states[i], NodeState::Refused(_)))
+            .collect();
+        if not_refused.is_empty() {
+            vec![0]
+        } else {
+            not_refused
+        }
+    }
+
+    /// The pair the request names (`edgesplit.node`).
+    fn named(&self, node: &str) -> Result<usize, Failure> {
+        self.members
+            .iter()
+            .position(|m| m.backend.decode_url() == node)
+            .ok_or_else(|| {
+                let urls: Vec<String> = self
+                    .members
+                    .iter()
+                    .map(|m| m.backend.decode_url())
+                    .collect();
+                Failure::invalid(
+                    Some("edgesplit.node".to_string()),
+                    format!("no decode node {node:?}; the router's: {}", urls.join(", ")),
+                )
+            })
+    }
+
+    /// The usable pair whose decode node holds `req`'s conversation.
+    fn holding(&self, req: &ValidRequest, usable: &[usize]) -> Option<usize> {
+        usable
+            .iter()
+            .copied()
+            .find(|&i| self.members[i].backend.held(req).is_some())
+    }
+
+    fn phone_backlog_ms(&self, i: usize) -> f64 {
+        self.members[i].backend.load.backlog().phone.iter().sum()
+    }
+
+    /// Starts `req` on `transport` on the pair chosen for it; returns once the first token
+    /// (or an error) is known, with the pair's index.
+    ///
+    /// # Errors
+    /// The request's failure before its first token, as the client should see it; a
+    /// 400 for a node the router does not have, or a node named for a transport that
+    /// uses none.
+    pub async fn start(
+        &self,
+        req: &ValidRequest,
+        transport: Transport,
+        request_id: &str,
+    ) -> Result<(Started, usize), Failure> {
+        let first = self.first();
+        let route = Route::named(transport, req.handoff, first.config.handoff)?;
+        let named = req.node.as_deref().map(|n| self.named(n)).transpose()?;
+        if let (Some(Route::Local | Route::Layers), Some(_)) = (route, named) {
+            return Err(Failure::invalid(
+                Some("edgesplit.node".to_string()),
+                format!(
+                    "transport {:?} runs on the prefill node: it uses no decode node",
+                    transport.as_str()
+                ),
+            ));
+        }
+        let usable = match named {
+            Some(i) => vec![i],
+            None => self.usable(),
+        };
+        let held = self.holding(req, &usable);
+        match route {
+            Some(route @ (Route::Local | Route::Layers)) => {
+                Ok((first.run(req, route, request_id).await?, 0))
+            }
+            Some(route) => {
+                let i = held.unwrap_or_else(|| {
+                    usable
+                        .iter()
+                        .copied()
+                        .min_by(|&a, &b| {
+                            self.phone_backlog_ms(a)
+                                .total_cmp(&self.phone_backlog_ms(b))
+                        })
+                        .unwrap_or(0)
+                });
+                Ok((self.pair(i).run(req, route, request_id).await?, i))
+            }
+            None => {
+                if let Some(i) = held.or((usable.len() == 1).then_some(usable[0])) {
+                    return Ok((self.pair(i).start_auto(req, request_id).await?, i));
+                }
+                let mut plans: Vec<(usize, AutoPlan)> = Vec::with_capacity(usable.len());
+                for &i in &usable {
+                    plans.push((i, self.pair(i).plan_auto(req).await?));
+                }
+                let candidates: Vec<Candidate<'_>> = plans
+                    .iter()
+                    .map(|(i, p)| Candidate {
+                        choice: &p.choice,
+                        phone_backlog_ms: self.phone_backlog_ms(*i),
+                    })
+                    .collect();
+                let objective = req.objective.unwrap_or(first.config.objective);
+                let laptop_busy = first.load.backlog().laptop.len();
+                let k = best(&candidates, objective, laptop_busy);
+                let others = self.others_said(&plans, k);
+                let (i, mut plan) = plans.swap_remove(k);
+                plan.choice.reason.push_str(&others);
+                Ok((self.pair(i).run_auto(req, plan, request_id).await?, i))
+            }
+        }
+    }
+
+    /// For an `auto` answer's reason: the decode node chosen and what the others' pairs
+    /// predicted.
+    fn others_said(&self, plans: &[(usize, AutoPlan)], chosen: usize) -> String {
+        let mut s = format!(
+            "; decode node {} of {}",
+            self.pair(plans[chosen].0).decode_url(),
+            plans.len()
+        );
+        for (k, (i, p)) in plans.iter().enumerate() {
+            if k == chosen {
+                continue;
+            }
+            let url = self.pair(*i).decode_url();
+            match p.choice.predicted {
+                Some(c) => {
+                    s.push_str(&format!("; {url}: {} {:.0} ms", c.mode.as_str(), c.e2e_ms));
+                }
+                None => s.push_str(&format!("; {url}: not yet measured")),
+            }
+        }
+        s
+    }
+
+    /// The calibration at start (`probe.rs`), one pair after the other: each measures the
+    /// laptop, its phone and its link, alone.
+    pub async fn calibrate(&self) {
+        for m in &self.members {
+            m.backend.calibrate().await;
+        }
+    }
+
+    /// At an idle moment: each pair's stale probes (`probe.rs`), one pair after the other.
+    pub async fn measure_idle(&self) {
+        for m in &self.members {
+            m.backend.measure_idle().await;
+        }
+    }
+}
+
+fn state_of(m: &Member) -> NodeState {
+    m.state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}

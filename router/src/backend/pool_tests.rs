@@ -1,0 +1,270 @@
+//! The pool of decode nodes over scripted nodes (`fake.rs`): which pair a request goes
+//! to (named, held, least queued, `auto`'s best), and a node left out while its `Info`
+//! fails or shows another model, taken again once it answers.
+
+use std::sync::Arc;
+
+use edgesplit_proto::pb;
+
+use super::cost::{Choice, Cost};
+use super::fake::msg::{finished, prefilled, token};
+use super::fake::{FakeDecode, FakePrefill};
+use super::route::Route;
+use super::tests::{config, events, request, tokens, unavailable};
+use super::{best, refusal, Backend, Candidate, Node, NodeState, Pool};
+use crate::api::{Objective, Transport};
+
+/// A prefill node and `n` decode nodes, `http://decode-1.test` and on.
+struct Household {
+    prefill: Arc<FakePrefill>,
+    decode: Vec<Arc<FakeDecode>>,
+    pool: Pool,
+}
+
+fn url(i: usize) -> String {
+    format!("http://decode-{}.test", i + 1)
+}
+
+fn household(n: usize) -> Household {
+    let prefill = Arc::new(FakePrefill::default());
+    let decode: Vec<Arc<FakeDecode>> = (0..n).map(|_| Arc::new(FakeDecode::default())).collect();
+    let first = Backend::with_nodes(
+        super::BackendConfig {
+            decode_url: url(0),
+            ..config(true)
+        },
+        prefill.clone(),
+        decode[0].clone(),
+    );
+    let mut pairs = vec![first.clone()];
+    for (i, d) in decode.iter().enumerate().skip(1) {
+        pairs.push(first.beside(url(i), d.clone()));
+    }
+    Household {
+        prefill,
+        decode,
+        pool: Pool::of(pairs),
+    }
+}
+
+/// The phone alone answers with one token on decode node `i`.
+fn phone_answers(h: &Household, i: usize, id: i32) {
+    h.decode[i]
+        .local
+        .then(Ok(vec![prefilled(5, 0), token(id), finished(1)]));
+}
+
+fn another_model() -> pb::NodeInfo {
+    pb::NodeInfo {
+        role: "decode".into(),
+        model_id: "other".into(),
+        model_fingerprint: "other-fingerprint".into(),
+        ..pb::NodeInfo::default()
+    }
+}
+
+#[tokio::test]
+async fn a_request_that_names_a_node_goes_to_it_and_an_unknown_name_is_a_400() {
+    let h = household(2);
+    phone_answers(&h, 1, 21);
+    let req = request(
+        "Hello",
+        &format!(r#", "edgesplit": {{"node": "{}"}}"#, url(1)),
+    );
+    let (started, i) = h.pool.start(&req, Transport::Phone, "r1").await.unwrap();
+    assert_eq!(i, 1);
+    assert_eq!(tokens(&events(started).await), [(21, Node::Decode)]);
+    assert!(h.decode[0].local.requests().is_empty());
+
+    let req = request("Hello", r#", "edgesplit": {"node": "http://nowhere.test"}"#);
+    let e = h
+        .pool
+        .start(&req, Transport::Phone, "r2")
+        .await
+        .unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("edgesplit.node"), "{e:?}");
+    assert!(
+        e.message.contains(&url(0)) && e.message.contains(&url(1)),
+        "{e:?}"
+    );
+
+    // The prefill node alone uses no decode node: naming one is a mistake.
+    let req = request(
+        "Hello",
+        &format!(r#", "edgesplit": {{"node": "{}"}}"#, url(0)),
+    );
+    let e = h
+        .pool
+        .start(&req, Transport::Local, "r3")
+        .await
+        .unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("edgesplit.node"), "{e:?}");
+    assert!(h.prefill.generate.requests().is_empty());
+}
+
+#[tokio::test]
+async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_answers() {
+    let h = household(2);
+    // Both answer: the first of the equally idle nodes serves.
+    h.pool.watch().await;
+    phone_answers(&h, 0, 10);
+    let (_, i) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r1")
+        .await
+        .unwrap();
+    assert_eq!(i, 0);
+
+    // The first is gone: the second serves.
+    h.decode[0].info.set(Err(unavailable()));
+    h.pool.watch().await;
+    assert!(matches!(h.pool.states()[0].1, NodeState::Down(_)));
+    phone_answers(&h, 1, 11);
+    let (started, i) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r2")
+        .await
+        .unwrap();
+    assert_eq!(i, 1);
+    assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
+    assert_eq!(
+        h.decode[0].local.requests().len(),
+        1,
+        "only r1 went to the first"
+    );
+
+    // It is back, and the second now holds another model: the first serves.
+    let first_info = FakeDecode::default().info_answer();
+    h.decode[0].info.set(Ok(first_info));
+    h.decode[1].info.set(Ok(another_model()));
+    h.pool.watch().await;
+    let states = h.pool.states();
+    assert_eq!(states[0].1, NodeState::Ready);
+    assert!(
+        matches!(&states[1].1, NodeState::Refused(why) if why.contains("another model")),
+        "{states:?}"
+    );
+    phone_answers(&h, 0, 12);
+    let (_, i) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r3")
+        .await
+        .unwrap();
+    assert_eq!(i, 0);
+    assert_eq!(
+        h.decode[1].local.requests().len(),
+        1,
+        "only r2 went to the second"
+    );
+}
+
+#[test]
+fn another_model_build_cache_type_or_attention_is_refused_and_the_same_is_not() {
+    let prefill = pb::NodeInfo {
+        model_fingerprint: "m".into(),
+        model_id: "m".into(),
+        build_id: "b".into(),
+        type_k: 1,
+        type_v: 1,
+        flash_attn: true,
+        ..pb::NodeInfo::default()
+    };
+    let same = pb::NodeInfo {
+        role: "decode".into(),
+        threads: 8,
+        ..prefill.clone()
+    };
+    assert_eq!(refusal(&prefill, &same), None);
+    let cases: [(pb::NodeInfo, &str); 4] = [
+        (
+            pb::NodeInfo {
+                model_fingerprint: "x".into(),
+                ..same.clone()
+            },
+            "another model",
+        ),
+        (
+            pb::NodeInfo {
+                build_id: "c".into(),
+                ..same.clone()
+            },
+            "another build",
+        ),
+        (
+            pb::NodeInfo {
+                type_v: 8,
+                ..same.clone()
+            },
+            "KV cache type",
+        ),
+        (
+            pb::NodeInfo {
+                flash_attn: false,
+                ..same.clone()
+            },
+            "flash attention off",
+        ),
+    ];
+    for (decode, said) in cases {
+        let why = refusal(&prefill, &decode).expect("refused");
+        assert!(why.contains(said), "{why}");
+    }
+}
+
+fn choice(mode: Route, predicted: Option<(f64, f64)>) -> Choice {
+    Choice {
+        mode,
+        reason: String::new(),
+        predicted: predicted.map(|(e2e_ms, laptop_ms)| Cost {
+            mode,
+            e2e_ms,
+            laptop_ms,
+        }),
+        answer_tokens: None,
+    }
+}
+
+fn candidates<'a>(choices: &'a [Choice], backlogs: &[f64]) -> Vec<Candidate<'a>> {
+    choices
+        .iter()
+        .zip(backlogs)
+        .map(|(choice, &phone_backlog_ms)| Candidate {
+            choice,
+            phone_backlog_ms,
+        })
+        .collect()
+}
+
+#[test]
+fn the_pairs_choices_are_ranked_as_the_objective_ranks_modes() {
+    use Objective::{Balanced, Latency, Offload};
+    // Nothing predicted anywhere: the least queued decode node.
+    let c = [choice(Route::Live, None), choice(Route::Live, None)];
+    assert_eq!(best(&candidates(&c, &[300.0, 100.0]), Latency, 0), 1);
+    // A node not yet measured, idle, is tried.
+    let c = [
+        choice(Route::Phone, Some((900.0, 0.0))),
+        choice(Route::Live, None),
+    ];
+    assert_eq!(best(&candidates(&c, &[0.0, 0.0]), Latency, 0), 1);
+    // ... but not while it has work queued: the measured one is ranked.
+    assert_eq!(best(&candidates(&c, &[0.0, 50.0]), Latency, 0), 0);
+    // Latency: the soonest end. Offload: the least laptop time within the bound.
+    let c = [
+        choice(Route::Live, Some((1000.0, 300.0))),
+        choice(Route::Phone, Some((1400.0, 0.0))),
+        choice(Route::Phone, Some((1600.0, 0.0))),
+    ];
+    let k = candidates(&c, &[0.0, 0.0, 0.0]);
+    assert_eq!(best(&k, Latency, 0), 0);
+    assert_eq!(best(&k, Offload, 0), 1);
+    // Balanced: latency on an idle laptop, offload on a busy one.
+    assert_eq!(best(&k, Balanced, 0), 0);
+    assert_eq!(best(&k, Balanced, 2), 1);
+    // Nothing within the bound but the soonest: offload keeps it.
+    let c = [
+        choice(Route::Live, Some((1000.0, 300.0))),
+        choice(Route::Phone, Some((1600.0, 0.0))),
+    ];
+    assert_eq!(best(&candidates(&c, &[0.0, 0.0]), Offload, 0), 0);
+}
