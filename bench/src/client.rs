@@ -88,6 +88,8 @@ pub struct Measure {
     pub cached_tokens: Option<u64>,
     /// Ours: answer tokens the decode node (the phone) wrote.
     pub phone_tokens: Option<u64>,
+    /// The decode node the answer used (`edgesplit.decode_node`).
+    pub decode_node: Option<String>,
     /// Ours, `transport: auto`: the mode the router chose, its predicted end (ms) and the
     /// actual one, both from the request's admission (the router's queue left).
     pub mode: Option<String>,
@@ -154,11 +156,19 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
     };
     let url = match target {
         Target::EdgeSplit { url, transport } => {
+            // `TRANSPORT@NODE`: the decode node the request names (`edgesplit.node`).
+            let (transport, node) = match transport.split_once('@') {
+                Some((t, node)) => (t, Some(node)),
+                None => (transport.as_str(), None),
+            };
             body["edgesplit"] = match transport.split_once('-') {
                 Some(("auto", objective)) => json!({"transport": "auto", "objective": objective}),
                 Some((t, mode)) => json!({"transport": t, "handoff": mode}),
                 None => json!({"transport": transport}),
             };
+            if let Some(node) = node {
+                body["edgesplit"]["node"] = json!(node);
+            }
             format!("{url}{path}")
         }
         Target::Stock { url } => format!("{url}{path}"),
@@ -217,6 +227,7 @@ pub async fn run(client: &reqwest::Client, target: &Target, ask: &Ask) -> anyhow
                 m.placement = es["placement"].as_str().map(str::to_string);
                 m.cached_tokens = es["cached_tokens"].as_u64();
                 m.phone_tokens = es["decode_node_tokens"].as_u64();
+                m.decode_node = es["decode_node"].as_str().map(str::to_string);
                 m.mode = es["mode"].as_str().map(str::to_string);
                 m.predicted_ms = es["predicted_ms"].as_f64();
                 m.actual_ms = es["actual_ms"].as_f64();

@@ -41,6 +41,9 @@ pub struct Devices {
     /// The phone side's cgroup: its directory, and the file a process writes its pid to.
     group: PathBuf,
     procs: PathBuf,
+    /// More phones on the same core, each in a group of its own ([`Devices::add_phone`]):
+    /// speed, directory, procs file.
+    more: Vec<(f64, PathBuf, PathBuf)>,
 }
 
 /// The CPUs this process may run on (`Cpus_allowed_list` of /proc/self/status: "0-3,6").
@@ -119,7 +122,55 @@ impl Devices {
             phone_speed,
             group,
             procs,
+            more: Vec::new(),
         })
+    }
+
+    /// Another phone on the phone's core at `speed` of it, in a cgroup of its own beside the
+    /// first's (the speeds of all phones should add up to at most 1: they share the core);
+    /// its number for [`Devices::phone_n`] (the first phone is 0).
+    ///
+    /// # Errors
+    /// A speed out of range, or the group not made.
+    pub fn add_phone(&mut self, speed: f64) -> anyhow::Result<usize> {
+        anyhow::ensure!(
+            speed > 0.0 && speed <= 1.0,
+            "a phone speed must be above 0 and at most 1, not {speed}"
+        );
+        let n = self.more.len() + 1;
+        let parent = self.group.parent().context("the phone group's parent")?;
+        let name = self.group.file_name().context("the phone group's name")?;
+        let group = parent.join(format!("{}-{n}", name.to_string_lossy()));
+        make_group(&group)?;
+        let quota = ((speed * PERIOD_US as f64).round() as u64).max(1_000);
+        if self.group.join("cpu.cfs_quota_us").is_file() {
+            write(&group.join("cpu.cfs_period_us"), &PERIOD_US.to_string())?;
+            write(&group.join("cpu.cfs_quota_us"), &quota.to_string())?;
+        } else {
+            write(&group.join("cpu.max"), &format!("{quota} {PERIOD_US}"))?;
+        }
+        let procs = group.join("cgroup.procs");
+        self.more.push((speed, group, procs));
+        Ok(n)
+    }
+
+    /// `program` run as phone `n` (0: the first, [`Devices::phone`]; else one
+    /// [`Devices::add_phone`] made).
+    #[must_use]
+    pub fn phone_n(&self, n: usize, program: &[PathBuf]) -> Vec<PathBuf> {
+        let procs = match n {
+            0 => &self.procs,
+            n => &self.more[n - 1].2,
+        };
+        let mut p: Vec<PathBuf> = vec![
+            "sh".into(),
+            "-c".into(),
+            r#"procs=$0; cpu=$1; shift; echo $$ > "$procs" && exec taskset -c "$cpu" "$@""#.into(),
+            procs.clone(),
+            self.phone_cpu.to_string().into(),
+        ];
+        p.extend_from_slice(program);
+        p
     }
 
     /// `program` (a binary and its leading arguments) run on the laptop's core.
@@ -139,15 +190,7 @@ impl Devices {
     /// first instruction, and so is every process it starts.
     #[must_use]
     pub fn phone(&self, program: &[PathBuf]) -> Vec<PathBuf> {
-        let mut p: Vec<PathBuf> = vec![
-            "sh".into(),
-            "-c".into(),
-            r#"procs=$0; cpu=$1; shift; echo $$ > "$procs" && exec taskset -c "$cpu" "$@""#.into(),
-            self.procs.clone(),
-            self.phone_cpu.to_string().into(),
-        ];
-        p.extend_from_slice(program);
-        p
+        self.phone_n(0, program)
     }
 
     /// Changes the phone's share of its core to `speed` (0 < speed <= 1) at once, for the
@@ -169,30 +212,46 @@ impl Devices {
         }
     }
 
-    /// Whether a process is still in the phone's group.
+    /// Whether a process is still in a phone's group.
     #[must_use]
     pub fn busy(&self) -> bool {
-        std::fs::read_to_string(&self.procs).is_ok_and(|p| !p.trim().is_empty())
+        std::iter::once(&self.procs)
+            .chain(self.more.iter().map(|m| &m.2))
+            .any(|procs| std::fs::read_to_string(procs).is_ok_and(|p| !p.trim().is_empty()))
     }
 
     /// A line for logs and reports.
     #[must_use]
     pub fn describe(&self) -> String {
-        format!(
+        let mut s = format!(
             "laptop on CPU {}, phone on CPU {} at {} of it ({} / {PERIOD_US} us)",
             self.laptop_cpu,
             self.phone_cpu,
             self.phone_speed,
             (self.phone_speed * PERIOD_US as f64).round()
-        )
+        );
+        for (i, (speed, _, _)) in self.more.iter().enumerate() {
+            s.push_str(&format!(
+                ", phone {} on the same CPU at {speed} of it",
+                i + 2
+            ));
+        }
+        s
     }
 }
 
 impl Drop for Devices {
     fn drop(&mut self) {
         // Empty once its processes have exited; a group still in use stays (and says so).
-        if let Err(e) = std::fs::remove_dir(&self.group) {
-            eprintln!("could not remove {}: {e}", self.group.display());
+        for group in self
+            .more
+            .iter()
+            .map(|m| &m.1)
+            .chain(std::iter::once(&self.group))
+        {
+            if let Err(e) = std::fs::remove_dir(group) {
+                eprintln!("could not remove {}: {e}", group.display());
+            }
         }
     }
 }
@@ -209,7 +268,7 @@ fn sweep(parent: &Path) {
         let Some(pid) = name
             .to_str()
             .and_then(|n| n.strip_prefix("edgesplit-phone-"))
-            .and_then(|p| p.parse::<u32>().ok())
+            .and_then(|p| p.split('-').next()?.parse::<u32>().ok())
         else {
             continue;
         };

@@ -89,6 +89,9 @@ pub struct StackConfig {
     /// More decode nodes for the router's pool (`--decode-url` repeated), each with these
     /// extra arguments; their links are direct (not emulated) and unshaped.
     pub more_decode: Vec<Vec<String>>,
+    /// With `phone_speed` (the devices emulated): each of `more_decode`'s nodes is a phone
+    /// of its own at this speed, on the first phone's core.
+    pub more_phone_speeds: Vec<f64>,
     /// Two devices on this machine: the phone side at this fraction of a core of its own,
     /// the laptop side on another ([`crate::devices`]); `None`: the services share the
     /// machine's cores.
@@ -130,6 +133,7 @@ impl StackConfig {
             prefill_extra: Vec::new(),
             handoff_shape: None,
             more_decode: Vec::new(),
+            more_phone_speeds: Vec::new(),
             phone_speed: None,
         }
     }
@@ -307,7 +311,17 @@ impl Stack {
     pub async fn start(cfg: &StackConfig, profile: Profile) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&cfg.dir)?;
         let devices = match cfg.phone_speed {
-            Some(f) => Some(Devices::new(f, Path::new("/sys/fs/cgroup"))?),
+            Some(f) => {
+                let mut d = Devices::new(f, Path::new("/sys/fs/cgroup"))?;
+                anyhow::ensure!(
+                    cfg.more_phone_speeds.len() == cfg.more_decode.len(),
+                    "each of the pool's other decode nodes needs a phone speed"
+                );
+                for &speed in &cfg.more_phone_speeds {
+                    d.add_phone(speed)?;
+                }
+                Some(d)
+            }
             None => None,
         };
         let threads = if devices.is_some() {
@@ -429,9 +443,14 @@ impl Stack {
                 .map(String::from),
             );
             args.extend(extra.iter().cloned());
+            let program = vec![binary("edgesplit-decode")?];
+            let program = match &devices {
+                Some(d) => d.phone_n(i + 1, &program),
+                None => program,
+            };
             let d = guard
                 .start(
-                    &[binary("edgesplit-decode")?],
+                    &program,
                     &args,
                     &cfg.dir.join(format!("decode-{}.log", i + 2)),
                     "decode node listening",

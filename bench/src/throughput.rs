@@ -88,6 +88,26 @@ pub struct ThroughputArgs {
     /// starts at --phone-speed.
     #[arg(long, value_delimiter = ',', value_parser = parse_speed_change)]
     phone_speed_at: Vec<(usize, f64)>,
+    /// With --phone-speed: more phones in the router's pool (one decode node each, on the
+    /// first phone's core at these fractions of it). A mode `MODE@N` names decode node N
+    /// (1: the first phone) for every request: `auto@1` is the laptop with the first phone
+    /// alone, beside the pool's `auto`.
+    #[arg(long, value_delimiter = ',')]
+    more_phones: Vec<f64>,
+}
+
+/// `MODE@N`: the mode and the decode node it names (1-based), or the mode alone.
+fn split_node(mode: &str) -> anyhow::Result<(&str, Option<usize>)> {
+    match mode.split_once('@') {
+        Some((t, n)) => Ok((
+            t,
+            Some(
+                n.parse()
+                    .map_err(|e| anyhow::anyhow!("{mode:?}: the decode node's number: {e}"))?,
+            ),
+        )),
+        None => Ok((mode, None)),
+    }
 }
 
 fn parse_speed_change(s: &str) -> Result<(usize, f64), String> {
@@ -139,6 +159,8 @@ struct Cell {
     fallbacks: usize,
     /// `auto` modes: how many answers the router chose each mode for (`edgesplit.mode`).
     choices: BTreeMap<String, usize>,
+    /// Answer tokens each decode node wrote (`edgesplit.decode_node`).
+    node_tokens: BTreeMap<String, u64>,
     /// `auto` modes: the mode chosen for each request, in the order the requests started.
     order: Vec<String>,
     /// One client: the largest of each request's end over the same request's alone on
@@ -178,12 +200,22 @@ fn mix(prompts: &[usize], answers: &[u32]) -> Vec<(usize, u32)> {
 
 pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
     for m in &args.modes {
+        let (t, node) = split_node(m)?;
         anyhow::ensure!(
-            client::TRANSPORTS.contains(&m.as_str()),
+            client::TRANSPORTS.contains(&t),
             "unknown mode {m:?} ({})",
             client::TRANSPORTS.join(", ")
         );
+        anyhow::ensure!(
+            node.is_none_or(|n| n >= 1 && n <= 1 + args.more_phones.len()),
+            "mode {m:?} names a decode node the stack does not have (1 to {})",
+            1 + args.more_phones.len()
+        );
     }
+    anyhow::ensure!(
+        args.more_phones.is_empty() || args.devices.phone_speed.is_some(),
+        "--more-phones needs --phone-speed"
+    );
     anyhow::ensure!(
         !args.prompt_tokens.is_empty() && !args.max_tokens.is_empty() && args.requests > 0,
         "the mix needs a prompt length, an answer length and a request"
@@ -205,6 +237,8 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
         .map_or(args.model.clone(), |s| s.to_string_lossy().into_owned());
     let cfg = StackConfig {
         phone_speed: args.devices.phone_speed,
+        more_decode: vec![Vec::new(); args.more_phones.len()],
+        more_phone_speeds: args.more_phones.clone(),
         ..StackConfig::new(model_path, args.n_ctx, threads, out.join("services"))
     };
     eprintln!("[throughput] starting the stack");
@@ -316,9 +350,19 @@ async fn cell(
     mix: &[(usize, u32)],
     reference: &[(String, f64)],
 ) -> anyhow::Result<Cell> {
+    let transport = match split_node(mode)? {
+        (t, Some(n)) => {
+            let url = match n {
+                1 => stack.decode_grpc.clone(),
+                n => stack.more_decode[n - 2].0.clone(),
+            };
+            format!("{t}@{url}")
+        }
+        (t, None) => t.to_string(),
+    };
     let target = Target::EdgeSplit {
         url: stack.router.clone(),
-        transport: mode.to_string(),
+        transport,
     };
     let next = Arc::new(AtomicUsize::new(0));
     let speed = |s: f64| match stack.devices() {
@@ -377,6 +421,7 @@ async fn cell(
     let (mut phone, mut tokens, mut wrong, mut fallbacks) = (0u64, 0u64, 0, 0);
     let mut errors = Vec::new();
     let mut choices = BTreeMap::new();
+    let mut node_tokens = BTreeMap::new();
     let (mut ended, mut ratios) = (Vec::new(), Vec::new());
     let (mut order, mut over_local) = (Vec::new(), Vec::new());
     for (i, a, end_s) in &done {
@@ -396,6 +441,9 @@ async fn cell(
                 ttft.push(m.ttft_ms);
                 e2e.push(m.e2e_ms);
                 phone += m.phone_tokens.unwrap_or(0);
+                if let (Some(node), Some(t)) = (&m.decode_node, m.phone_tokens) {
+                    *node_tokens.entry(node.clone()).or_insert(0) += t;
+                }
                 tokens += m.completion_tokens;
                 fallbacks += usize::from(m.fallback.is_some());
                 let same = m.text == reference[i % reference.len()].0;
@@ -434,6 +482,7 @@ async fn cell(
         laptop_cpu_ms_per_request: cpu.filter(|_| completed > 0).map(|c| c / completed as f64),
         fallbacks,
         choices,
+        node_tokens,
         errors,
     })
 }
@@ -515,6 +564,21 @@ fn markdown(
             choices_text(&c.choices),
             f(c.actual_over_predicted_p50, 2),
             f(c.actual_over_predicted_p90, 2),
+        );
+    }
+    for c in cells.iter().filter(|c| c.node_tokens.len() > 1) {
+        let shares: Vec<String> = c
+            .node_tokens
+            .iter()
+            .map(|(node, t)| format!("{node} {t}"))
+            .collect();
+        let _ = writeln!(
+            md,
+            "\n{} x{} {}: answer tokens by decode node: {}",
+            c.profile,
+            c.clients,
+            c.mode,
+            shares.join(", ")
         );
     }
     for c in cells.iter().filter(|c| !c.order.is_empty()) {

@@ -133,25 +133,21 @@ fn host_port(url: &str) -> &str {
 
 async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
     let pool = &s.pool;
-    let (p, d) = tokio::join!(
-        pool.first().prefill_info(),
-        futures::future::join_all((0..pool.len()).map(|i| pool.pair(i).decode_info()))
-    );
-    let urls = pool.urls();
+    let first = pool.first();
+    let (p, d) = tokio::join!(first.prefill_info(), pool.decode_infos());
     let prefill_info = p.as_ref().ok().cloned();
-    let mut prefill = node_json(p, &pool.first().prefill_url());
+    let mut prefill = node_json(p, &first.prefill_url());
     prefill["tokens_written"] = json!(s.metrics.tokens_written("prefill"));
     let nodes: Vec<Value> = d
         .into_iter()
-        .zip(&urls)
-        .map(|(d, url)| {
+        .map(|(url, d)| {
             let state = crate::backend::NodeState::of(prefill_info.as_ref(), &d);
-            let mut v = node_json(d, url);
+            let mut v = node_json(d, &url);
             v["state"] = json!(state.as_str());
             if let Some(why) = state.why() {
                 v["why"] = json!(why);
             }
-            v["tokens_written"] = json!(s.metrics.tokens_written(url));
+            v["tokens_written"] = json!(s.metrics.tokens_written(&url));
             v
         })
         .collect();

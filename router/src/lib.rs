@@ -6,6 +6,7 @@
 //! OpenAI JSON and SSE chunks, [`server`] holds the routes, [`error`] the error table,
 //! [`dashboard`] the web page at `/dashboard`.
 
+pub mod admin;
 pub mod api;
 pub mod backend;
 pub mod dashboard;
@@ -234,9 +235,7 @@ pub async fn run(
         },
         &config.decode_url,
     )?;
-    if pool.len() > 1 {
-        pool.watch().await;
-    }
+    pool.watch().await;
     let max_in_flight = match config.max_in_flight {
         Some(n) => n,
         None => {
@@ -282,7 +281,7 @@ pub async fn run(
             }
         });
     }
-    if state.pool.len() > 1 {
+    {
         // Which decode nodes are usable (`backend/pool.rs`).
         let state = Arc::downgrade(&state);
         tokio::spawn(async move {
@@ -293,7 +292,10 @@ pub async fn run(
                 let Some(s) = state.upgrade() else {
                     return;
                 };
-                s.pool.watch().await;
+                // A pool of one uses its node whatever its state.
+                if s.pool.len() > 1 {
+                    s.pool.watch().await;
+                }
             }
         });
     }

@@ -34,6 +34,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .merge(crate::dashboard::data_routes())
+        .merge(crate::admin::routes())
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -203,8 +204,7 @@ async fn serve_inner(
     let request_id = format!("req-{}", uuid::Uuid::new_v4().simple());
     let admitted = Instant::now();
     tracing::info!(%request_id, transport = transport.as_str(), stream = req.stream, "request");
-    let (started, node) = s.pool.start(&req, transport, &request_id).await?;
-    let pair = s.pool.pair(node);
+    let (started, pair) = s.pool.start(&req, transport, &request_id).await?;
     let observer = observer.started();
     let meta = Meta {
         id: match endpoint {

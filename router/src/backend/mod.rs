@@ -123,6 +123,15 @@ pub struct Backend {
     calibrated: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("prefill", &self.config.prefill_url)
+            .field("decode", &self.config.decode_url)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A request's input as the nodes take it (the opposite of the engine's `engine_input`).
 fn wire_input(input: &Input, tools: Option<&Tools>) -> pb::prefill_request::Input {
     match input {

@@ -225,6 +225,18 @@ impl Backend {
     /// 503 when the node does not answer in time.
     pub async fn decode_info(&self) -> Result<pb::NodeInfo, Failure> {
         let asked = std::time::Instant::now();
+        let info = self.decode_info_unmeasured().await;
+        if info.is_ok() {
+            let ms = asked.elapsed().as_secs_f64() * 1000.0;
+            lock(&self.learned).rates.round_trip(ms);
+        }
+        info
+    }
+
+    /// [`Backend::decode_info`] without taking its time as the link's round trip: the
+    /// pool's watch (`pool.rs`) asks twice a second, and under load its answers would
+    /// outweigh the round trips of the calls requests make.
+    pub(super) async fn decode_info_unmeasured(&self) -> Result<pb::NodeInfo, Failure> {
         let info = self
             .info_within(
                 self.decode.info(),
@@ -232,10 +244,6 @@ impl Backend {
                 "the decode node",
             )
             .await;
-        if info.is_ok() {
-            let ms = asked.elapsed().as_secs_f64() * 1000.0;
-            lock(&self.learned).rates.round_trip(ms);
-        }
         answered(&self.known.decode, info)
     }
 

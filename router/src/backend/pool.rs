@@ -19,7 +19,8 @@
 //! pair's fallback), as with one decode node. A pool of one uses its node whatever its
 //! state: its own failures explain themselves.
 
-use std::sync::Mutex;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use edgesplit_proto::pb;
@@ -86,10 +87,15 @@ struct Member {
     state: Mutex<NodeState>,
 }
 
-/// The decode nodes and the pairs they make with the prefill node.
+/// The decode nodes and the pairs they make with the prefill node. Nodes may be added and
+/// removed while it serves ([`Pool::add`], [`Pool::remove`]); a request works on the pairs
+/// as they were when it started, and an answer under way on a removed node finishes there.
 pub struct Pool {
-    members: Vec<Member>,
+    members: std::sync::RwLock<Vec<Arc<Member>>>,
 }
+
+/// The most decode nodes a pool takes.
+pub const MAX_NODES: usize = 16;
 
 /// Why a decode node answering `decode` would be refused by a prefill node answering
 /// `prefill` (the handshake's checks, read from both `Info`s), or `None`.
@@ -202,6 +208,11 @@ impl Pool {
             decode_url: first.clone(),
             ..config
         })?;
+        anyhow::ensure!(
+            decode_urls.len() <= MAX_NODES,
+            "{} decode nodes: a pool takes at most {MAX_NODES}",
+            decode_urls.len()
+        );
         let mut backends = vec![first.clone()];
         for url in rest {
             anyhow::ensure!(
@@ -218,45 +229,136 @@ impl Pool {
     #[must_use]
     pub fn of(backends: Vec<Backend>) -> Pool {
         Pool {
-            members: backends
-                .into_iter()
-                .map(|backend| Member {
-                    backend,
-                    state: Mutex::new(NodeState::Unknown),
-                })
-                .collect(),
+            members: std::sync::RwLock::new(
+                backends
+                    .into_iter()
+                    .map(|backend| {
+                        Arc::new(Member {
+                            backend,
+                            state: Mutex::new(NodeState::Unknown),
+                        })
+                    })
+                    .collect(),
+            ),
         }
+    }
+
+    /// The pairs as they are now.
+    fn members(&self) -> Vec<Arc<Member>> {
+        self.members
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// The first pair: what the prefill node answers is the same on every pair.
     #[must_use]
-    pub fn first(&self) -> &Backend {
-        &self.members[0].backend
-    }
-
-    /// The pair of the `i`-th decode node.
-    #[must_use]
-    pub fn pair(&self, i: usize) -> &Backend {
-        &self.members[i].backend
+    pub fn first(&self) -> Backend {
+        self.members()[0].backend.clone()
     }
 
     /// How many decode nodes the pool has.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.members.len()
+        self.members().len()
     }
 
-    /// Always false: a pool has at least one decode node.
+    /// Always false: a pool keeps at least one decode node.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.members.is_empty()
+        self.members().is_empty()
+    }
+
+    /// Adds the decode node at `url` while the router serves: its pair is made beside the
+    /// first, its `Info` asked at once (the state it gives is returned), and its
+    /// calibration started when the router probes. Requests consider it once its
+    /// calibration is done.
+    ///
+    /// # Errors
+    /// A 400 naming `url`: malformed, already in the pool, or the pool full.
+    pub async fn add(&self, url: &str) -> Result<NodeState, Failure> {
+        let first = self.first();
+        let decode = first.grpc_decode(url).map_err(|e| {
+            Failure::invalid(
+                Some("url".to_string()),
+                format!("{url:?} is not a node URL: {e}"),
+            )
+        })?;
+        self.adopt(first.beside(url.to_string(), decode)).await
+    }
+
+    /// Adds `backend`, a pair made with [`Backend::beside`] the first (what
+    /// [`Pool::add`] makes over gRPC; scripted nodes in unit tests).
+    ///
+    /// # Errors
+    /// A 400 naming `url`: its node already in the pool, or the pool full.
+    pub async fn adopt(&self, backend: Backend) -> Result<NodeState, Failure> {
+        let url = backend.decode_url();
+        let invalid = |m: String| Failure::invalid(Some("url".to_string()), m);
+        let member = Arc::new(Member {
+            backend: backend.clone(),
+            state: Mutex::new(NodeState::Unknown),
+        });
+        {
+            let mut members = self
+                .members
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if members.iter().any(|m| m.backend.decode_url() == url) {
+                return Err(invalid(format!(
+                    "{url} is already a decode node of the router"
+                )));
+            }
+            if members.len() >= MAX_NODES {
+                return Err(invalid(format!(
+                    "the router has {MAX_NODES} decode nodes, the most it takes"
+                )));
+            }
+            members.push(member.clone());
+        }
+        tracing::info!(node = %url, "decode node added");
+        let prefill = self.first().known.prefill();
+        let state = NodeState::of(prefill.as_ref(), &backend.decode_info().await);
+        *member
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = state.clone();
+        if backend.config.probes {
+            tokio::spawn(async move { backend.calibrate().await });
+        }
+        Ok(state)
+    }
+
+    /// Removes the decode node at `url`: no new request goes to it (answers under way
+    /// there finish).
+    ///
+    /// # Errors
+    /// A 400 naming `url`: not a node of the router, or its last one.
+    pub fn remove(&self, url: &str) -> Result<(), Failure> {
+        let invalid = |m: String| Failure::invalid(Some("url".to_string()), m);
+        let mut members = self
+            .members
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = members
+            .iter()
+            .position(|m| m.backend.decode_url() == url)
+            .ok_or_else(|| invalid(format!("{url} is not a decode node of the router")))?;
+        if members.len() == 1 {
+            return Err(invalid(format!(
+                "{url} is the router's last decode node: add another first"
+            )));
+        }
+        members.remove(i);
+        tracing::info!(node = %url, "decode node removed");
+        Ok(())
     }
 
     /// Each decode node's URL and state as [`Pool::watch`] last set it, in `--decode-url`
     /// order.
     #[must_use]
     pub fn states(&self) -> Vec<(String, NodeState)> {
-        self.members
+        self.members()
             .iter()
             .map(|m| (m.backend.decode_url(), state_of(m)))
             .collect()
@@ -265,7 +367,7 @@ impl Pool {
     /// Each decode node's URL, in `--decode-url` order.
     #[must_use]
     pub fn urls(&self) -> Vec<String> {
-        self.members
+        self.members()
             .iter()
             .map(|m| m.backend.decode_url())
             .collect()
@@ -277,9 +379,11 @@ impl Pool {
             Some(i) => Some(i),
             None => self.first().prefill_info().await.ok(),
         };
+        let members = self.members();
         let infos =
-            futures::future::join_all(self.members.iter().map(|m| m.backend.decode_info())).await;
-        for (m, info) in self.members.iter().zip(infos) {
+            futures::future::join_all(members.iter().map(|m| m.backend.decode_info_unmeasured()))
+                .await;
+        for (m, info) in members.iter().zip(infos) {
             let state = NodeState::of(prefill.as_ref(), &info);
             let mut last = m
                 .state
@@ -307,9 +411,12 @@ impl Pool {
         Result<pb::NodeInfo, Failure>,
         Vec<Result<pb::NodeInfo, Failure>>,
     ) {
-        let infos =
-            futures::future::join_all(self.members.iter().map(|m| m.backend.infos_within(max_age)))
-                .await;
+        let infos = futures::future::join_all(
+            self.members()
+                .iter()
+                .map(|m| m.backend.infos_within(max_age)),
+        )
+        .await;
         let mut prefill = Vec::with_capacity(1);
         let decode = infos
             .into_iter()
@@ -330,11 +437,23 @@ impl Pool {
         (prefill, decode)
     }
 
+    /// Each decode node's URL and its `Info`, asked now (the dashboard).
+    pub async fn decode_infos(&self) -> Vec<(String, Result<pb::NodeInfo, Failure>)> {
+        let members = self.members();
+        let infos =
+            futures::future::join_all(members.iter().map(|m| m.backend.decode_info())).await;
+        members
+            .iter()
+            .map(|m| m.backend.decode_url())
+            .zip(infos)
+            .collect()
+    }
+
     /// The sequences the decode nodes that answer serve at once, added (`None` when none
     /// answers): the router's admission limit follows it.
     pub async fn decode_parallel(&self) -> Option<usize> {
         let infos =
-            futures::future::join_all(self.members.iter().map(|m| m.backend.decode_info())).await;
+            futures::future::join_all(self.members().iter().map(|m| m.backend.decode_info())).await;
         let parallel: Vec<usize> = infos
             .into_iter()
             .filter_map(Result::ok)
@@ -344,61 +463,8 @@ impl Pool {
         (!parallel.is_empty()).then(|| parallel.iter().sum())
     }
 
-    /// The pairs a request may go to: the ready ones; when none is, those not refused;
-    /// else the first (its failures then explain themselves). A pool of one: its pair.
-    fn usable(&self) -> Vec<usize> {
-        if self.members.len() == 1 {
-            return vec![0];
-        }
-        let states: Vec<NodeState> = self.members.iter().map(state_of).collect();
-        let ready: Vec<usize> = (0..states.len())
-            .filter(|&i| states[i] == NodeState::Ready)
-            .collect();
-        if !ready.is_empty() {
-            return ready;
-        }
-        let not_refused: Vec<usize> = (0..states.len())
-            .filter(|&i| !matches!(states[i], NodeState::Refused(_)))
-            .collect();
-        if not_refused.is_empty() {
-            vec![0]
-        } else {
-            not_refused
-        }
-    }
-
-    /// The pair the request names (`edgesplit.node`).
-    fn named(&self, node: &str) -> Result<usize, Failure> {
-        self.members
-            .iter()
-            .position(|m| m.backend.decode_url() == node)
-            .ok_or_else(|| {
-                let urls: Vec<String> = self
-                    .members
-                    .iter()
-                    .map(|m| m.backend.decode_url())
-                    .collect();
-                Failure::invalid(
-                    Some("edgesplit.node".to_string()),
-                    format!("no decode node {node:?}; the router's: {}", urls.join(", ")),
-                )
-            })
-    }
-
-    /// The usable pair whose decode node holds `req`'s conversation.
-    fn holding(&self, req: &ValidRequest, usable: &[usize]) -> Option<usize> {
-        usable
-            .iter()
-            .copied()
-            .find(|&i| self.members[i].backend.held(req).is_some())
-    }
-
-    fn phone_backlog_ms(&self, i: usize) -> f64 {
-        self.members[i].backend.load.backlog().phone.iter().sum()
-    }
-
     /// Starts `req` on `transport` on the pair chosen for it; returns once the first token
-    /// (or an error) is known, with the pair's index.
+    /// (or an error) is known, with the pair.
     ///
     /// # Errors
     /// The request's failure before its first token, as the client should see it; a
@@ -409,10 +475,16 @@ impl Pool {
         req: &ValidRequest,
         transport: Transport,
         request_id: &str,
-    ) -> Result<(Started, usize), Failure> {
-        let first = self.first();
+    ) -> Result<(Started, Backend), Failure> {
+        let members = self.members();
+        let pair = |i: usize| members[i].backend.clone();
+        let first = pair(0);
         let route = Route::named(transport, req.handoff, first.config.handoff)?;
-        let named = req.node.as_deref().map(|n| self.named(n)).transpose()?;
+        let named = req
+            .node
+            .as_deref()
+            .map(|n| named(&members, n))
+            .transpose()?;
         if let (Some(Route::Local | Route::Layers), Some(_)) = (route, named) {
             return Err(Failure::invalid(
                 Some("edgesplit.node".to_string()),
@@ -424,86 +496,83 @@ impl Pool {
         }
         let usable = match named {
             Some(i) => vec![i],
-            None => self.usable(),
+            None => usable(&members),
         };
-        let held = self.holding(req, &usable);
+        let held = usable
+            .iter()
+            .copied()
+            .find(|&i| members[i].backend.held(req).is_some());
+        let backlog = |i: usize| -> f64 { members[i].backend.load.backlog().phone.iter().sum() };
         match route {
             Some(route @ (Route::Local | Route::Layers)) => {
-                Ok((first.run(req, route, request_id).await?, 0))
+                Ok((first.run(req, route, request_id).await?, first))
             }
             Some(route) => {
                 let i = held.unwrap_or_else(|| {
                     usable
                         .iter()
                         .copied()
-                        .min_by(|&a, &b| {
-                            self.phone_backlog_ms(a)
-                                .total_cmp(&self.phone_backlog_ms(b))
-                        })
+                        .min_by(|&a, &b| backlog(a).total_cmp(&backlog(b)))
                         .unwrap_or(0)
                 });
-                Ok((self.pair(i).run(req, route, request_id).await?, i))
+                let b = pair(i);
+                Ok((b.run(req, route, request_id).await?, b))
             }
             None => {
-                if let Some(i) = held.or((usable.len() == 1).then_some(usable[0])) {
-                    return Ok((self.pair(i).start_auto(req, request_id).await?, i));
+                // A pair still calibrating is not asked (its plan would wait for it), unless
+                // every one is.
+                let calibrated: Vec<usize> = usable
+                    .iter()
+                    .copied()
+                    .filter(|&i| members[i].backend.is_calibrated())
+                    .collect();
+                let asked = if calibrated.is_empty() {
+                    usable
+                } else {
+                    calibrated
+                };
+                if let Some(i) = held.or((asked.len() == 1).then_some(asked[0])) {
+                    let b = pair(i);
+                    return Ok((b.start_auto(req, request_id).await?, b));
                 }
-                let mut plans: Vec<(usize, AutoPlan)> = Vec::with_capacity(usable.len());
-                for &i in &usable {
-                    plans.push((i, self.pair(i).plan_auto(req).await?));
+                let mut plans: Vec<(usize, AutoPlan)> = Vec::with_capacity(asked.len());
+                for &i in &asked {
+                    plans.push((i, members[i].backend.plan_auto(req).await?));
                 }
                 let candidates: Vec<Candidate<'_>> = plans
                     .iter()
                     .map(|(i, p)| Candidate {
                         choice: &p.choice,
-                        phone_backlog_ms: self.phone_backlog_ms(*i),
+                        phone_backlog_ms: backlog(*i),
                     })
                     .collect();
                 let objective = req.objective.unwrap_or(first.config.objective);
                 let laptop_busy = first.load.backlog().laptop.len();
                 let k = best(&candidates, objective, laptop_busy);
-                let others = self.others_said(&plans, k);
+                let urls: Vec<String> = plans
+                    .iter()
+                    .map(|(i, _)| members[*i].backend.decode_url())
+                    .collect();
+                let others = others_said(&plans, &urls, k);
                 let (i, mut plan) = plans.swap_remove(k);
                 plan.choice.reason.push_str(&others);
-                Ok((self.pair(i).run_auto(req, plan, request_id).await?, i))
+                let b = pair(i);
+                Ok((b.run_auto(req, plan, request_id).await?, b))
             }
         }
-    }
-
-    /// For an `auto` answer's reason: the decode node chosen and what the others' pairs
-    /// predicted.
-    fn others_said(&self, plans: &[(usize, AutoPlan)], chosen: usize) -> String {
-        let mut s = format!(
-            "; decode node {} of {}",
-            self.pair(plans[chosen].0).decode_url(),
-            plans.len()
-        );
-        for (k, (i, p)) in plans.iter().enumerate() {
-            if k == chosen {
-                continue;
-            }
-            let url = self.pair(*i).decode_url();
-            match p.choice.predicted {
-                Some(c) => {
-                    s.push_str(&format!("; {url}: {} {:.0} ms", c.mode.as_str(), c.e2e_ms));
-                }
-                None => s.push_str(&format!("; {url}: not yet measured")),
-            }
-        }
-        s
     }
 
     /// The calibration at start (`probe.rs`), one pair after the other: each measures the
     /// laptop, its phone and its link, alone.
     pub async fn calibrate(&self) {
-        for m in &self.members {
+        for m in self.members() {
             m.backend.calibrate().await;
         }
     }
 
     /// At an idle moment: each pair's stale probes (`probe.rs`), one pair after the other.
     pub async fn measure_idle(&self) {
-        for m in &self.members {
+        for m in self.members() {
             m.backend.measure_idle().await;
         }
     }
@@ -514,4 +583,59 @@ fn state_of(m: &Member) -> NodeState {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
+}
+
+/// The pairs a request may go to, as indices into `members`: the ready ones; when none is,
+/// those not refused; else the first (its failures then explain themselves). A pool of
+/// one: its pair.
+fn usable(members: &[Arc<Member>]) -> Vec<usize> {
+    if members.len() == 1 {
+        return vec![0];
+    }
+    let states: Vec<NodeState> = members.iter().map(|m| state_of(m)).collect();
+    let ready: Vec<usize> = (0..states.len())
+        .filter(|&i| states[i] == NodeState::Ready)
+        .collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    let not_refused: Vec<usize> = (0..states.len())
+        .filter(|&i| !matches!(states[i], NodeState::Refused(_)))
+        .collect();
+    if not_refused.is_empty() {
+        vec![0]
+    } else {
+        not_refused
+    }
+}
+
+/// The pair the request names (`edgesplit.node`), as an index into `members`.
+fn named(members: &[Arc<Member>], node: &str) -> Result<usize, Failure> {
+    members
+        .iter()
+        .position(|m| m.backend.decode_url() == node)
+        .ok_or_else(|| {
+            let urls: Vec<String> = members.iter().map(|m| m.backend.decode_url()).collect();
+            Failure::invalid(
+                Some("edgesplit.node".to_string()),
+                format!("no decode node {node:?}; the router's: {}", urls.join(", ")),
+            )
+        })
+}
+
+/// For an `auto` answer's reason: the decode node chosen (`plans[chosen]`, whose pairs'
+/// URLs are `urls`) and what the others' pairs predicted.
+fn others_said(plans: &[(usize, AutoPlan)], urls: &[String], chosen: usize) -> String {
+    let mut s = format!("; decode node {} of {}", urls[chosen], plans.len());
+    for (k, (_, p)) in plans.iter().enumerate() {
+        if k == chosen {
+            continue;
+        }
+        let url = &urls[k];
+        let _ = match p.choice.predicted {
+            Some(c) => write!(s, "; {url}: {} {:.0} ms", c.mode.as_str(), c.e2e_ms),
+            None => write!(s, "; {url}: not yet measured"),
+        };
+    }
+    s
 }

@@ -71,8 +71,8 @@ async fn a_request_that_names_a_node_goes_to_it_and_an_unknown_name_is_a_400() {
         "Hello",
         &format!(r#", "edgesplit": {{"node": "{}"}}"#, url(1)),
     );
-    let (started, i) = h.pool.start(&req, Transport::Phone, "r1").await.unwrap();
-    assert_eq!(i, 1);
+    let (started, b) = h.pool.start(&req, Transport::Phone, "r1").await.unwrap();
+    assert_eq!(b.decode_url(), url(1));
     assert_eq!(tokens(&events(started).await), [(21, Node::Decode)]);
     assert!(h.decode[0].local.requests().is_empty());
 
@@ -108,24 +108,24 @@ async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_ans
     // Both answer: the first of the equally idle nodes serves.
     h.pool.watch().await;
     phone_answers(&h, 0, 10);
-    let (_, i) = h
+    let (_, b) = h
         .pool
         .start(&request("Hi", ""), Transport::Phone, "r1")
         .await
         .unwrap();
-    assert_eq!(i, 0);
+    assert_eq!(b.decode_url(), url(0));
 
     // The first is gone: the second serves.
     h.decode[0].info.set(Err(unavailable()));
     h.pool.watch().await;
     assert!(matches!(h.pool.states()[0].1, NodeState::Down(_)));
     phone_answers(&h, 1, 11);
-    let (started, i) = h
+    let (started, b) = h
         .pool
         .start(&request("Hi", ""), Transport::Phone, "r2")
         .await
         .unwrap();
-    assert_eq!(i, 1);
+    assert_eq!(b.decode_url(), url(1));
     assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
     assert_eq!(
         h.decode[0].local.requests().len(),
@@ -145,12 +145,12 @@ async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_ans
         "{states:?}"
     );
     phone_answers(&h, 0, 12);
-    let (_, i) = h
+    let (_, b) = h
         .pool
         .start(&request("Hi", ""), Transport::Phone, "r3")
         .await
         .unwrap();
-    assert_eq!(i, 0);
+    assert_eq!(b.decode_url(), url(0));
     assert_eq!(
         h.decode[1].local.requests().len(),
         1,
@@ -267,4 +267,58 @@ fn the_pairs_choices_are_ranked_as_the_objective_ranks_modes() {
         choice(Route::Phone, Some((1600.0, 0.0))),
     ];
     assert_eq!(best(&candidates(&c, &[0.0, 0.0]), Offload, 0), 0);
+}
+
+#[tokio::test]
+async fn a_node_added_while_serving_is_used_and_one_removed_is_not() {
+    let h = household(1);
+    h.pool.watch().await;
+    // Added beside the first (its calibration is off here): asked at once, ready.
+    let added = Arc::new(FakeDecode::default());
+    let b = h.pool.first().beside(url(1), added.clone());
+    assert_eq!(h.pool.adopt(b).await.unwrap(), NodeState::Ready);
+    assert_eq!(h.pool.urls(), [url(0), url(1)]);
+    // Twice is refused, naming the field.
+    let again = h.pool.first().beside(url(1), added.clone());
+    let e = h.pool.adopt(again).await.unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("url"), "{e:?}");
+    // The first is busy with a phone answer: the next phone answer goes to the added node.
+    h.decode[0].local.then(Ok(vec![
+        prefilled(5, 0),
+        token(10),
+        super::fake::Step::Wait(std::time::Duration::from_millis(300)),
+        finished(1),
+    ]));
+    let (busy, b) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r1")
+        .await
+        .unwrap();
+    assert_eq!(b.decode_url(), url(0));
+    added
+        .local
+        .then(Ok(vec![prefilled(5, 0), token(11), finished(1)]));
+    let (started, b) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r2")
+        .await
+        .unwrap();
+    assert_eq!(b.decode_url(), url(1));
+    assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
+    assert_eq!(tokens(&events(busy).await), [(10, Node::Decode)]);
+    // Removed: not used again; the last node cannot be removed.
+    h.pool.remove(&url(1)).unwrap();
+    assert_eq!(h.pool.urls(), [url(0)]);
+    let e = h.pool.remove(&url(0)).unwrap_err();
+    assert!(e.message.contains("last decode node"), "{e:?}");
+    let e = h.pool.remove(&url(1)).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("url"), "{e:?}");
+    phone_answers(&h, 0, 12);
+    let (_, b) = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r3")
+        .await
+        .unwrap();
+    assert_eq!(b.decode_url(), url(0));
+    assert_eq!(added.local.requests().len(), 1);
 }

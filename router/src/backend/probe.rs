@@ -184,6 +184,11 @@ impl Backend {
         );
     }
 
+    /// Whether the calibration at start is done (or probes are off).
+    pub(super) fn is_calibrated(&self) -> bool {
+        *self.calibrated.borrow()
+    }
+
     /// Waits for the calibration, at most [`CALIBRATION_WAIT`] (at once when it is done,
     /// or off).
     pub(super) async fn calibrated(&self) {

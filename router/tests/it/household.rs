@@ -13,6 +13,14 @@ use crate::processes::{
     local_story, start_three_with, story, stream_and_signal_after, ThreeOptions, ONE_AT_A_TIME,
 };
 
+/// Every node on one thread: three engines on this 2-core machine, whose threads spin
+/// while they wait for each other, slow each other down many times over otherwise.
+const ONE_THREAD: &[&str] = &["--threads", "1"];
+
+fn one_thread() -> Vec<String> {
+    vec!["--threads".into(), "1".into()]
+}
+
 /// A chat answer's text and `edgesplit` object.
 async fn ask(router: &str, body: &Value) -> (String, Value) {
     let (st, _, v) = common::post(&format!("{router}/v1/chat/completions"), body).await;
@@ -54,7 +62,9 @@ fn with_node(mut body: Value, node: &str) -> Value {
 async fn each_decode_node_of_a_pool_serves_splits_and_phone_answers_as_one_device() {
     let _one = ONE_AT_A_TIME.lock().await;
     let t = start_three_with(ThreeOptions {
-        more_decode: vec![vec![]],
+        more_decode: vec![one_thread()],
+        decode_extra: ONE_THREAD,
+        prefill_extra: ONE_THREAD,
         ..ThreeOptions::new("pool-two")
     })
     .await;
@@ -110,7 +120,9 @@ async fn each_decode_node_of_a_pool_serves_splits_and_phone_answers_as_one_devic
 async fn a_conversation_goes_on_on_the_node_that_holds_it() {
     let _one = ONE_AT_A_TIME.lock().await;
     let t = start_three_with(ThreeOptions {
-        more_decode: vec![vec![]],
+        more_decode: vec![one_thread()],
+        decode_extra: ONE_THREAD,
+        prefill_extra: ONE_THREAD,
         router_extra: &["--no-probes"],
         ..ThreeOptions::new("pool-held")
     })
@@ -152,12 +164,15 @@ async fn a_conversation_goes_on_on_the_node_that_holds_it() {
 
 /// The second node killed while it writes an answer: the answer completes, identical, the
 /// fallback named; the node is left out (requests go to the first) until it answers again,
-/// on the same address, within about a second of its return.
+/// on the same address, within about a second of its return. Then it is removed and added
+/// again while the router serves (`/admin/decode-nodes`).
 #[tokio::test]
 async fn a_decode_node_killed_mid_answer_loses_nothing_and_is_taken_again_once_back() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut t = start_three_with(ThreeOptions {
-        more_decode: vec![vec![]],
+        more_decode: vec![one_thread()],
+        decode_extra: ONE_THREAD,
+        prefill_extra: ONE_THREAD,
         ..ThreeOptions::new("pool-kill")
     })
     .await;
@@ -215,6 +230,43 @@ async fn a_decode_node_killed_mid_answer_loses_nothing_and_is_taken_again_once_b
     assert_eq!(e["decode_node"], json!(second), "{e}");
     assert!(e["fallback"].is_null(), "{e}");
     assert_eq!(text, local_story(&t, 24).await);
+
+    // Removed while the router serves: a request naming it is a 400; added again: ready
+    // at once, and it serves.
+    let admin = format!("{}/admin/decode-nodes", t.router);
+    let node = json!({"url": second});
+    let r = common::client()
+        .delete(&admin)
+        .json(&node)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(nodes(&t.router).await.len(), 1);
+    let body = with_node(story(4, false), &second);
+    let (st, _, v) = common::post(&format!("{}/v1/chat/completions", t.router), &body).await;
+    assert_eq!(
+        (st, &v["error"]["param"]),
+        (400, &json!("edgesplit.node")),
+        "{v}"
+    );
+    let (st, _, v) = common::post(&admin, &node).await;
+    assert_eq!((st, &v["state"]), (200, &json!("ready")), "{v}");
+    let (st, _, v) = common::post(&admin, &node).await;
+    assert_eq!(
+        (st, &v["error"]["param"]),
+        (400, &json!("url")),
+        "added twice: {v}"
+    );
+    let listed = common::get_json(&admin).await;
+    assert_eq!(
+        listed["decode_nodes"].as_array().map(Vec::len),
+        Some(2),
+        "{listed}"
+    );
+    let (_, e) = ask(&t.router, &with_node(story(8, false), &second)).await;
+    assert_eq!(e["decode_node"], json!(second), "{e}");
+    assert!(e["fallback"].is_null(), "{e}");
 }
 
 /// A second node holding another model: the router lists it as refused, with why, and
@@ -224,7 +276,14 @@ async fn a_decode_node_with_another_model_is_refused_and_the_other_serves() {
     let _one = ONE_AT_A_TIME.lock().await;
     let gemma = common::model(common::GEMMA3).display().to_string();
     let t = start_three_with(ThreeOptions {
-        more_decode: vec![vec!["--model".into(), gemma]],
+        more_decode: vec![vec![
+            "--model".into(),
+            gemma,
+            "--threads".into(),
+            "1".into(),
+        ]],
+        decode_extra: ONE_THREAD,
+        prefill_extra: ONE_THREAD,
         ..ThreeOptions::new("pool-refused")
     })
     .await;

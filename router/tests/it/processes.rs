@@ -219,7 +219,15 @@ async fn three_processes_one_request_id() {
 #[tokio::test]
 async fn sigterm_drains_the_router() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut t = start_three("drain", &[], &["--drain-timeout-s", "20"], None).await;
+    // No probes: the calibration's answers on both nodes would share them with the
+    // answer the drain waits for.
+    let mut t = start_three(
+        "drain",
+        &[],
+        &["--drain-timeout-s", "20", "--no-probes"],
+        None,
+    )
+    .await;
     let url = format!("{}/v1/chat/completions", t.router);
     let body = json!({
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
