@@ -161,6 +161,9 @@ pub struct Stack {
     pub router_process: Child,
     /// The pool's other decode nodes ([`StackConfig::more_decode`]): gRPC URL and process.
     pub more_decode: Vec<(String, Child)>,
+    /// Every decode node as the router names it (its `--decode-url`s, in order: through
+    /// the emulated link for the first unless `direct`), for `edgesplit.node`.
+    pub decode_urls: Vec<String>,
     links: Vec<Link>,
     /// Dropped after the processes (its cgroup is removed once they are gone).
     devices: Option<Devices>,
@@ -546,6 +549,9 @@ impl Stack {
         let Some(decode_process) = processes.next() else {
             unreachable!("the decode node was started");
         };
+        let decode_urls = std::iter::once(format!("http://{grpc_at}"))
+            .chain(more_decode.iter().cloned())
+            .collect();
         let more_decode = more_decode.into_iter().zip(processes).collect();
         let mut stack = Stack {
             router,
@@ -560,6 +566,7 @@ impl Stack {
             prefill_process,
             router_process,
             more_decode,
+            decode_urls,
             links,
             devices,
         };

@@ -351,13 +351,7 @@ async fn cell(
     reference: &[(String, f64)],
 ) -> anyhow::Result<Cell> {
     let transport = match split_node(mode)? {
-        (t, Some(n)) => {
-            let url = match n {
-                1 => stack.decode_grpc.clone(),
-                n => stack.more_decode[n - 2].0.clone(),
-            };
-            format!("{t}@{url}")
-        }
+        (t, Some(n)) => format!("{t}@{}", stack.decode_urls[n - 1]),
         (t, None) => t.to_string(),
     };
     let target = Target::EdgeSplit {

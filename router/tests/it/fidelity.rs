@@ -27,8 +27,14 @@ async fn assert_identical(messages: Value, min_prompt_tokens: u64) {
 async fn assert_identical_on(stack: &common::Stack, messages: Value, min_prompt_tokens: u64) {
     // Each transport under each sampling; streamed and not alternate between the two
     // (whether the router streams is independent of how the state travelled, and the four
-    // combinations are all covered).
-    for (s, streamed) in samplings().into_iter().zip([[false, true], [true, false]]) {
+    // combinations are all covered). Reduced in CI (`common::seeded_transports`): a prompt
+    // of 500 tokens or more is sampled with the seed on `v2-live` only.
+    let seeded = common::seeded_transports(min_prompt_tokens);
+    for (k, (s, streamed)) in samplings()
+        .into_iter()
+        .zip([[false, true], [true, false]])
+        .enumerate()
+    {
         let body = common::chat_body(messages.clone(), s.clone());
         let reference: Outcome = run(stack, "/v1/chat/completions", &body, "local", false).await;
         assert!(
@@ -47,6 +53,9 @@ async fn assert_identical_on(stack: &common::Stack, messages: Value, min_prompt_
             ("v2-live", streamed[1]),
             ("phone", streamed[0]),
         ] {
+            if k == 1 && !seeded.contains(&transport) {
+                continue;
+            }
             let split = run(stack, "/v1/chat/completions", &body, transport, streamed).await;
             assert_eq!(
                 split, reference,

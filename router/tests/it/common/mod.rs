@@ -18,6 +18,19 @@ pub fn full_sweep() -> bool {
     std::env::var("EDGESPLIT_FULL_SWEEP").is_ok_and(|v| v == "1")
 }
 
+/// The transports an identity test samples with a seed for a prompt of at least
+/// `min_prompt_tokens`: every one (`plain`: the router's defaults), except in CI for a
+/// prompt of 500 tokens or more, where only `v2-live` (the switch mid-answer, the step
+/// index carried across): such prompts run greedy on every transport, and the seed on every
+/// transport with the shorter prompts. `EDGESPLIT_FULL_SWEEP=1`: every one.
+pub fn seeded_transports(min_prompt_tokens: u64) -> &'static [&'static str] {
+    if full_sweep() || min_prompt_tokens < 500 {
+        &["v2", "v1", "v2-live", "phone", "plain"]
+    } else {
+        &["v2-live"]
+    }
+}
+
 /// Where the models live (`scripts/fetch-models.sh` puts them there).
 pub fn model(file: &str) -> PathBuf {
     let dir = std::env::var("EDGESPLIT_MODELS_DIR").map_or_else(
