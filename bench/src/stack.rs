@@ -87,7 +87,7 @@ pub struct StackConfig {
     /// (the tests' faults: a held connection, a slow link) instead of the stack's profile.
     pub handoff_shape: Option<fn() -> Shape>,
     /// More decode nodes for the router's pool (`--decode-url` repeated), each with these
-    /// extra arguments; their links are direct (not emulated) and unshaped.
+    /// extra arguments; their links emulated as the first's (unless `direct`), unshaped.
     pub more_decode: Vec<Vec<String>>,
     /// With `phone_speed` (the devices emulated): each of `more_decode`'s nodes is a phone
     /// of its own at this speed, on the first phone's core.
@@ -159,7 +159,8 @@ pub struct Stack {
     pub decode_process: Child,
     pub prefill_process: Child,
     pub router_process: Child,
-    /// The pool's other decode nodes ([`StackConfig::more_decode`]): gRPC URL and process.
+    /// The pool's other decode nodes ([`StackConfig::more_decode`]): gRPC URL (through its
+    /// emulated link unless `direct`) and process.
     pub more_decode: Vec<(String, Child)>,
     /// Every decode node as the router names it (its `--decode-url`s, in order: through
     /// the emulated link for the first unless `direct`), for `edgesplit.node`.
@@ -445,6 +446,18 @@ impl Stack {
                 ]
                 .map(String::from),
             );
+            // Its links emulated as the first's (not shaped).
+            let handoff_link = unconnected(cfg.direct, &profile).await?;
+            let v1_link = unconnected(cfg.direct, &profile).await?;
+            if let Some(l) = &handoff_link {
+                args.extend(["--handoff-advertise".into(), l.addr.to_string()]);
+            }
+            if let Some(l) = &v1_link {
+                args.extend([
+                    "--v1-advertise".into(),
+                    format!("http://{}/v1/handoff", l.addr),
+                ]);
+            }
             args.extend(extra.iter().cloned());
             let program = vec![binary("edgesplit-decode")?];
             let program = match &devices {
@@ -460,7 +473,24 @@ impl Stack {
                     (cfg.secret.as_deref(), None),
                 )
                 .await?;
-            more_decode.push(format!("http://{}", field(&d, "grpc")?));
+            if let Some(l) = &handoff_link {
+                l.connect(field(&d, "handoff")?);
+            }
+            if let Some(l) = &v1_link {
+                l.connect(field(&d, "v1")?);
+            }
+            links.extend(handoff_link);
+            links.extend(v1_link);
+            let grpc = field(&d, "grpc")?;
+            let at = if cfg.direct {
+                grpc
+            } else {
+                let l = Link::start(grpc, profile.clone()).await?;
+                let at = l.addr.to_string();
+                links.push(l);
+                at
+            };
+            more_decode.push(format!("http://{at}"));
         }
         let grpc_at = if cfg.direct {
             decode_grpc.clone()
