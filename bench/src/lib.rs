@@ -5,4 +5,5 @@
 pub mod devices;
 pub mod energy;
 pub mod link;
+mod services;
 pub mod stack;

@@ -452,11 +452,10 @@ impl Pool {
     /// The sequences the decode nodes that answer serve at once, added (`None` when none
     /// answers): the router's admission limit follows it.
     pub async fn decode_parallel(&self) -> Option<usize> {
-        let infos =
-            futures::future::join_all(self.members().iter().map(|m| m.backend.decode_info())).await;
+        let infos = self.decode_infos().await;
         let parallel: Vec<usize> = infos
             .into_iter()
-            .filter_map(Result::ok)
+            .filter_map(|(_, info)| info.ok())
             .filter(|i| i.parallel > 0)
             .map(|i| i.parallel as usize)
             .collect();

@@ -54,6 +54,17 @@ fn phone_answers(h: &Household, i: usize, id: i32) {
         .then(Ok(vec![prefilled(5, 0), token(id), finished(1)]));
 }
 
+/// A phone answer to "Hi" (request `id`), started on the pool: the node it went to must be
+/// decode node `i`.
+async fn phone_on(pool: &Pool, id: &str, i: usize) -> super::Started {
+    let (started, b) = pool
+        .start(&request("Hi", ""), Transport::Phone, id)
+        .await
+        .unwrap();
+    assert_eq!(b.decode_url(), url(i), "{id}");
+    started
+}
+
 fn another_model() -> pb::NodeInfo {
     pb::NodeInfo {
         role: "decode".into(),
@@ -108,24 +119,14 @@ async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_ans
     // Both answer: the first of the equally idle nodes serves.
     h.pool.watch().await;
     phone_answers(&h, 0, 10);
-    let (_, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r1")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(0));
+    let _ = phone_on(&h.pool, "r1", 0).await;
 
     // The first is gone: the second serves.
     h.decode[0].info.set(Err(unavailable()));
     h.pool.watch().await;
     assert!(matches!(h.pool.states()[0].1, NodeState::Down(_)));
     phone_answers(&h, 1, 11);
-    let (started, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r2")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(1));
+    let started = phone_on(&h.pool, "r2", 1).await;
     assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
     assert_eq!(
         h.decode[0].local.requests().len(),
@@ -145,12 +146,7 @@ async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_ans
         "{states:?}"
     );
     phone_answers(&h, 0, 12);
-    let (_, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r3")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(0));
+    let _ = phone_on(&h.pool, "r3", 0).await;
     assert_eq!(
         h.decode[1].local.requests().len(),
         1,
@@ -289,21 +285,11 @@ async fn a_node_added_while_serving_is_used_and_one_removed_is_not() {
         super::fake::Step::Wait(std::time::Duration::from_millis(300)),
         finished(1),
     ]));
-    let (busy, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r1")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(0));
+    let busy = phone_on(&h.pool, "r1", 0).await;
     added
         .local
         .then(Ok(vec![prefilled(5, 0), token(11), finished(1)]));
-    let (started, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r2")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(1));
+    let started = phone_on(&h.pool, "r2", 1).await;
     assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
     assert_eq!(tokens(&events(busy).await), [(10, Node::Decode)]);
     // Removed: not used again; the last node cannot be removed.
@@ -314,11 +300,6 @@ async fn a_node_added_while_serving_is_used_and_one_removed_is_not() {
     let e = h.pool.remove(&url(1)).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("url"), "{e:?}");
     phone_answers(&h, 0, 12);
-    let (_, b) = h
-        .pool
-        .start(&request("Hi", ""), Transport::Phone, "r3")
-        .await
-        .unwrap();
-    assert_eq!(b.decode_url(), url(0));
+    let _ = phone_on(&h.pool, "r3", 0).await;
     assert_eq!(added.local.requests().len(), 1);
 }
