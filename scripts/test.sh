@@ -27,9 +27,11 @@ echo "[test] stock llama.cpp (scripts/stock-llama.sh), in the background" >&2
 bash scripts/stock-llama.sh >"$STOCK_LOG" 2>&1 &
 STOCK_PID=$!
 # Test-only packages: shellcheck, Debian's Chromium + ChromeDriver for the dashboard's
-# browser test (router/tests/it/dashboard.rs).
+# browser test (router/tests/it/dashboard.rs), iproute2 for the join test's network
+# namespaces (router/tests/it/join.rs).
 missing=()
 command -v shellcheck >/dev/null || missing+=(shellcheck)
+command -v ip >/dev/null || missing+=(iproute2)
 [[ -x /usr/bin/chromium ]] || missing+=(chromium)
 [[ -x /usr/bin/chromedriver ]] || missing+=(chromium-driver)
 SUDO=""

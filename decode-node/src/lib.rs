@@ -4,6 +4,7 @@
 //! Architecture invariant: a state reaches the engine only after the V2 receiver verified
 //! its SHA-256, the sender's model fingerprint and build, and its tensor layout.
 
+pub mod join;
 pub mod metrics;
 pub mod rpc;
 pub mod store;
@@ -35,6 +36,8 @@ pub struct Config {
     pub engine: edgesplit_engine::EngineArgs,
     #[command(flatten)]
     pub node: NodeArgs,
+    #[command(flatten)]
+    pub joining: join::JoinArgs,
     /// gRPC listen address.
     #[arg(
         long,

@@ -3,8 +3,9 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     edgesplit_proto::service::init_tracing("info,llama-cpp-2=warn,llama_cpp_2=warn");
-    let config = edgesplit_decode::Config::parse();
+    let mut config = edgesplit_decode::Config::parse();
     edgesplit_engine::mem_budget_bytes().map_err(anyhow::Error::msg)?;
+    let joined = edgesplit_decode::join::prepare(&mut config).await?;
     let has_secret =
         edgesplit_proto::auth::Secret::load(config.node.secret_file.as_deref())?.is_some();
     edgesplit_decode::rpc::check(config.rpc_listen.as_deref(), has_secret)?;
@@ -27,6 +28,11 @@ async fn main() -> anyhow::Result<()> {
         v1 = %listeners.v1.local_addr()?,
         "decode node listening"
     );
+    if let Some(joined) = joined {
+        let link = config.node.link(&[])?;
+        let port = listeners.grpc.local_addr()?.port();
+        tokio::spawn(config.joining.clone().announce(joined, link, port));
+    }
     if let Some(addr) = &config.rpc_listen {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let bound = listener.local_addr()?;

@@ -83,6 +83,13 @@ impl Secret {
         }
     }
 
+    /// The secret's bytes: only for handing it to a device that proved a join code
+    /// (`join.rs`, sealed under the code's key).
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
     fn hmac(&self) -> Hmac<Sha256> {
         Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
     }

@@ -12,6 +12,7 @@ pub mod codec;
 pub mod error;
 pub mod frame;
 pub mod handoff;
+pub mod join;
 pub mod layout;
 pub mod link;
 pub mod metrics;

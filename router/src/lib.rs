@@ -12,6 +12,7 @@ pub mod backend;
 pub mod dashboard;
 pub mod error;
 pub mod estimate;
+pub mod join;
 pub mod metrics;
 mod node_json;
 pub mod openai;
@@ -153,6 +154,23 @@ pub struct Config {
     /// Longest wait in the queue, in seconds, before 503 `queue_timeout`.
     #[arg(long, default_value_t = 60)]
     pub queue_timeout_s: u64,
+    /// Take devices that join with a code (`edgesplit-decode --join CODE`) on this TCP
+    /// address, e.g. `0.0.0.0:47475` (needs the shared secret, which a joined device
+    /// receives). Off when not given.
+    #[arg(long, env = "EDGESPLIT_JOIN_LISTEN")]
+    pub join_listen: Option<String>,
+    /// With `--join-listen`: answer devices looking for the router on this UDP port
+    /// (broadcast); 0 turns it off.
+    #[arg(long, default_value_t = edgesplit_proto::join::DISCOVERY_PORT)]
+    pub discovery_port: u16,
+    /// With `--join-listen`: open a pairing at start and print its code (valid 5 minutes,
+    /// once). `POST /admin/pairing` opens one while the router serves.
+    #[arg(long)]
+    pub pair: bool,
+    /// Where the router keeps its joined devices (`devices.json`, mode 0600). Default:
+    /// `$XDG_STATE_HOME/edgesplit`, else `~/.local/state/edgesplit`.
+    #[arg(long, env = "EDGESPLIT_STATE_DIR")]
+    pub state_dir: Option<std::path::PathBuf>,
     /// The bench's SQLite record, whose newest run the dashboard shows.
     #[arg(long, env = "EDGESPLIT_BENCH_DB")]
     pub bench_db: Option<std::path::PathBuf>,
@@ -211,6 +229,20 @@ pub async fn run(
     let secret = edgesplit_proto::auth::Secret::load(config.secret_file.as_deref())?.map(Arc::new);
     // The nodes' links: private (TLS keyed by the secret) when there is one.
     let link = edgesplit_proto::link::Link::new(secret)?;
+    let joining = match &config.join_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("--join-listen {addr}: {e}"))?;
+            let dir = config
+                .state_dir
+                .clone()
+                .unwrap_or_else(join::default_state_dir);
+            let joins = join::Joins::open(&dir, &link, listener.local_addr()?.port())?;
+            Some((Arc::new(joins), listener))
+        }
+        None => None,
+    };
     if let Some(f) = link.fingerprint() {
         tracing::info!(key = %f, "private links to the nodes: TLS 1.3 keyed by the shared secret");
     }
@@ -235,6 +267,14 @@ pub async fn run(
         },
         &config.decode_url,
     )?;
+    if let Some((joins, _)) = &joining {
+        // The joined devices where they last were; each announces itself again.
+        for d in joins.devices() {
+            if let Some(url) = d.url.filter(|u| !pool.urls().contains(u)) {
+                let _ = pool.add(&url).await;
+            }
+        }
+    }
     pool.watch().await;
     let max_in_flight = match config.max_in_flight {
         Some(n) => n,
@@ -261,6 +301,7 @@ pub async fn run(
         bench_db: config.bench_db.clone(),
         api_key,
         draining: std::sync::atomic::AtomicBool::new(false),
+        joins: joining.as_ref().map(|(j, _)| j.clone()),
         admission: state::Admission::new(
             max_in_flight,
             config.max_queue,
@@ -316,6 +357,25 @@ pub async fn run(
                 s.pool.measure_idle().await;
             }
         });
+    }
+    if let Some((joins, listener)) = joining {
+        tracing::info!(addr = %listener.local_addr()?, "devices may join with a code");
+        if config.discovery_port != 0 {
+            let udp = tokio::net::UdpSocket::bind(("0.0.0.0", config.discovery_port))
+                .await
+                .map_err(|e| anyhow::anyhow!("--discovery-port {}: {e}", config.discovery_port))?;
+            tokio::spawn(joins.clone().answer_finds(udp));
+        }
+        if config.pair {
+            let code = joins.pair(join::PAIRING_TTL);
+            // On the terminal, not in the log: the code is a password until it is used.
+            println!(
+                "Join code: {code} (valid {} min, once). On the device: \
+                 edgesplit-decode --join {code} --model MODEL.gguf",
+                join::PAIRING_TTL.as_secs() / 60
+            );
+        }
+        tokio::spawn(joins.serve(listener, Arc::downgrade(&state)));
     }
     if follow_decode {
         // The decode node may start after the router, or restart with another --parallel.

@@ -27,6 +27,14 @@ pub struct AppState {
     /// Shutting down: new requests are refused, `/health` says `draining`.
     pub draining: std::sync::atomic::AtomicBool,
     pub admission: Admission,
+    /// Devices that join with a code (`--join-listen`).
+    pub joins: Option<Arc<crate::join::Joins>>,
+}
+
+impl AsRef<Pool> for AppState {
+    fn as_ref(&self) -> &Pool {
+        &self.pool
+    }
 }
 
 /// Back-pressure: at most `slots` answers at once, at most `max_queue` requests waiting

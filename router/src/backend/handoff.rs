@@ -24,6 +24,36 @@ fn target(info: &pb::NodeInfo, transport: Transport) -> (&str, pb::HandoffTransp
     }
 }
 
+/// `addr` (a handoff address or upload URL a decode node advertises) with an unspecified
+/// host (`0.0.0.0`, `[::]`: a node listening on every interface, as a joined device does)
+/// made the host of the node's `decode_url`, where the router reaches it.
+fn reachable(addr: &str, decode_url: &str) -> String {
+    let Some(authority) = decode_url
+        .split_once("://")
+        .map(|(_, a)| a.split('/').next().unwrap_or(a))
+    else {
+        return addr.to_string();
+    };
+    let host = if authority.starts_with('[') {
+        authority.split_inclusive(']').next().unwrap_or(authority)
+    } else {
+        authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+    };
+    let (scheme, rest) = match addr.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, addr),
+    };
+    for unspecified in ["0.0.0.0:", "[::]:"] {
+        if let Some(port_on) = rest.strip_prefix(unspecified) {
+            return match scheme {
+                Some(s) => format!("{s}://{host}:{port_on}"),
+                None => format!("{host}:{port_on}"),
+            };
+        }
+    }
+    addr.to_string()
+}
+
 impl Backend {
     /// A split request. The decode node's `Info` (is it there, where does the state go, its
     /// KV budget) and the prefill overlap: the prefill starts at once towards the addresses
@@ -196,6 +226,7 @@ impl Backend {
     ) -> Result<(Events<pb::PrefillEvent>, pb::FirstToken), Failure> {
         let param = input_param(&req.input);
         let (addr, wire) = target(info, transport);
+        let addr = &reachable(addr, &self.decode_url());
         if addr.is_empty() {
             return Err(Failure::unavailable(
                 RouterCode::DecodeUnavailable,
@@ -234,5 +265,27 @@ impl Backend {
                 "the prefill node did not send a first token",
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reachable;
+
+    #[test]
+    fn an_unspecified_advertised_host_is_the_nodes_url_host() {
+        let url = "http://10.0.0.2:50052";
+        assert_eq!(reachable("0.0.0.0:50061", url), "10.0.0.2:50061");
+        assert_eq!(reachable("[::]:50061", url), "10.0.0.2:50061");
+        assert_eq!(
+            reachable("https://0.0.0.0:50062/v1/handoff", url),
+            "https://10.0.0.2:50062/v1/handoff"
+        );
+        assert_eq!(
+            reachable("0.0.0.0:1", "http://[fd00::2]:50052"),
+            "[fd00::2]:1"
+        );
+        assert_eq!(reachable("192.168.1.5:50061", url), "192.168.1.5:50061");
+        assert_eq!(reachable("", url), "");
     }
 }

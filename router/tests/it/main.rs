@@ -27,6 +27,7 @@ mod handoff;
 mod hostile;
 mod household;
 mod interop_llama_server;
+mod join;
 mod layers;
 mod live;
 mod logprobs;

@@ -306,6 +306,7 @@ async fn serve(opts: StackOptions) -> Stack {
             drain_timeout_s: 30,
             insecure: false,
         },
+        joining: edgesplit_decode::join::JoinArgs::default(),
         listen: String::new(),
         handoff_listen: String::new(),
         handoff_advertise: opts.handoff_proxy.map(|f| f(handoff_addr.clone())),

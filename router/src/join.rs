@@ -1,0 +1,445 @@
+//! Devices that join with a code (`--join-listen`): the router's side of
+//! `edgesplit_proto::join`, and its registry of joined devices.
+//!
+//! - **Pairing**: `--pair` at start or `POST /admin/pairing` opens one pairing: a code shown
+//!   to the user (the terminal, the admin answer; never the log), single-use, expiring
+//!   ([`PAIRING_TTL`] unless asked otherwise), closed after [`join::TRIES`] wrong codes.
+//!   A try is counted when the device's key-exchange message arrives, before the router
+//!   answers it, so parallel guesses cannot outrun the count.
+//! - **Joined**: a device that proves the code gets the shared secret sealed under the
+//!   code's key and an id of its own; the router writes it to its registry
+//!   (`STATE_DIR/devices.json`, mode 0600) before answering.
+//! - **Announced**: a joined device connects again over the private link and names its id
+//!   and gRPC port; the router dials it at the address the announce came from, so a device
+//!   whose address changed is found again at its next announce (the device repeats it).
+//!   Its URL joins the pool of decode nodes (`backend/pool.rs`), which calibrates it.
+//! - **Revoked**: `DELETE /admin/devices/ID` takes the device out of the pool and the
+//!   registry; its announces are refused from then on. The device keeps the household's
+//!   shared secret (one secret keys every link, ARCHITECTURE.md, threat model).
+//! - **Found**: the router answers discovery broadcasts on UDP `--discovery-port`.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use edgesplit_proto::auth::Secret;
+use edgesplit_proto::join::{self, Code, Discovery, Hello, JoinError, Refusal, Reply};
+use edgesplit_proto::link::Link;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::backend::Pool;
+
+/// How long a pairing stays open unless asked otherwise.
+pub const PAIRING_TTL: Duration = Duration::from_secs(300);
+/// The longest pairing that may be asked for.
+pub const MAX_PAIRING_TTL: Duration = Duration::from_secs(3600);
+/// A join or announce connection's whole time.
+const CONNECTION_TIME: Duration = Duration::from_secs(20);
+/// Devices the registry holds at most.
+const MAX_DEVICES: usize = 64;
+/// Longest device name kept.
+const MAX_NAME: usize = 64;
+
+/// One joined device, as the registry keeps it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Device {
+    pub id: String,
+    pub name: String,
+    /// Where the router last reached it (its last announce); none before the first.
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Registry {
+    router: String,
+    devices: Vec<Device>,
+    /// Ids of removed devices: their announces are refused.
+    revoked: Vec<String>,
+}
+
+struct Pairing {
+    code: Code,
+    until: Instant,
+    tries_left: u32,
+}
+
+/// The router's pairing, registry and join service.
+pub struct Joins {
+    path: PathBuf,
+    registry: Mutex<Registry>,
+    pairing: Mutex<Option<Pairing>>,
+    secret: Arc<Secret>,
+    link: Link,
+    join_port: u16,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..16].to_string()
+}
+
+impl Joins {
+    /// The registry in `dir` (made, with a new router id, when there is none), for a join
+    /// service on `join_port`.
+    ///
+    /// # Errors
+    /// No shared secret (a joined device gets the secret: there must be one), or the
+    /// registry cannot be read or written.
+    pub fn open(dir: &Path, link: &Link, join_port: u16) -> anyhow::Result<Joins> {
+        let secret = link.secret_arc().ok_or_else(|| {
+            anyhow::anyhow!(
+                "--join-listen needs the shared secret (--secret-file, EDGESPLIT_SECRET_FILE or \
+                 EDGESPLIT_SECRET; scripts/secret.sh makes one): a joined device receives it"
+            )
+        })?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            anyhow::anyhow!("cannot make the state directory {}: {e}", dir.display())
+        })?;
+        let path = dir.join("devices.json");
+        let registry = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                anyhow::anyhow!("the device registry {} is malformed: {e}", path.display())
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Registry {
+                router: new_id(),
+                ..Registry::default()
+            },
+            Err(e) => anyhow::bail!("cannot read the device registry {}: {e}", path.display()),
+        };
+        let joins = Joins {
+            path,
+            registry: Mutex::new(registry),
+            pairing: Mutex::new(None),
+            secret,
+            link: link.clone(),
+            join_port,
+        };
+        joins.save(&lock(&joins.registry))?;
+        Ok(joins)
+    }
+
+    /// Writes the registry (a new file renamed over the old, mode 0600).
+    fn save(&self, r: &Registry) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = self.path.with_extension("json.new");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(r).map_err(std::io::Error::other)?)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &self.path)
+    }
+
+    /// Opens a pairing for `ttl` (closing any open one); returns its code.
+    pub fn pair(&self, ttl: Duration) -> Code {
+        let code = Code::generate();
+        *lock(&self.pairing) = Some(Pairing {
+            code: code.clone(),
+            until: Instant::now() + ttl,
+            tries_left: join::TRIES,
+        });
+        tracing::info!(
+            nameplate = code.nameplate(),
+            ttl_s = ttl.as_secs(),
+            "pairing open"
+        );
+        code
+    }
+
+    /// Closes the open pairing, if any.
+    pub fn close_pairing(&self) {
+        *lock(&self.pairing) = None;
+    }
+
+    /// The joined devices.
+    #[must_use]
+    pub fn devices(&self) -> Vec<Device> {
+        lock(&self.registry).devices.clone()
+    }
+
+    /// The open pairing's nameplate and the time left, if one is open.
+    #[must_use]
+    pub fn pairing(&self) -> Option<(String, Duration)> {
+        lock(&self.pairing).as_ref().and_then(|p| {
+            let left = p.until.checked_duration_since(Instant::now())?;
+            Some((p.code.nameplate().to_string(), left))
+        })
+    }
+
+    /// Removes device `id`: its announces are refused from now on. Returns it.
+    ///
+    /// # Errors
+    /// No such device, or the registry cannot be written.
+    pub fn revoke(&self, id: &str) -> anyhow::Result<Device> {
+        let mut r = lock(&self.registry);
+        let i = r
+            .devices
+            .iter()
+            .position(|d| d.id == id)
+            .ok_or_else(|| anyhow::anyhow!("no joined device {id:?}"))?;
+        let d = r.devices.remove(i);
+        r.revoked.push(d.id.clone());
+        self.save(&r)?;
+        tracing::info!(device = %d.id, name = %d.name, "device removed");
+        Ok(d)
+    }
+
+    fn here(&self) -> Discovery {
+        Discovery::Here {
+            v: join::VERSION,
+            router: lock(&self.registry).router.clone(),
+            join_port: self.join_port,
+            // Held, even expired: a device with that code is then told it expired.
+            pairing: lock(&self.pairing)
+                .as_ref()
+                .map(|p| p.code.nameplate().to_string()),
+        }
+    }
+
+    /// Answers discovery broadcasts on `socket`, forever.
+    pub async fn answer_finds(self: Arc<Self>, socket: tokio::net::UdpSocket) {
+        join::answer_finds(socket, move || self.here()).await;
+    }
+
+    /// Serves joins and announces on `listener` while the router's state (which holds the
+    /// pool of decode nodes) lives.
+    pub async fn serve<S: AsRef<Pool> + Send + Sync + 'static>(
+        self: Arc<Self>,
+        listener: TcpListener,
+        state: Weak<S>,
+    ) {
+        loop {
+            let Ok((tcp, peer)) = listener.accept().await else {
+                continue;
+            };
+            let (joins, state) = (self.clone(), state.clone());
+            tokio::spawn(async move {
+                let done =
+                    tokio::time::timeout(CONNECTION_TIME, joins.connection(tcp, peer, &state))
+                        .await;
+                match done {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::info!(%peer, error = %e, "join connection refused"),
+                    Err(_) => tracing::info!(%peer, "join connection timed out"),
+                }
+            });
+        }
+    }
+
+    async fn connection<S: AsRef<Pool>>(
+        &self,
+        mut tcp: TcpStream,
+        peer: std::net::SocketAddr,
+        state: &Weak<S>,
+    ) -> Result<(), JoinError> {
+        let hello = match join::receive::<_, Hello>(&mut tcp).await {
+            Ok(h) => h,
+            Err(e) => {
+                refuse(&mut tcp, Refusal::Malformed, &e.to_string()).await;
+                return Err(e);
+            }
+        };
+        match hello {
+            Hello::Join {
+                v,
+                nameplate,
+                pake,
+                name,
+            } if v == join::VERSION => self.join(tcp, &nameplate, &pake, &name).await,
+            Hello::Announce { v } if v == join::VERSION => {
+                let mut link = self.link.accept(tcp).await?;
+                let me: join::Present = join::receive(&mut link).await?;
+                let reply = match self.announced(&me, peer, state).await {
+                    Ok(url) => Reply::Accepted { url },
+                    Err((reason, message)) => Reply::Refused { reason, message },
+                };
+                join::send(&mut link, &reply).await?;
+                Ok(())
+            }
+            _ => {
+                let m = format!("join protocol version {} only", join::VERSION);
+                refuse(&mut tcp, Refusal::Malformed, &m).await;
+                Err(JoinError::Malformed(m))
+            }
+        }
+    }
+
+    /// Takes a try of the open pairing under `nameplate`, or says why there is none.
+    fn take_try(&self, nameplate: &str) -> Result<(Code, u32), (Refusal, String)> {
+        let mut slot = lock(&self.pairing);
+        let Some(p) = slot.as_mut().filter(|p| p.code.nameplate() == nameplate) else {
+            return Err((
+                Refusal::NoPairing,
+                format!("no pairing is open under {nameplate}: open one on the router"),
+            ));
+        };
+        if Instant::now() >= p.until {
+            *slot = None;
+            return Err((
+                Refusal::Expired,
+                "the code expired: open a new pairing on the router".into(),
+            ));
+        }
+        if p.tries_left == 0 {
+            return Err((Refusal::TooManyTries, "the pairing is closed".into()));
+        }
+        p.tries_left -= 1;
+        Ok((p.code.clone(), p.tries_left))
+    }
+
+    async fn join(
+        &self,
+        mut tcp: TcpStream,
+        nameplate: &str,
+        theirs: &str,
+        name: &str,
+    ) -> Result<(), JoinError> {
+        let (code, tries_left) = match self.take_try(nameplate) {
+            Ok(t) => t,
+            Err((reason, message)) => {
+                refuse(&mut tcp, reason, &message).await;
+                return Err(JoinError::Refused { reason, message });
+            }
+        };
+        let (pake, mine) = join::Pake::start(&code);
+        let keys = pake.finish(&join::unhex("pake", theirs)?)?;
+        join::send(
+            &mut tcp,
+            &Reply::Pake {
+                pake: hex::encode(mine),
+            },
+        )
+        .await?;
+        let confirm: join::Confirm = join::receive(&mut tcp).await?;
+        if !keys.check(
+            join::Side::Device,
+            &join::unhex("confirm", &confirm.confirm)?,
+        ) {
+            let (reason, message) = if tries_left == 0 {
+                self.close_pairing();
+                (
+                    Refusal::TooManyTries,
+                    "wrong code; the pairing is closed".to_string(),
+                )
+            } else {
+                (
+                    Refusal::WrongCode,
+                    format!("wrong code; {tries_left} tries left"),
+                )
+            };
+            refuse(&mut tcp, reason, &message).await;
+            return Err(JoinError::Refused { reason, message });
+        }
+        let device = Device {
+            id: new_id(),
+            name: name.chars().take(MAX_NAME).collect(),
+            url: None,
+        };
+        let grant = {
+            let mut r = lock(&self.registry);
+            if r.devices.len() < MAX_DEVICES {
+                r.devices.push(device.clone());
+                self.save(&r)?;
+                Some(join::Grant {
+                    secret: hex::encode(self.secret.bytes()),
+                    router: r.router.clone(),
+                    device: device.id.clone(),
+                })
+            } else {
+                None
+            }
+        };
+        let Some(grant) = grant else {
+            let m = format!("the router has {MAX_DEVICES} joined devices, the most it keeps");
+            refuse(&mut tcp, Refusal::Unavailable, &m).await;
+            return Err(JoinError::Malformed(m));
+        };
+        self.close_pairing();
+        let sealed = keys.seal(&serde_json::to_vec(&grant).map_err(std::io::Error::other)?);
+        join::send(
+            &mut tcp,
+            &Reply::Welcome {
+                confirm: hex::encode(keys.confirm(join::Side::Router)),
+                sealed: hex::encode(sealed),
+            },
+        )
+        .await?;
+        tracing::info!(device = %device.id, name = %device.name, "device joined");
+        Ok(())
+    }
+
+    /// A joined device's announce: its URL from the address it came from, into the pool.
+    async fn announced<S: AsRef<Pool>>(
+        &self,
+        me: &join::Present,
+        peer: std::net::SocketAddr,
+        state: &Weak<S>,
+    ) -> Result<String, (Refusal, String)> {
+        let url = match peer.ip() {
+            std::net::IpAddr::V4(ip) => format!("http://{ip}:{}", me.port),
+            std::net::IpAddr::V6(ip) => format!("http://[{ip}]:{}", me.port),
+        };
+        let old = {
+            let mut r = lock(&self.registry);
+            if r.revoked.contains(&me.device) {
+                return Err((
+                    Refusal::Revoked,
+                    "this device was removed from the router".into(),
+                ));
+            }
+            let Some(d) = r.devices.iter_mut().find(|d| d.id == me.device) else {
+                return Err((
+                    Refusal::UnknownDevice,
+                    "the router has no such device".into(),
+                ));
+            };
+            let old = d.url.replace(url.clone());
+            if old.as_deref() != Some(url.as_str()) {
+                self.save(&r)
+                    .map_err(|e| (Refusal::Unavailable, e.to_string()))?;
+            }
+            old
+        };
+        let Some(state) = state.upgrade() else {
+            return Err((Refusal::Unavailable, "the router is stopping".into()));
+        };
+        let pool: &Pool = (*state).as_ref();
+        if let Some(old) = old.filter(|o| *o != url) {
+            tracing::info!(device = %me.device, from = %old, to = %url, "device moved");
+            let _ = pool.remove(&old);
+        }
+        if !pool.urls().contains(&url) {
+            pool.add(&url)
+                .await
+                .map_err(|f| (Refusal::Unavailable, f.message))?;
+        }
+        Ok(url)
+    }
+}
+
+async fn refuse(tcp: &mut TcpStream, reason: Refusal, message: &str) {
+    let reply = Reply::Refused {
+        reason,
+        message: message.to_string(),
+    };
+    let _ = join::send(tcp, &reply).await;
+}
+
+/// Where the registry lives by default: `$XDG_STATE_HOME/edgesplit`, else
+/// `~/.local/state/edgesplit`.
+#[must_use]
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("edgesplit");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".local/state/edgesplit")
+}
