@@ -13,7 +13,7 @@ set -a
 # shellcheck source=deploy/edgesplit.env.example
 source "$CONFIG"
 set +a
-: "${MODEL:?set MODEL in $CONFIG}" "${PHONE_IP:?set PHONE_IP in $CONFIG}"
+: "${MODEL:?set MODEL in $CONFIG}"
 
 # The pair's shared secret, made once (kept when it exists); the phone needs the same file.
 export EDGESPLIT_SECRET_FILE="${EDGESPLIT_SECRET_FILE:-$ROOT/deploy/secret}"
@@ -39,10 +39,15 @@ fi
 cargo build --release -p edgesplit-router
 
 BIN="$ROOT/target/release"
+# The decode nodes: PHONE_IP's when set; devices that join with a code in any case (the
+# router prints a code at start, valid 5 minutes; POST /admin/pairing makes another).
+decode=(--decode-url none)
+[[ -n "${PHONE_IP:-}" ]] && decode=(--decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}")
 # The layer split (RPC_LAYERS: a count or auto): the phone's last layers, planned from both
 # devices' available memory; printed first, refused with the numbers if it cannot fit.
 split=()
 if [[ -n "${RPC_LAYERS:-}" ]]; then
+    : "${PHONE_IP:?the layer split needs PHONE_IP in $CONFIG}"
     split=(--rpc-peer "$PHONE_IP:${RPC_PORT:-50053}" --rpc-layers "$RPC_LAYERS"
         --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}")
     "$PREFILL_BIN" --model "$MODEL" --n-ctx "${N_CTX:-4096}" "${split[@]}" --plan
@@ -53,4 +58,5 @@ PREFILL=$!
 trap 'kill "$PREFILL" 2>/dev/null || true' EXIT
 "$BIN/edgesplit-router" --listen "${ROUTER_LISTEN:-0.0.0.0:8080}" \
     --prefill-url "http://${PREFILL_LISTEN:-127.0.0.1:50051}" \
-    --decode-url "http://$PHONE_IP:${DECODE_PORT:-50052}" --transport "${TRANSPORT:-auto}"
+    "${decode[@]}" --join-listen "${JOIN_LISTEN:-0.0.0.0:47475}" --pair \
+    --transport "${TRANSPORT:-auto}"

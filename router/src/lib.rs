@@ -52,7 +52,9 @@ pub struct Config {
     )]
     pub prefill_url: String,
     /// Decode node gRPC URL; repeated (or comma-separated in the variable) for a pool of
-    /// decode nodes, each request going to the one that serves it best.
+    /// decode nodes, each request going to the one that serves it best. `none`: no decode
+    /// node at start (devices that join with a code, or `/admin/decode-nodes`, add them);
+    /// until one is added, every request is answered on the prefill node.
     #[arg(
         long,
         env = "EDGESPLIT_DECODE_URL",
@@ -265,7 +267,12 @@ pub async fn run(
             link,
             probes: !config.no_probes,
         },
-        &config.decode_url,
+        &config
+            .decode_url
+            .iter()
+            .filter(|u| !u.is_empty() && u.as_str() != "none")
+            .cloned()
+            .collect::<Vec<_>>(),
     )?;
     if let Some((joins, _)) = &joining {
         // The joined devices where they last were; each announces itself again.

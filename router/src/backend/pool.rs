@@ -28,7 +28,7 @@ use edgesplit_proto::pb;
 use super::choice::AutoPlan;
 use super::cost::{Choice, OFFLOAD_BOUND};
 use super::route::Route;
-use super::{Backend, Failure, Started};
+use super::{Backend, Failure, RouterCode, Started};
 use crate::api::{Objective, Transport, ValidRequest};
 
 /// How often [`Pool::watch`] asks the decode nodes' `Info`.
@@ -92,7 +92,13 @@ struct Member {
 /// as they were when it started, and an answer under way on a removed node finishes there.
 pub struct Pool {
     members: std::sync::RwLock<Vec<Arc<Member>>>,
+    /// The pair new nodes are made beside: the first node's, or, in a pool made without
+    /// any, one whose decode side is never called (its URL is [`NO_NODE`]).
+    template: Backend,
 }
+
+/// The decode URL of an empty pool's template pair: never dialed.
+const NO_NODE: &str = "http://127.0.0.1:1";
 
 /// The most decode nodes a pool takes.
 pub const MAX_NODES: usize = 16;
@@ -201,18 +207,25 @@ impl Pool {
     /// # Errors
     /// No decode node, or a malformed URL.
     pub fn new(config: super::BackendConfig, decode_urls: &[String]) -> anyhow::Result<Pool> {
-        let (first, rest) = decode_urls
-            .split_first()
-            .ok_or_else(|| anyhow::anyhow!("no decode node: give --decode-url"))?;
-        let first = Backend::new(super::BackendConfig {
-            decode_url: first.clone(),
-            ..config
-        })?;
         anyhow::ensure!(
             decode_urls.len() <= MAX_NODES,
             "{} decode nodes: a pool takes at most {MAX_NODES}",
             decode_urls.len()
         );
+        let Some((first, rest)) = decode_urls.split_first() else {
+            let template = Backend::new(super::BackendConfig {
+                decode_url: NO_NODE.to_string(),
+                ..config
+            })?;
+            return Ok(Pool {
+                members: std::sync::RwLock::default(),
+                template,
+            });
+        };
+        let first = Backend::new(super::BackendConfig {
+            decode_url: first.clone(),
+            ..config
+        })?;
         let mut backends = vec![first.clone()];
         for url in rest {
             anyhow::ensure!(
@@ -224,11 +237,12 @@ impl Pool {
         Ok(Pool::of(backends))
     }
 
-    /// A pool of `backends`, pairs of one prefill node (the first's, shared through
-    /// `Backend::beside`).
+    /// A pool of `backends` (at least one), pairs of one prefill node (the first's,
+    /// shared through `Backend::beside`).
     #[must_use]
     pub fn of(backends: Vec<Backend>) -> Pool {
         Pool {
+            template: backends[0].clone(),
             members: std::sync::RwLock::new(
                 backends
                     .into_iter()
@@ -251,10 +265,13 @@ impl Pool {
             .clone()
     }
 
-    /// The first pair: what the prefill node answers is the same on every pair.
+    /// The first pair (the template's when there is no node): what the prefill node
+    /// answers is the same on every pair.
     #[must_use]
     pub fn first(&self) -> Backend {
-        self.members()[0].backend.clone()
+        self.members()
+            .first()
+            .map_or_else(|| self.template.clone(), |m| m.backend.clone())
     }
 
     /// How many decode nodes the pool has.
@@ -263,7 +280,7 @@ impl Pool {
         self.members().len()
     }
 
-    /// Always false: a pool keeps at least one decode node.
+    /// No decode node: every request is answered on the prefill node.
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.members().is_empty()
@@ -333,7 +350,7 @@ impl Pool {
     /// there finish).
     ///
     /// # Errors
-    /// A 400 naming `url`: not a node of the router, or its last one.
+    /// A 400 naming `url`: not a node of the router.
     pub fn remove(&self, url: &str) -> Result<(), Failure> {
         let invalid = |m: String| Failure::invalid(Some("url".to_string()), m);
         let mut members = self
@@ -344,11 +361,6 @@ impl Pool {
             .iter()
             .position(|m| m.backend.decode_url() == url)
             .ok_or_else(|| invalid(format!("{url} is not a decode node of the router")))?;
-        if members.len() == 1 {
-            return Err(invalid(format!(
-                "{url} is the router's last decode node: add another first"
-            )));
-        }
         members.remove(i);
         tracing::info!(node = %url, "decode node removed");
         Ok(())
@@ -477,13 +489,26 @@ impl Pool {
     ) -> Result<(Started, Backend), Failure> {
         let members = self.members();
         let pair = |i: usize| members[i].backend.clone();
-        let first = pair(0);
+        let first = self.first();
         let route = Route::named(transport, req.handoff, first.config.handoff)?;
         let named = req
             .node
             .as_deref()
             .map(|n| named(&members, n))
             .transpose()?;
+        if members.is_empty() {
+            return match route {
+                Some(Route::Local | Route::Layers) | None => {
+                    let route = route.unwrap_or(Route::Local);
+                    Ok((first.run(req, route, request_id).await?, first))
+                }
+                _ => Err(Failure::unavailable(
+                    RouterCode::DecodeUnavailable,
+                    "the router has no decode node: join one (--join-listen) or give \
+                     --decode-url; transport auto or local answers on the prefill node",
+                )),
+            };
+        }
         if let (Some(Route::Local | Route::Layers), Some(_)) = (route, named) {
             return Err(Failure::invalid(
                 Some("edgesplit.node".to_string()),

@@ -292,14 +292,31 @@ async fn a_node_added_while_serving_is_used_and_one_removed_is_not() {
     let started = phone_on(&h.pool, "r2", 1).await;
     assert_eq!(tokens(&events(started).await), [(11, Node::Decode)]);
     assert_eq!(tokens(&events(busy).await), [(10, Node::Decode)]);
-    // Removed: not used again; the last node cannot be removed.
+    // Removed: not used again.
     h.pool.remove(&url(1)).unwrap();
     assert_eq!(h.pool.urls(), [url(0)]);
-    let e = h.pool.remove(&url(0)).unwrap_err();
-    assert!(e.message.contains("last decode node"), "{e:?}");
     let e = h.pool.remove(&url(1)).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("url"), "{e:?}");
     phone_answers(&h, 0, 12);
     let _ = phone_on(&h.pool, "r3", 0).await;
     assert_eq!(added.local.requests().len(), 1);
+    // The last one too: the pool is empty, a request that needs a decode node is told so,
+    // and one that names a node is a 400 naming the field.
+    h.pool.remove(&url(0)).unwrap();
+    assert!(h.pool.is_empty());
+    let e = h
+        .pool
+        .start(&request("Hi", ""), Transport::Phone, "r4")
+        .await
+        .err()
+        .unwrap();
+    assert!(e.message.contains("no decode node"), "{e:?}");
+    let named = request("Hi", &format!(r#", "edgesplit": {{"node": "{}"}}"#, url(0)));
+    let e = h
+        .pool
+        .start(&named, Transport::Auto, "r5")
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.param.as_deref(), Some("edgesplit.node"), "{e:?}");
 }

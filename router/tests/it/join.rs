@@ -262,6 +262,8 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--state-dir",
         &state,
         "--no-probes",
+        "--decode-url",
+        "none",
         "--secret-file",
         &sf,
     ]);
@@ -277,6 +279,18 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
             v["code"].as_str().unwrap().to_string()
         }
     };
+    // No decode node yet: answered on the laptop, and a split is refused, named.
+    let (st, v) = answer(&router, "auto", None).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = answer(&router, "v2", None).await;
+    assert_eq!(st, 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no decode node"),
+        "{v}"
+    );
     let phone_dir = dir.join("phone");
     let pd = phone_dir.display().to_string();
 
@@ -321,11 +335,10 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     ];
     let mut node = phone(&lan, &model, &args, &dir.join("phone.log"));
     let url = ready_at(&router, &format!("{}.2", lan.net)).await;
-    let router_log = std::fs::read_to_string(dir.join("router.log")).unwrap();
-    assert!(
-        !router_log.contains(&code[4..]),
-        "the code in the router's log"
-    );
+    for log in ["router.log", "phone.log"] {
+        let text = std::fs::read_to_string(dir.join(log)).unwrap();
+        assert!(!text.contains(&code[4..]), "the code in {log}");
+    }
     {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(phone_dir.join("secret"))
