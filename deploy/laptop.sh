@@ -59,4 +59,5 @@ trap 'kill "$PREFILL" 2>/dev/null || true' EXIT
 "$BIN/edgesplit-router" --listen "${ROUTER_LISTEN:-0.0.0.0:8080}" \
     --prefill-url "http://${PREFILL_LISTEN:-127.0.0.1:50051}" \
     "${decode[@]}" --join-listen "${JOIN_LISTEN:-0.0.0.0:47475}" --pair \
+    --share-model "$MODEL" \
     --transport "${TRANSPORT:-auto}"

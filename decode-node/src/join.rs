@@ -283,6 +283,145 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
     Ok(joined)
 }
 
+/// Attempts at the model file: a broken transfer goes on from the bytes received, a file
+/// whose SHA-256 is not the router's is received again from the start.
+const MODEL_ATTEMPTS: usize = 3;
+
+/// Receives the router's model file into `path` (through `path.part`, renamed once its
+/// SHA-256 is the router's).
+///
+/// # Errors
+/// The router shares no model, too little free space, or every attempt failed.
+pub async fn fetch_model(at: SocketAddr, link: &Link, path: &Path) -> anyhow::Result<()> {
+    let part = PathBuf::from(format!("{}.part", path.display()));
+    let mut last = None;
+    for _ in 0..MODEL_ATTEMPTS {
+        match fetch_once(at, link, &part).await {
+            Ok(sha) => {
+                let got = tokio::task::spawn_blocking({
+                    let part = part.clone();
+                    move || sha256_file(&part)
+                })
+                .await??;
+                if got == sha {
+                    std::fs::rename(&part, path)?;
+                    tracing::info!(path = %path.display(), "model file received, SHA-256 checked");
+                    return Ok(());
+                }
+                tracing::warn!("the model file received does not match the router's SHA-256: received again from the start");
+                std::fs::remove_file(&part)?;
+                last = Some(anyhow::anyhow!(
+                    "the model file received did not match its SHA-256"
+                ));
+            }
+            Err(e @ JoinError::Refused { .. }) => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "the model transfer broke off: going on from what was received");
+                last = Some(e.into());
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no attempt")))
+}
+
+/// One attempt: the bytes after those `part` holds, appended to it; returns the router's
+/// SHA-256 of the whole file.
+async fn fetch_once(at: SocketAddr, link: &Link, part: &Path) -> Result<String, JoinError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let have = std::fs::metadata(part).map_or(0, |m| m.len());
+    let mut tcp = connect(at).await?;
+    join::send(&mut tcp, &Hello::Model { v: join::VERSION }).await?;
+    let mut private = link.connect(tcp).await?;
+    join::send(&mut private, &join::ModelAsk { have }).await?;
+    let answer: serde_json::Value = join::receive(&mut private).await?;
+    if answer.get("op").is_some() {
+        let reply: join::Reply =
+            serde_json::from_value(answer).map_err(|e| JoinError::Malformed(e.to_string()))?;
+        return Err(match reply {
+            join::Reply::Refused { reason, message } => JoinError::Refused { reason, message },
+            other => JoinError::Malformed(format!("unexpected reply {other:?}")),
+        });
+    }
+    let offer: join::ModelOffer =
+        serde_json::from_value(answer).map_err(|e| JoinError::Malformed(e.to_string()))?;
+    let left = offer.size.checked_sub(have).ok_or_else(|| {
+        JoinError::Malformed(format!(
+            "the router's file has {} bytes, fewer than the {have} here",
+            offer.size
+        ))
+    })?;
+    let dir = part
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    if let Some(free) = free_bytes(dir) {
+        if free < left {
+            return Err(JoinError::Refused {
+                reason: Refusal::Unavailable,
+                message: format!(
+                    "the model needs {left} more bytes and {} has {free} free",
+                    dir.display()
+                ),
+            });
+        }
+    }
+    tracing::info!(name = %offer.name, size = offer.size, from = have, "receiving the model file");
+    let mut file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(part)
+        .await?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut got, mut shown) = (0u64, 0u64);
+    while got < left {
+        let want = usize::try_from((left - got).min(buf.len() as u64)).unwrap_or(buf.len());
+        let n = tokio::time::timeout(EXCHANGE_TIME, private.read(&mut buf[..want]))
+            .await
+            .map_err(|_| JoinError::Io(std::io::ErrorKind::TimedOut.into()))??;
+        if n == 0 {
+            return Err(JoinError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        file.write_all(&buf[..n]).await?;
+        got += n as u64;
+        let percent = (have + got) * 100 / offer.size.max(1);
+        if percent >= shown + 10 {
+            shown = percent;
+            tracing::info!(percent, "receiving the model file");
+        }
+    }
+    file.sync_all().await?;
+    Ok(offer.sha256)
+}
+
+/// The SHA-256 (hex) of the file at `path`.
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hex::encode(h.finalize()));
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+/// Bytes free to this user on `dir`'s file system; `None` when it cannot be asked.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a statvfs the call fills.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &raw mut st) };
+    // The fields are narrower than u64 on some targets.
+    #[allow(clippy::useless_conversion)]
+    (rc == 0).then(|| u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize)))
+}
+
 /// `addr` with a loopback host made `0.0.0.0` (a joined device is reached over the LAN).
 #[must_use]
 pub fn on_every_interface(addr: &str) -> String {

@@ -19,6 +19,9 @@
 //! - **Coming back** ([`Hello::Announce`]): a joined device connects again, both sides
 //!   wrap the connection in the private link (TLS keyed by the secret), and the device
 //!   names itself and its gRPC port; the router takes the address it came from.
+//! - **The model** ([`Hello::Model`]): inside the private link, a device that lacks the
+//!   model file asks for it from the bytes it holds ([`ModelAsk`]); the router answers
+//!   the file's size and SHA-256 ([`ModelOffer`]) and streams the rest.
 //!
 //! Every message is a JSON object in a frame of a 4-byte big-endian length (at most
 //! [`MAX_MESSAGE`] bytes, checked before anything is allocated).
@@ -267,6 +270,27 @@ pub enum Hello {
     },
     /// A joined device coming back; the private link follows, then [`Present`].
     Announce { v: u32 },
+    /// A joined device asking for the model file; the private link follows, then
+    /// [`ModelAsk`].
+    Model { v: u32 },
+}
+
+/// Inside the private link: the bytes of the model file the device holds already (a
+/// transfer broken off goes on from there).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelAsk {
+    pub have: u64,
+}
+
+/// The router's model file: its size, SHA-256 (hex) and name. The bytes from the asked
+/// offset to `size` follow, raw.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelOffer {
+    pub size: u64,
+    pub sha256: String,
+    pub name: String,
 }
 
 /// The router's answer, one per step.

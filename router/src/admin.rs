@@ -66,12 +66,13 @@ async fn devices(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError
         .devices()
         .into_iter()
         .map(|d| {
-            let state = d
-                .url
-                .as_ref()
-                .and_then(|u| states.iter().find(|(url, _)| url == u))
-                .map_or("not announced", |(_, st)| st.as_str());
-            json!({"id": d.id, "name": d.name, "url": d.url, "state": state})
+            let state = match d.url.as_ref().and_then(|u| states.iter().find(|(url, _)| url == u)) {
+                Some((_, st)) => st.as_str().to_string(),
+                None => joins.stage(&d.id).unwrap_or_else(|| {
+                    if d.url.is_some() { "not in the pool" } else { "not announced" }.to_string()
+                }),
+            };
+            json!({"id": d.id, "name": d.name, "url": d.url, "qualified": d.qualified, "state": state})
         })
         .collect();
     let pairing = joins

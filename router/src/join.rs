@@ -48,7 +48,20 @@ pub struct Device {
     pub name: String,
     /// Where the router last reached it (its last announce); none before the first.
     pub url: Option<String>,
+    /// It passed its qualification (`backend/qualify.rs`); until then it is not used.
+    #[serde(default)]
+    pub qualified: bool,
 }
+
+/// A device's qualification under way, or failed.
+#[derive(Debug, Clone)]
+enum Stage {
+    Qualifying,
+    Failed { why: String, at: Instant },
+}
+
+/// How soon a device that failed its qualification is qualified again (at an announce).
+const REQUALIFY_AFTER: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Registry {
@@ -72,6 +85,30 @@ pub struct Joins {
     secret: Arc<Secret>,
     link: Link,
     join_port: u16,
+    /// The model file joined devices may receive (`--share-model`).
+    model: Option<PathBuf>,
+    /// Its size and SHA-256 (hex), computed at the first request.
+    model_sha: tokio::sync::OnceCell<(u64, String)>,
+    /// Qualifications under way or failed, by device id.
+    stages: Mutex<std::collections::HashMap<String, Stage>>,
+}
+
+/// A file's size and SHA-256 (hex).
+fn sha256_file(path: &Path) -> std::io::Result<(u64, String)> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok((size, hex::encode(h.finalize())));
+        }
+        size += n as u64;
+        h.update(&buf[..n]);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -89,7 +126,15 @@ impl Joins {
     /// # Errors
     /// No shared secret (a joined device gets the secret: there must be one), or the
     /// registry cannot be read or written.
-    pub fn open(dir: &Path, link: &Link, join_port: u16) -> anyhow::Result<Joins> {
+    pub fn open(
+        dir: &Path,
+        link: &Link,
+        join_port: u16,
+        model: Option<PathBuf>,
+    ) -> anyhow::Result<Joins> {
+        if let Some(m) = &model {
+            anyhow::ensure!(m.is_file(), "--share-model {}: no such file", m.display());
+        }
         let secret = link.secret_arc().ok_or_else(|| {
             anyhow::anyhow!(
                 "--join-listen needs the shared secret (--secret-file, EDGESPLIT_SECRET_FILE or \
@@ -117,6 +162,9 @@ impl Joins {
             secret,
             link: link.clone(),
             join_port,
+            model,
+            model_sha: tokio::sync::OnceCell::new(),
+            stages: Mutex::default(),
         };
         joins.save(&lock(&joins.registry))?;
         Ok(joins)
@@ -222,25 +270,24 @@ impl Joins {
             };
             let (joins, state) = (self.clone(), state.clone());
             tokio::spawn(async move {
-                let done =
-                    tokio::time::timeout(CONNECTION_TIME, joins.connection(tcp, peer, &state))
-                        .await;
-                match done {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::info!(%peer, error = %e, "join connection refused"),
-                    Err(_) => tracing::info!(%peer, "join connection timed out"),
+                if let Err(e) = joins.connection(tcp, peer, &state).await {
+                    tracing::info!(%peer, error = %e, "join connection refused");
                 }
             });
         }
     }
 
-    async fn connection<S: AsRef<Pool>>(
-        &self,
+    async fn connection<S: AsRef<Pool> + Send + Sync + 'static>(
+        self: &Arc<Self>,
         mut tcp: TcpStream,
         peer: std::net::SocketAddr,
         state: &Weak<S>,
     ) -> Result<(), JoinError> {
-        let hello = match join::receive::<_, Hello>(&mut tcp).await {
+        let timed_out = || JoinError::Io(std::io::ErrorKind::TimedOut.into());
+        let hello = tokio::time::timeout(CONNECTION_TIME, join::receive::<_, Hello>(&mut tcp))
+            .await
+            .unwrap_or_else(|_| Err(timed_out()));
+        let hello = match hello {
             Ok(h) => h,
             Err(e) => {
                 refuse(&mut tcp, Refusal::Malformed, &e.to_string()).await;
@@ -253,16 +300,36 @@ impl Joins {
                 nameplate,
                 pake,
                 name,
-            } if v == join::VERSION => self.join(tcp, &nameplate, &pake, &name).await,
+            } if v == join::VERSION => {
+                let join = self.join(tcp, &nameplate, &pake, &name);
+                tokio::time::timeout(CONNECTION_TIME, join)
+                    .await
+                    .unwrap_or_else(|_| Err(timed_out()))
+            }
             Hello::Announce { v } if v == join::VERSION => {
-                let mut link = self.link.accept(tcp).await?;
-                let me: join::Present = join::receive(&mut link).await?;
-                let reply = match self.announced(&me, peer, state).await {
-                    Ok(url) => Reply::Accepted { url },
-                    Err((reason, message)) => Reply::Refused { reason, message },
+                let announce = async {
+                    let mut link = self.link.accept(tcp).await?;
+                    let me: join::Present = join::receive(&mut link).await?;
+                    let reply = match self.announced(&me, peer, state).await {
+                        Ok(url) => Reply::Accepted { url },
+                        Err((reason, message)) => Reply::Refused { reason, message },
+                    };
+                    join::send(&mut link, &reply).await?;
+                    Ok(())
                 };
-                join::send(&mut link, &reply).await?;
-                Ok(())
+                tokio::time::timeout(CONNECTION_TIME, announce)
+                    .await
+                    .unwrap_or_else(|_| Err(timed_out()))
+            }
+            Hello::Model { v } if v == join::VERSION => {
+                let mut link = tokio::time::timeout(CONNECTION_TIME, self.link.accept(tcp))
+                    .await
+                    .map_err(|_| timed_out())??;
+                let ask: join::ModelAsk =
+                    tokio::time::timeout(CONNECTION_TIME, join::receive(&mut link))
+                        .await
+                        .map_err(|_| timed_out())??;
+                self.send_model(&mut link, ask.have, peer).await
             }
             _ => {
                 let m = format!("join protocol version {} only", join::VERSION);
@@ -270,6 +337,73 @@ impl Joins {
                 Err(JoinError::Malformed(m))
             }
         }
+    }
+
+    /// The shared model file from byte `have` on, after its size and SHA-256 (computed
+    /// once), each write allowed [`CONNECTION_TIME`].
+    async fn send_model<W: tokio::io::AsyncWrite + Unpin>(
+        &self,
+        link: &mut W,
+        have: u64,
+        peer: std::net::SocketAddr,
+    ) -> Result<(), JoinError> {
+        use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+        let Some(path) = self.model.clone() else {
+            let m = "the router shares no model file (--share-model): copy it to the device";
+            join::send(
+                link,
+                &Reply::Refused {
+                    reason: Refusal::Unavailable,
+                    message: m.into(),
+                },
+            )
+            .await?;
+            return Err(JoinError::Malformed(m.into()));
+        };
+        let (size, sha256) = self
+            .model_sha
+            .get_or_try_init(|| async {
+                let p = path.clone();
+                tokio::task::spawn_blocking(move || sha256_file(&p))
+                    .await
+                    .map_err(std::io::Error::other)?
+            })
+            .await?
+            .clone();
+        if have > size {
+            let m = format!("the device holds {have} bytes of a {size}-byte file");
+            join::send(
+                link,
+                &Reply::Refused {
+                    reason: Refusal::Malformed,
+                    message: m.clone(),
+                },
+            )
+            .await?;
+            return Err(JoinError::Malformed(m));
+        }
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        join::send(link, &join::ModelOffer { size, sha256, name }).await?;
+        tracing::info!(%peer, from = have, size, "sending the model file");
+        let mut file = tokio::fs::File::open(&path).await?;
+        file.seek(std::io::SeekFrom::Start(have)).await?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = file.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            tokio::time::timeout(CONNECTION_TIME, link.write_all(&buf[..n]))
+                .await
+                .map_err(|_| JoinError::Io(std::io::ErrorKind::TimedOut.into()))??;
+        }
+        link.flush().await?;
+        link.shutdown().await?;
+        tracing::info!(%peer, size, "model file sent");
+        Ok(())
     }
 
     /// Takes a try of the open pairing under `nameplate`, or says why there is none.
@@ -342,6 +476,7 @@ impl Joins {
             id: new_id(),
             name: name.chars().take(MAX_NAME).collect(),
             url: None,
+            qualified: false,
         };
         let grant = {
             let mut r = lock(&self.registry);
@@ -377,8 +512,8 @@ impl Joins {
     }
 
     /// A joined device's announce: its URL from the address it came from, into the pool.
-    async fn announced<S: AsRef<Pool>>(
-        &self,
+    async fn announced<S: AsRef<Pool> + Send + Sync + 'static>(
+        self: &Arc<Self>,
         me: &join::Present,
         peer: std::net::SocketAddr,
         state: &Weak<S>,
@@ -387,7 +522,7 @@ impl Joins {
             std::net::IpAddr::V4(ip) => format!("http://{ip}:{}", me.port),
             std::net::IpAddr::V6(ip) => format!("http://[{ip}]:{}", me.port),
         };
-        let old = {
+        let (old, qualified) = {
             let mut r = lock(&self.registry);
             if r.revoked.contains(&me.device) {
                 return Err((
@@ -402,26 +537,96 @@ impl Joins {
                 ));
             };
             let old = d.url.replace(url.clone());
+            let qualified = d.qualified;
             if old.as_deref() != Some(url.as_str()) {
                 self.save(&r)
                     .map_err(|e| (Refusal::Unavailable, e.to_string()))?;
             }
-            old
+            (old, qualified)
         };
         let Some(state) = state.upgrade() else {
             return Err((Refusal::Unavailable, "the router is stopping".into()));
         };
         let pool: &Pool = (*state).as_ref();
-        if let Some(old) = old.filter(|o| *o != url) {
-            tracing::info!(device = %me.device, from = %old, to = %url, "device moved");
-            let _ = pool.remove(&old);
+        if old.is_some() && !qualified && old.as_deref() != Some(url.as_str()) {
+            // A move during a qualification: it is made again at the new address.
+            lock(&self.stages).remove(&me.device);
         }
-        if !pool.urls().contains(&url) {
+        if let Some(old) = old.as_ref().filter(|o| **o != url) {
+            tracing::info!(device = %me.device, from = %old, to = %url, "device moved");
+            let _ = pool.remove(old);
+        }
+        if pool.urls().contains(&url) {
+            return Ok(url);
+        }
+        if qualified {
             pool.add(&url)
                 .await
                 .map_err(|f| (Refusal::Unavailable, f.message))?;
+            return Ok(url);
+        }
+        let due = match lock(&self.stages).get(&me.device) {
+            Some(Stage::Qualifying) => false,
+            Some(Stage::Failed { at, .. }) => at.elapsed() >= REQUALIFY_AFTER,
+            None => true,
+        };
+        if due {
+            let pair = pool
+                .pair_with(&url)
+                .map_err(|f| (Refusal::Unavailable, f.message))?;
+            lock(&self.stages).insert(me.device.clone(), Stage::Qualifying);
+            tokio::spawn(self.clone().qualify(me.device.clone(), pair, state.clone()));
         }
         Ok(url)
+    }
+
+    /// Qualifies device `id` on `pair`; one that passes is marked so and enters the pool.
+    async fn qualify<S: AsRef<Pool>>(
+        self: Arc<Self>,
+        id: String,
+        pair: crate::backend::Backend,
+        state: Arc<S>,
+    ) {
+        tracing::info!(device = %id, node = %pair.decode_url(), "qualifying the device");
+        match pair.qualify().await {
+            Ok(q) => {
+                {
+                    let mut r = lock(&self.registry);
+                    if let Some(d) = r.devices.iter_mut().find(|d| d.id == id) {
+                        d.qualified = true;
+                    }
+                    if let Err(e) = self.save(&r) {
+                        tracing::warn!(error = %e, "cannot write the device registry");
+                    }
+                }
+                lock(&self.stages).remove(&id);
+                tracing::info!(device = %id, answers = q.answers, link_bytes_per_ms = ?q.link,
+                    rtt_ms = ?q.rtt_ms, "device qualified: its answers are the laptop's");
+                let pool: &Pool = (*state).as_ref();
+                if let Err(f) = pool.adopt(pair).await {
+                    tracing::warn!(device = %id, error = %f.message, "the qualified device did not enter the pool");
+                }
+            }
+            Err(why) => {
+                tracing::warn!(device = %id, %why, "the device failed its qualification: not used");
+                lock(&self.stages).insert(
+                    id,
+                    Stage::Failed {
+                        why,
+                        at: Instant::now(),
+                    },
+                );
+            }
+        }
+    }
+
+    /// Device `id`'s qualification, in words, while it is under way or failed.
+    #[must_use]
+    pub fn stage(&self, id: &str) -> Option<String> {
+        lock(&self.stages).get(id).map(|s| match s {
+            Stage::Qualifying => "qualifying".to_string(),
+            Stage::Failed { why, .. } => format!("failed its qualification: {why}"),
+        })
     }
 }
 

@@ -165,6 +165,10 @@ pub struct Config {
     /// (broadcast); 0 turns it off.
     #[arg(long, default_value_t = edgesplit_proto::join::DISCOVERY_PORT)]
     pub discovery_port: u16,
+    /// With `--join-listen`: the model file a joined device that lacks it receives (over
+    /// the private link, SHA-256 checked, resumable); the prefill node's file.
+    #[arg(long, env = "EDGESPLIT_SHARE_MODEL")]
+    pub share_model: Option<std::path::PathBuf>,
     /// With `--join-listen`: open a pairing at start and print its code (valid 5 minutes,
     /// once). `POST /admin/pairing` opens one while the router serves.
     #[arg(long)]
@@ -240,7 +244,12 @@ pub async fn run(
                 .state_dir
                 .clone()
                 .unwrap_or_else(join::default_state_dir);
-            let joins = join::Joins::open(&dir, &link, listener.local_addr()?.port())?;
+            let joins = join::Joins::open(
+                &dir,
+                &link,
+                listener.local_addr()?.port(),
+                config.share_model.clone(),
+            )?;
             Some((Arc::new(joins), listener))
         }
         None => None,

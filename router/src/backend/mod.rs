@@ -38,6 +38,7 @@ mod pool;
 #[cfg(test)]
 mod pool_tests;
 mod probe;
+mod qualify;
 mod route;
 mod seam;
 mod split;
@@ -61,6 +62,7 @@ pub use nodes::HealthInfos;
 use nodes::{Known, Learned};
 pub use pool::{best, refusal, Candidate, NodeState, Pool, WATCH_EVERY};
 pub use probe::{Probe, CALIBRATION_WAIT, IDLE_TICK};
+pub use qualify::Qualified;
 pub use route::{Route, Wire};
 pub use seam::{DecodeCalls, Events, GrpcDecode, GrpcPrefill, PrefillCalls};
 

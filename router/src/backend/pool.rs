@@ -294,6 +294,15 @@ impl Pool {
     /// # Errors
     /// A 400 naming `url`: malformed, already in the pool, or the pool full.
     pub async fn add(&self, url: &str) -> Result<NodeState, Failure> {
+        self.adopt(self.pair_with(url)?).await
+    }
+
+    /// A pair of the prefill node with the decode node at `url`, made beside the first but
+    /// not in the pool (a joined device's qualification; [`Pool::adopt`] takes it in).
+    ///
+    /// # Errors
+    /// A 400 naming `url`: malformed.
+    pub fn pair_with(&self, url: &str) -> Result<Backend, Failure> {
         let first = self.first();
         let decode = first.grpc_decode(url).map_err(|e| {
             Failure::invalid(
@@ -301,7 +310,7 @@ impl Pool {
                 format!("{url:?} is not a node URL: {e}"),
             )
         })?;
-        self.adopt(first.beside(url.to_string(), decode)).await
+        Ok(first.beside(url.to_string(), decode))
     }
 
     /// Adds `backend`, a pair made with [`Backend::beside`] the first (what

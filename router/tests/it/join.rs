@@ -264,6 +264,8 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--no-probes",
         "--decode-url",
         "none",
+        "--share-model",
+        &m,
         "--secret-file",
         &sf,
     ]);
@@ -323,6 +325,14 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "{log}"
     );
     assert!(!log.contains(&code), "the code in a log");
+    // The phone lacks the model: it receives the laptop's. A transfer broken off left
+    // its first MiB, one byte of it wrong: the rest is received after it, the whole does
+    // not match the SHA-256, and it is received again from the start.
+    let received = dir.join("phone-models").join("model.gguf");
+    std::fs::create_dir_all(received.parent().unwrap()).unwrap();
+    let mut head = std::fs::read(&model).unwrap()[..1 << 20].to_vec();
+    head[1000] ^= 0x55;
+    std::fs::write(received.with_extension("gguf.part"), &head).unwrap();
     let args = [
         "--join",
         &code,
@@ -333,7 +343,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--announce-every-s",
         "1",
     ];
-    let mut node = phone(&lan, &model, &args, &dir.join("phone.log"));
+    let mut node = phone(&lan, &received, &args, &dir.join("phone.log"));
     let url = ready_at(&router, &format!("{}.2", lan.net)).await;
     for log in ["router.log", "phone.log"] {
         let text = std::fs::read_to_string(dir.join(log)).unwrap();
@@ -347,6 +357,17 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
             .mode();
         assert_eq!(mode & 0o777, 0o600);
     }
+    assert_eq!(
+        std::fs::read(&received).unwrap(),
+        std::fs::read(&model).unwrap()
+    );
+    let sent: Vec<String> = std::fs::read_to_string(dir.join("router.log"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("sending the model file"))
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["fields"]["from"].to_string())
+        .collect();
+    assert_eq!(sent, ["1048576", "0"]);
     // Used once: the pairing is closed.
     assert!(devices(&router).await["pairing"].is_null());
 
@@ -370,7 +391,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     drop(node);
     node = phone(
         &lan,
-        &model,
+        &received,
         &[
             "--discovery-port",
             &port,
