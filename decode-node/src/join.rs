@@ -270,7 +270,7 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
         }
         None => args.joined()?,
     };
-    if joined.is_some() {
+    if let Some(joined) = &joined {
         config.node.secret_file = Some(args.dir().join("secret"));
         for addr in [
             &mut config.listen,
@@ -278,6 +278,10 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
             &mut config.v1_listen,
         ] {
             *addr = on_every_interface(addr);
+        }
+        if !config.engine.model.exists() {
+            let link = config.node.link(&[])?;
+            fetch_model(joined.join_addr, &link, &config.engine.model).await?;
         }
     }
     Ok(joined)

@@ -151,8 +151,8 @@ async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
             v
         })
         .collect();
-    // The handoff listeners of the first decode node.
-    let decode = nodes[0].clone();
+    // The handoff listeners of the first decode node (none in a pool without one).
+    let decode = nodes.first().cloned().unwrap_or(Value::Null);
     let (v2, v1) = tokio::join!(
         probe(decode["handoff_addr"].as_str().unwrap_or("")),
         probe(host_port(decode["v1_url"].as_str().unwrap_or(""))),

@@ -413,7 +413,7 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
         json!({
             "status": status,
             "prefill": node_json::health(&p),
-            "decode": nodes[0],
+            "decode": nodes.first(),
             "decode_nodes": nodes,
         })
     } else {

@@ -432,12 +432,13 @@ impl Pool {
         Result<pb::NodeInfo, Failure>,
         Vec<Result<pb::NodeInfo, Failure>>,
     ) {
-        let infos = futures::future::join_all(
-            self.members()
-                .iter()
-                .map(|m| m.backend.infos_within(max_age)),
-        )
-        .await;
+        let members = self.members();
+        if members.is_empty() {
+            return (self.template.prefill_info().await, Vec::new());
+        }
+        let infos =
+            futures::future::join_all(members.iter().map(|m| m.backend.infos_within(max_age)))
+                .await;
         let mut prefill = Vec::with_capacity(1);
         let decode = infos
             .into_iter()
@@ -448,7 +449,7 @@ impl Pool {
                 d
             })
             .collect();
-        // `Pool::new` makes at least one pair.
+        // At least one pair (an empty pool answered above).
         let prefill = prefill.pop().unwrap_or_else(|| {
             Err(Failure::unavailable(
                 super::RouterCode::DecodeUnavailable,

@@ -111,6 +111,9 @@ async function refreshStatus() {
   layers.hidden = layers.disabled = !(ls && ls.state === 'split');
   if (layers.disabled && $('transport').value === 'layers') $('transport').value = 'auto';
   // A card per decode node: the first is the page's own, the others are added after it.
+  if (s.decode_nodes.length === 0) {
+    setCard('card-decode', false, 'none', [['decode nodes', 'none yet: a device joins with a code, or --decode-url']]);
+  }
   const written = s.decode_nodes.reduce((t, d) => t + d.tokens_written, s.prefill.tokens_written || 0);
   s.decode_nodes.forEach((d, i) => {
     const id = i === 0 ? 'card-decode' : 'card-decode-' + i;

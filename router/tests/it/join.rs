@@ -281,7 +281,12 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
             v["code"].as_str().unwrap().to_string()
         }
     };
-    // No decode node yet: answered on the laptop, and a split is refused, named.
+    // No decode node yet: healthy, answered on the laptop, and a split is refused, named.
+    let h = common::get_json(&format!("{router}/health")).await;
+    assert_eq!(h["status"], "ok", "{h}");
+    assert_eq!(h["decode_nodes"], json!([]), "{h}");
+    let d = common::get_json(&format!("{router}/dashboard/api/status")).await;
+    assert_eq!(d["decode_nodes"], json!([]), "{d}");
     let (st, v) = answer(&router, "auto", None).await;
     assert_eq!(st, 200, "{v}");
     let (st, v) = answer(&router, "v2", None).await;
