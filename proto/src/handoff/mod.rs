@@ -84,6 +84,14 @@ where
     match tokio::time::timeout(limit, framed.next()).await {
         Err(_) => Err(HandoffError::Timeout(stage)),
         Ok(None) => Ok(None),
+        // A private link's peer that closes without TLS's close_notify, between frames:
+        // the end of its connection, as a plain close is (inside a frame it stays an
+        // error, as the codec's own end-of-stream rule has it).
+        Ok(Some(Err(CodecError::Io(e))))
+            if e.kind() == std::io::ErrorKind::UnexpectedEof && framed.read_buffer().is_empty() =>
+        {
+            Ok(None)
+        }
         Ok(Some(r)) => Ok(Some(r?)),
     }
 }

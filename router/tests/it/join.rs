@@ -389,6 +389,12 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     let moved = ready_at(&router, &format!("{}.3", lan.net)).await;
     assert_ne!(moved, url);
     split_through(&router, &moved, &want).await;
+    // Every private handoff so far (the qualification's and these) ended as a handoff,
+    // none as a refusal (a sender closes without TLS's close_notify); `/health` reads
+    // `Info` at most a second old.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let h = common::get_json(&format!("{router}/health")).await;
+    assert_eq!(h["decode_nodes"][0]["handoffs_refused"], 0, "{h}");
     let (st, v) = answer(&router, "v2", Some(&url)).await;
     assert_eq!(st, 400, "the old address is not a node any more: {v}");
 
