@@ -304,7 +304,7 @@ pub async fn fetch_model(at: SocketAddr, link: &Link, path: &Path) -> anyhow::Re
             Ok(sha) => {
                 let got = tokio::task::spawn_blocking({
                     let part = part.clone();
-                    move || sha256_file(&part)
+                    move || join::sha256_file(&part).map(|(_, sha)| sha)
                 })
                 .await??;
                 if got == sha {
@@ -396,22 +396,6 @@ async fn fetch_once(at: SocketAddr, link: &Link, part: &Path) -> Result<String, 
     }
     file.sync_all().await?;
     Ok(offer.sha256)
-}
-
-/// The SHA-256 (hex) of the file at `path`.
-fn sha256_file(path: &Path) -> std::io::Result<String> {
-    use sha2::Digest;
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok(hex::encode(h.finalize()));
-        }
-        h.update(&buf[..n]);
-    }
 }
 
 /// Bytes free to this user on `dir`'s file system; `None` when it cannot be asked.

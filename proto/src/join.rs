@@ -342,6 +342,28 @@ pub struct Present {
     pub name: String,
 }
 
+/// A file's size and SHA-256 (hex), read a MiB at a time: the model file a router shares
+/// and the one a device received.
+///
+/// # Errors
+/// The file cannot be read.
+pub fn sha256_file(path: &std::path::Path) -> std::io::Result<(u64, String)> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok((size, hex::encode(h.finalize())));
+        }
+        size += n as u64;
+        h.update(&buf[..n]);
+    }
+}
+
 /// Writes `msg` as one frame.
 ///
 /// # Errors

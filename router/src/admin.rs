@@ -103,17 +103,7 @@ fn pairing_ttl(body: &[u8]) -> Result<std::time::Duration, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(PAIRING_TTL);
     }
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not JSON: {e}")))?;
-    let Value::Object(obj) = v else {
-        return Err(ApiError::invalid(None, "the body must be a JSON object"));
-    };
-    if let Some(k) = obj.keys().find(|k| *k != "ttl_s") {
-        return Err(ApiError::invalid(
-            Some(k.clone()),
-            format!("unsupported field {k:?}"),
-        ));
-    }
+    let obj = object_of(body, "ttl_s", "{\"ttl_s\": 300}")?;
     match obj.get("ttl_s").map(Value::as_u64) {
         None => Ok(PAIRING_TTL),
         Some(Some(n)) if (1..=MAX_PAIRING_TTL.as_secs()).contains(&n) => {
@@ -159,22 +149,33 @@ async fn remove(State(s): State<Arc<AppState>>, body: Bytes) -> Result<Json<Valu
     Ok(Json(json!({"url": url, "removed": true})))
 }
 
-/// The body `{"url": "http://host:port"}`, and nothing else.
-fn node_url(body: &[u8]) -> Result<String, ApiError> {
+/// `body` as a JSON object whose only field may be `field` (`example` shows one); a 400
+/// naming any other field.
+fn object_of(
+    body: &[u8],
+    field: &str,
+    example: &str,
+) -> Result<serde_json::Map<String, Value>, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(None, format!("the body is not JSON: {e}")))?;
     let Value::Object(obj) = v else {
         return Err(ApiError::invalid(
             None,
-            "the body must be a JSON object: {\"url\": \"http://host:port\"}",
+            format!("the body must be a JSON object: {example}"),
         ));
     };
-    if let Some(k) = obj.keys().find(|k| *k != "url") {
+    if let Some(k) = obj.keys().find(|k| *k != field) {
         return Err(ApiError::invalid(
             Some(k.clone()),
             format!("unsupported field {k:?}"),
         ));
     }
+    Ok(obj)
+}
+
+/// The body `{"url": "http://host:port"}`, and nothing else.
+fn node_url(body: &[u8]) -> Result<String, ApiError> {
+    let obj = object_of(body, "url", "{\"url\": \"http://host:port\"}")?;
     match obj.get("url") {
         Some(Value::String(u)) if !u.is_empty() && u.len() <= MAX_URL => Ok(u.clone()),
         _ => Err(ApiError::invalid(

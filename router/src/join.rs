@@ -93,24 +93,6 @@ pub struct Joins {
     stages: Mutex<std::collections::HashMap<String, Stage>>,
 }
 
-/// A file's size and SHA-256 (hex).
-fn sha256_file(path: &Path) -> std::io::Result<(u64, String)> {
-    use sha2::Digest;
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut size = 0u64;
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok((size, hex::encode(h.finalize())));
-        }
-        size += n as u64;
-        h.update(&buf[..n]);
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -364,7 +346,7 @@ impl Joins {
             .model_sha
             .get_or_try_init(|| async {
                 let p = path.clone();
-                tokio::task::spawn_blocking(move || sha256_file(&p))
+                tokio::task::spawn_blocking(move || join::sha256_file(&p))
                     .await
                     .map_err(std::io::Error::other)?
             })

@@ -338,9 +338,8 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     let mut head = std::fs::read(&model).unwrap()[..1 << 20].to_vec();
     head[1000] ^= 0x55;
     std::fs::write(received.with_extension("gguf.part"), &head).unwrap();
-    let args = [
-        "--join",
-        &code,
+    // What the phone's node is given besides the code (and the model).
+    let joined = [
         "--discovery-port",
         &port,
         "--join-dir",
@@ -348,6 +347,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--announce-every-s",
         "1",
     ];
+    let args = [&["--join", code.as_str()][..], &joined].concat();
     let mut node = phone(&lan, &received, &args, &dir.join("phone.log"));
     let url = ready_at(&router, &format!("{}.2", lan.net)).await;
     for log in ["router.log", "phone.log"] {
@@ -400,19 +400,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
 
     // Restarted with nothing but the model: it is the joined device it was.
     drop(node);
-    node = phone(
-        &lan,
-        &received,
-        &[
-            "--discovery-port",
-            &port,
-            "--join-dir",
-            &pd,
-            "--announce-every-s",
-            "1",
-        ],
-        &dir.join("phone-again.log"),
-    );
+    node = phone(&lan, &received, &joined, &dir.join("phone-again.log"));
     reported(&dir.join("phone-again.log"), "announced to the router").await;
     split_through(&router, &moved, &want).await;
 
