@@ -2,8 +2,9 @@
 //! `edgesplit_proto::join`), and of coming back to it.
 //!
 //! A join finds the router on the LAN (a broadcast; `--router` skips it), proves the code,
-//! and writes what it received to `--join-dir`: `secret` (the shared secret, the node's
-//! `--secret-file` from then on) and `router.json` (the router's id, this device's id, the
+//! and writes what it received to `--join-dir`: `secret` (this device's own link key,
+//! derived by the router from the household's secret; the node's `--secret-file` from
+//! then on) and `router.json` (the router's id, this device's id, the
 //! router's last join address), each mode 0600 in a directory of mode 0700. A node started
 //! later without `--join` and without a secret of its own finds that directory and serves
 //! as the joined device it is. A joined node listens on every interface (a loopback listen
@@ -41,14 +42,15 @@ pub struct Joined {
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct JoinArgs {
     /// Join a router with the code it shows (`--pair` or `POST /admin/pairing` there):
-    /// the router is found on the LAN, the shared secret received and kept in `--join-dir`.
+    /// the router is found on the LAN, this device's own link key received and kept in
+    /// `--join-dir`.
     #[arg(long, env = "EDGESPLIT_JOIN_CODE")]
     pub join: Option<String>,
     /// The router's join address (host:port of its `--join-listen`), instead of looking
     /// for it with a broadcast.
     #[arg(long)]
     pub router: Option<SocketAddr>,
-    /// Where a joined device keeps the secret and its router's identity. Default:
+    /// Where a joined device keeps its link key and its router's identity. Default:
     /// `~/.config/edgesplit/joined`.
     #[arg(long, env = "EDGESPLIT_JOIN_DIR")]
     pub join_dir: Option<PathBuf>,
@@ -215,7 +217,11 @@ async fn announce_once(
 ) -> Result<String, JoinError> {
     let exchange = async {
         let mut tcp = connect(at).await?;
-        join::send(&mut tcp, &Hello::Announce { v: join::VERSION }).await?;
+        let hello = Hello::Announce {
+            v: join::VERSION,
+            device: me.device.clone(),
+        };
+        join::knock(&mut tcp, &hello).await?;
         let mut private = link.connect(tcp).await?;
         join::present(&mut private, me).await
     };
@@ -281,7 +287,7 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
         }
         if !config.engine.model.exists() {
             let link = config.node.link(&[])?;
-            fetch_model(joined.join_addr, &link, &config.engine.model).await?;
+            fetch_model(joined, &link, &config.engine.model).await?;
         }
     }
     Ok(joined)
@@ -296,11 +302,11 @@ const MODEL_ATTEMPTS: usize = 3;
 ///
 /// # Errors
 /// The router shares no model, too little free space, or every attempt failed.
-pub async fn fetch_model(at: SocketAddr, link: &Link, path: &Path) -> anyhow::Result<()> {
+pub async fn fetch_model(joined: &Joined, link: &Link, path: &Path) -> anyhow::Result<()> {
     let part = PathBuf::from(format!("{}.part", path.display()));
     let mut last = None;
     for _ in 0..MODEL_ATTEMPTS {
-        match fetch_once(at, link, &part).await {
+        match fetch_once(joined, link, &part).await {
             Ok(sha) => {
                 let got = tokio::task::spawn_blocking({
                     let part = part.clone();
@@ -330,11 +336,15 @@ pub async fn fetch_model(at: SocketAddr, link: &Link, path: &Path) -> anyhow::Re
 
 /// One attempt: the bytes after those `part` holds, appended to it; returns the router's
 /// SHA-256 of the whole file.
-async fn fetch_once(at: SocketAddr, link: &Link, part: &Path) -> Result<String, JoinError> {
+async fn fetch_once(joined: &Joined, link: &Link, part: &Path) -> Result<String, JoinError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let have = std::fs::metadata(part).map_or(0, |m| m.len());
-    let mut tcp = connect(at).await?;
-    join::send(&mut tcp, &Hello::Model { v: join::VERSION }).await?;
+    let mut tcp = connect(joined.join_addr).await?;
+    let hello = Hello::Model {
+        v: join::VERSION,
+        device: joined.device.clone(),
+    };
+    join::knock(&mut tcp, &hello).await?;
     let mut private = link.connect(tcp).await?;
     join::send(&mut private, &join::ModelAsk { have }).await?;
     let answer: serde_json::Value = join::receive(&mut private).await?;

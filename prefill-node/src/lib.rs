@@ -10,6 +10,7 @@ mod send;
 pub mod supervise;
 pub mod upload;
 
+use std::collections::HashMap;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -127,9 +128,16 @@ pub struct PrefillService {
     http: reqwest::Client,
     metrics: Arc<metrics::NodeMetrics>,
     link: Link,
+    /// The links (and V1 clients) to devices that joined with a code, by device id, each
+    /// under the device's own key ([`Link::device`]); made at a device's first handoff.
+    devices: Arc<std::sync::Mutex<HashMap<String, (Link, reqwest::Client)>>>,
     stream_prefill: bool,
     layer_split: Option<Arc<rpc::Split>>,
 }
+
+/// Joined devices' links kept at most; more empty the cache (each is made again in
+/// well under a millisecond).
+const MAX_DEVICE_LINKS: usize = 64;
 
 /// The V1 uploads' HTTP client: over `link`, within the handoff deadlines.
 fn http_client(link: &Link, limits: &Limits) -> std::io::Result<reqwest::Client> {
@@ -159,6 +167,7 @@ impl PrefillService {
             http: http_client(&link, &limits)?,
             metrics,
             link,
+            devices: Arc::default(),
             stream_prefill: false,
             layer_split: None,
         })
@@ -190,17 +199,55 @@ impl PrefillService {
     pub fn with_link(mut self, link: Link) -> std::io::Result<Self> {
         self.http = http_client(&link, &self.limits)?;
         self.link = link;
+        self.devices = Arc::default();
         Ok(self)
     }
 
-    fn sender(&self) -> Sender {
-        Sender {
+    /// What sends a handoff to the decode node `h` names: over the household's link, or
+    /// the link under the joined device's own key.
+    fn sender(&self, h: &pb::Handoff) -> Result<Sender, Status> {
+        let (link, http) = if h.decode_key.is_empty() {
+            (self.link.clone(), self.http.clone())
+        } else {
+            self.device_link(&h.decode_key)?
+        };
+        Ok(Sender {
             info: self.engine.info().clone(),
             limits: self.limits,
-            http: self.http.clone(),
+            http,
             metrics: self.metrics.clone(),
-            link: self.link.clone(),
+            link,
+        })
+    }
+
+    fn device_link(&self, id: &str) -> Result<(Link, reqwest::Client), Status> {
+        let refused = |m: String| {
+            edgesplit_proto::error::status(
+                tonic::Code::FailedPrecondition,
+                edgesplit_proto::error::ErrorCode::AuthFailed,
+                m,
+            )
+        };
+        if !self.link.is_private() {
+            return Err(refused(format!(
+                "the handoff is to joined device {id}, whose key comes from the shared secret, \
+                 and this node has none: give it the router's --secret-file"
+            )));
         }
+        let mut devices = self
+            .devices
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = devices.get(id) {
+            return Ok(d.clone());
+        }
+        let link = self.link.device(id).map_err(|e| refused(e.to_string()))?;
+        let http = http_client(&link, &self.limits).map_err(|e| refused(e.to_string()))?;
+        if devices.len() >= MAX_DEVICE_LINKS {
+            devices.clear();
+        }
+        devices.insert(id.to_string(), (link.clone(), http.clone()));
+        Ok((link, http))
     }
 }
 
@@ -217,10 +264,12 @@ impl pb::prefill_server::Prefill for PrefillService {
         let (tokens, max_tokens) = prompt_of(&self.engine, &req, req.kv_budget_bytes).await?;
         let params = sampling_of(&req);
         let handoff = req.handoff.clone();
+        let mut sender = None;
         if let Some(h) = &handoff {
             if !edgesplit_proto::frame::valid_id(&h.handoff_id) {
                 return Err(Status::invalid_argument("invalid handoff id"));
             }
+            sender = Some(self.sender(h)?);
         }
         let v1 = handoff
             .as_ref()
@@ -229,8 +278,9 @@ impl pb::prefill_server::Prefill for PrefillService {
             if v1 {
                 return Err(Status::invalid_argument("a live handoff goes over V2 only"));
             }
+            let sender = sender.take().expect("made for every handoff");
             return self
-                .prefill_live(&req, tokens, params, max_tokens, h.clone())
+                .prefill_live(&req, tokens, params, max_tokens, h.clone(), sender)
                 .await;
         }
         let export = match &handoff {
@@ -270,14 +320,13 @@ impl pb::prefill_server::Prefill for PrefillService {
         };
         // The first token goes out before the handoff starts: TTFT does not wait for it.
         let _ = tx.send(Ok(first)).await;
-        if let (Some(state), Some(h)) = (out.state.take(), handoff) {
+        if let (Some(state), Some(h), Some(sender)) = (out.state.take(), handoff, sender) {
             let job = HandoffJob {
                 handoff: h,
                 request_id: req.request_id.clone(),
                 prompt_tokens: out.prompt_tokens,
                 export_ms: out.export_ms,
             };
-            let sender = self.sender();
             tokio::spawn(async move {
                 let _ = tx.send(sender.send(job, state).await).await;
             });
@@ -354,6 +403,7 @@ impl PrefillService {
         params: SamplingParams,
         max_tokens: u32,
         handoff: pb::Handoff,
+        sender: Sender,
     ) -> Result<Response<EventStream<pb::PrefillEvent>>, Status> {
         let n_prompt = tokens.len();
         let start = Start::Cached {
@@ -375,7 +425,7 @@ impl PrefillService {
         let tail = handoff.base_max > 0 && !self.engine.info().sliding_window;
         let base_max = handoff.base_max as usize;
         let handoff = Arc::new(live::LiveHandoff {
-            sender: self.sender(),
+            sender,
             handoff,
             request_id: req.request_id.clone(),
             prompt_tokens: n_prompt,

@@ -20,6 +20,8 @@ use sha2::Sha256;
 
 /// Shortest secret accepted.
 pub const MIN_SECRET_BYTES: usize = 16;
+/// The label of a joined device's own key ([`Secret::device`]).
+const DEVICE_KEY_LABEL: &str = "edgesplit device key v1";
 /// How far a token's time may be from ours.
 pub const TOKEN_WINDOW: Duration = Duration::from_secs(120);
 
@@ -83,11 +85,22 @@ impl Secret {
         }
     }
 
-    /// The secret's bytes: only for handing it to a device that proved a join code
-    /// (`join.rs`, sealed under the code's key).
+    /// The secret's bytes: only for handing a device's own key ([`Secret::device`]) to the
+    /// device that proved a join code (`join.rs`, sealed under the code's key).
     #[must_use]
     pub fn bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// Device `id`'s own key, derived from this (the household's) secret: HMAC-SHA256
+    /// under a label of its own and the id, as 64 hex characters. A device that joined
+    /// with a code holds this, never the household's secret; the router and the prefill
+    /// node derive it to reach that device. From it neither the household's secret nor
+    /// another device's key can be computed, so a removed device's key opens nothing the
+    /// router still dials, and announces under its id are refused by the registry.
+    #[must_use]
+    pub fn device(&self, id: &str) -> Secret {
+        Secret(hex::encode(self.mac(DEVICE_KEY_LABEL, &[id.as_bytes()])).into_bytes())
     }
 
     fn hmac(&self) -> Hmac<Sha256> {
@@ -315,6 +328,23 @@ mod tests {
         let a = secret("0123456789abcdef\n");
         let b = secret("0123456789abcdef");
         assert_eq!(a.mac("x", &[b"1"]), b.mac("x", &[b"1"]));
+    }
+
+    #[test]
+    fn each_device_key_is_its_own_and_reloads_as_written() {
+        let home = secret("0123456789abcdef");
+        let a = home.device("a1");
+        assert_eq!(
+            a.bytes(),
+            home.device("a1").bytes(),
+            "derived alike on both sides"
+        );
+        assert_ne!(a.bytes(), home.device("a2").bytes());
+        assert_ne!(a.bytes(), home.bytes());
+        assert_ne!(a.bytes(), secret("another secret!!").device("a1").bytes());
+        // Written to the device's secret file and read back, it is the same key.
+        assert_eq!(a.bytes().len(), 64);
+        assert_eq!(Secret::new(a.bytes(), "file").unwrap().bytes(), a.bytes());
     }
 
     #[test]

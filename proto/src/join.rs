@@ -14,10 +14,13 @@
 //!   cannot compute; an active guesser gets one guess per try, and the router allows
 //!   [`TRIES`] a code. Each side then proves the key ([`Keys::confirm`], HMAC-SHA256 under
 //!   its own label; the device first, so a wrong code is told apart from a broken link), and
-//!   the router sends the link secret sealed under it ([`Keys::seal`]:
-//!   ChaCha20-Poly1305 under a key derived from it).
-//! - **Coming back** ([`Hello::Announce`]): a joined device connects again, both sides
-//!   wrap the connection in the private link (TLS keyed by the secret), and the device
+//!   the router sends the device its own link key sealed under it ([`Keys::seal`]:
+//!   ChaCha20-Poly1305 under a key derived from it). That key is derived from the
+//!   household's secret and the device's id (`auth::Secret::device`): the device never
+//!   holds the household's secret, and a removed device's key opens nothing.
+//! - **Coming back** ([`Hello::Announce`]): a joined device names its id in the clear, the
+//!   router checks its registry (a removed or unknown device is refused there), both sides
+//!   wrap the connection in the private link keyed by that device's key, and the device
 //!   names itself and its gRPC port; the router takes the address it came from.
 //! - **The model** ([`Hello::Model`]): inside the private link, a device that lacks the
 //!   model file asks for it from the bytes it holds ([`ModelAsk`]); the router answers
@@ -39,7 +42,7 @@ use spake2::{Ed25519Group, Identity, Password, Spake2};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The join protocol's version, in every first message.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The UDP port routers answer [`Discovery::Find`] on.
 pub const DISCOVERY_PORT: u16 = 47474;
 /// Largest join message, in bytes.
@@ -268,11 +271,12 @@ pub enum Hello {
         pake: String,
         name: String,
     },
-    /// A joined device coming back; the private link follows, then [`Present`].
-    Announce { v: u32 },
-    /// A joined device asking for the model file; the private link follows, then
-    /// [`ModelAsk`].
-    Model { v: u32 },
+    /// Joined device `device` coming back; the private link under its key follows, then
+    /// [`Present`].
+    Announce { v: u32, device: String },
+    /// Joined device `device` asking for the model file; the private link under its key
+    /// follows, then [`ModelAsk`].
+    Model { v: u32, device: String },
 }
 
 /// Inside the private link: the bytes of the model file the device holds already (a
@@ -301,6 +305,8 @@ pub enum Reply {
     Pake { pake: String },
     /// The router's proof of the key and the sealed [`Grant`] (hex).
     Welcome { confirm: String, sealed: String },
+    /// A joined device's first message taken: the private link under its key follows.
+    Proceed,
     /// An announce taken: the URL the router now reaches the device at.
     Accepted { url: String },
     /// No: why.
@@ -314,11 +320,11 @@ pub struct Confirm {
     pub confirm: String,
 }
 
-/// What a joined device receives, sealed: the link secret and the two ids.
+/// What a joined device receives, sealed: its own link key and the two ids.
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Grant {
-    /// The shared secret, hex.
+    /// The device's link key (`auth::Secret::device` of its id), hex.
     pub secret: String,
     /// The router's id.
     pub router: String,
@@ -452,6 +458,24 @@ pub async fn join<S: AsyncRead + AsyncWrite + Unpin>(
             let plain = keys.open(&unhex("sealed", &sealed)?)?;
             serde_json::from_slice(&plain).map_err(|e| JoinError::Malformed(e.to_string()))
         }
+        other => Err(refused(other)),
+    }
+}
+
+/// A joined device's first message ([`Hello::Announce`] or [`Hello::Model`]), sent in the
+/// clear; returns once the router knows the device and the private link under its key may
+/// follow.
+///
+/// # Errors
+/// The router's refusal ([`Refusal::Revoked`] for a removed device,
+/// [`Refusal::UnknownDevice`]) or the connection's error.
+pub async fn knock<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    hello: &Hello,
+) -> Result<(), JoinError> {
+    send(stream, hello).await?;
+    match receive(stream).await? {
+        Reply::Proceed => Ok(()),
         other => Err(refused(other)),
     }
 }

@@ -141,6 +141,19 @@ impl Link {
         })
     }
 
+    /// The link to the device that joined with a code under `id`, keyed by its own key
+    /// ([`Secret::device`]); this link itself for an empty id (a node keyed by the
+    /// household's secret) or a plain link.
+    ///
+    /// # Errors
+    /// The certificate or the TLS configuration could not be built.
+    pub fn device(&self, id: &str) -> Result<Link, LinkError> {
+        match &self.secret {
+            Some(s) if !id.is_empty() => Link::new(Some(Arc::new(s.device(id)))),
+            _ => Ok(self.clone()),
+        }
+    }
+
     /// Whether connections are encrypted and authenticated by TLS.
     #[must_use]
     pub fn is_private(&self) -> bool {
@@ -748,6 +761,41 @@ mod tests {
             "{err}"
         );
         assert!(HandshakeFailed::find(&err).is_some(), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn a_device_key_reaches_that_device_only() {
+        let home = private("the shared secret");
+        // The prefill node's link to device d1 and d1's own (its key received at the join,
+        // read from its file) handshake; the household's link and another device's do not.
+        let d1 = home.device("d1").unwrap();
+        let on_device = Link::new(Some(Arc::new(
+            Secret::new(home.secret().unwrap().device("d1").bytes(), "file").unwrap(),
+        )))
+        .unwrap();
+        assert_eq!(d1.fingerprint(), on_device.fingerprint());
+        let (_r, mut c, mut s) = through_relay(&on_device, &d1).await;
+        c.write_all(b"state").await.unwrap();
+        let mut got = [0u8; 5];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"state");
+        for (who, client) in [
+            ("household", home.clone()),
+            ("d2", home.device("d2").unwrap()),
+        ] {
+            let (l, addr) = bound().await;
+            let server = on_device.clone();
+            let accepted = tokio::spawn(async move {
+                let (tcp, _) = l.accept().await.unwrap();
+                server.accept(tcp).await
+            });
+            let err = dial(&client, &addr).await.err();
+            assert!(err.is_some(), "{who}'s key reached device d1");
+            assert!(accepted.await.unwrap().is_err(), "{who}");
+        }
+        // An empty id is the household's own link; a plain link stays plain.
+        assert_eq!(home.device("").unwrap().fingerprint(), home.fingerprint());
+        assert!(!Link::plain().device("d1").unwrap().is_private());
     }
 
     #[tokio::test]

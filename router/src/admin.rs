@@ -78,7 +78,9 @@ async fn devices(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError
     let pairing = joins
         .pairing()
         .map(|(nameplate, left)| json!({"nameplate": nameplate, "expires_in_s": left.as_secs()}));
-    Ok(Json(json!({"devices": devices, "pairing": pairing})))
+    Ok(Json(
+        json!({"devices": devices, "pairing": pairing, "join_port": joins.join_port()}),
+    ))
 }
 
 async fn revoke(

@@ -168,6 +168,8 @@ async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
             "failed": m.recent.failed(),
             "uptime_s": s.started.elapsed().as_secs(),
             "bench_db": s.bench_db.as_ref().map(|p| p.display().to_string()),
+            // Devices may join with a code: the page shows them (`/admin/devices`).
+            "joining": s.joins.is_some(),
         },
         "prefill": prefill,
         "decode": decode,

@@ -6,16 +6,19 @@
 //!   ([`PAIRING_TTL`] unless asked otherwise), closed after [`join::TRIES`] wrong codes.
 //!   A try is counted when the device's key-exchange message arrives, before the router
 //!   answers it, so parallel guesses cannot outrun the count.
-//! - **Joined**: a device that proves the code gets the shared secret sealed under the
-//!   code's key and an id of its own; the router writes it to its registry
-//!   (`STATE_DIR/devices.json`, mode 0600) before answering.
-//! - **Announced**: a joined device connects again over the private link and names its id
-//!   and gRPC port; the router dials it at the address the announce came from, so a device
+//! - **Joined**: a device that proves the code gets an id and its own link key (derived
+//!   from the household's secret and the id, `Secret::device`), sealed under the code's
+//!   key; the router writes the device to its registry (`STATE_DIR/devices.json`, mode
+//!   0600) before answering. The key is not stored: it is derived again when needed.
+//! - **Announced**: a joined device names its id, the registry is checked, and it connects
+//!   over the private link under its key to name its gRPC port; the router (and the
+//!   prefill node, told the id in each handoff) reach it under that key, at the address
+//!   the announce came from, so a device
 //!   whose address changed is found again at its next announce (the device repeats it).
 //!   Its URL joins the pool of decode nodes (`backend/pool.rs`), which calibrates it.
 //! - **Revoked**: `DELETE /admin/devices/ID` takes the device out of the pool and the
-//!   registry; its announces are refused from then on. The device keeps the household's
-//!   shared secret (one secret keys every link, ARCHITECTURE.md, threat model).
+//!   registry; its announces and model requests are refused from then on, before any
+//!   TLS. Its key reaches only itself, which no one dials any more.
 //! - **Found**: the router answers discovery broadcasts on UDP `--discovery-port`.
 
 use std::path::{Path, PathBuf};
@@ -195,6 +198,12 @@ impl Joins {
         lock(&self.registry).devices.clone()
     }
 
+    /// The TCP port devices join and announce on.
+    #[must_use]
+    pub fn join_port(&self) -> u16 {
+        self.join_port
+    }
+
     /// The open pairing's nameplate and the time left, if one is open.
     #[must_use]
     pub fn pairing(&self) -> Option<(String, Duration)> {
@@ -288,13 +297,21 @@ impl Joins {
                     .await
                     .unwrap_or_else(|_| Err(timed_out()))
             }
-            Hello::Announce { v } if v == join::VERSION => {
+            Hello::Announce { v, device } if v == join::VERSION => {
                 let announce = async {
-                    let mut link = self.link.accept(tcp).await?;
+                    let link = self.admit(&mut tcp, &device).await?;
+                    let mut link = link.accept(tcp).await?;
                     let me: join::Present = join::receive(&mut link).await?;
-                    let reply = match self.announced(&me, peer, state).await {
-                        Ok(url) => Reply::Accepted { url },
-                        Err((reason, message)) => Reply::Refused { reason, message },
+                    let reply = if me.device != device {
+                        Reply::Refused {
+                            reason: Refusal::Malformed,
+                            message: format!("announced as {device}, presented as {}", me.device),
+                        }
+                    } else {
+                        match self.announced(&me, peer, state).await {
+                            Ok(url) => Reply::Accepted { url },
+                            Err((reason, message)) => Reply::Refused { reason, message },
+                        }
                     };
                     join::send(&mut link, &reply).await?;
                     Ok(())
@@ -303,8 +320,11 @@ impl Joins {
                     .await
                     .unwrap_or_else(|_| Err(timed_out()))
             }
-            Hello::Model { v } if v == join::VERSION => {
-                let mut link = tokio::time::timeout(CONNECTION_TIME, self.link.accept(tcp))
+            Hello::Model { v, device } if v == join::VERSION => {
+                let link = tokio::time::timeout(CONNECTION_TIME, self.admit(&mut tcp, &device))
+                    .await
+                    .map_err(|_| timed_out())??;
+                let mut link = tokio::time::timeout(CONNECTION_TIME, link.accept(tcp))
                     .await
                     .map_err(|_| timed_out())??;
                 let ask: join::ModelAsk =
@@ -319,6 +339,34 @@ impl Joins {
                 Err(JoinError::Malformed(m))
             }
         }
+    }
+
+    /// Takes a joined device's first message: `Proceed` and the link under its key when
+    /// the registry holds `device`, else its refusal (removed, unknown), sent in the clear.
+    async fn admit(&self, tcp: &mut TcpStream, device: &str) -> Result<Link, JoinError> {
+        let known = {
+            let r = lock(&self.registry);
+            if r.revoked.iter().any(|d| d == device) {
+                Err((Refusal::Revoked, "this device was removed from the router"))
+            } else if r.devices.iter().any(|d| d.id == device) {
+                Ok(())
+            } else {
+                Err((Refusal::UnknownDevice, "the router has no such device"))
+            }
+        };
+        if let Err((reason, message)) = known {
+            refuse(tcp, reason, message).await;
+            return Err(JoinError::Refused {
+                reason,
+                message: message.into(),
+            });
+        }
+        let link = self
+            .link
+            .device(device)
+            .map_err(|e| JoinError::Io(std::io::Error::other(e)))?;
+        join::send(tcp, &Reply::Proceed).await?;
+        Ok(link)
     }
 
     /// The shared model file from byte `have` on, after its size and SHA-256 (computed
@@ -466,7 +514,7 @@ impl Joins {
                 r.devices.push(device.clone());
                 self.save(&r)?;
                 Some(join::Grant {
-                    secret: hex::encode(self.secret.bytes()),
+                    secret: hex::encode(self.secret.device(&device.id).bytes()),
                     router: r.router.clone(),
                     device: device.id.clone(),
                 })
@@ -541,8 +589,11 @@ impl Joins {
         if pool.urls().contains(&url) {
             return Ok(url);
         }
+        let pair = pool
+            .pair_with(&url, &me.device)
+            .map_err(|f| (Refusal::Unavailable, f.message))?;
         if qualified {
-            pool.add(&url)
+            pool.adopt(pair)
                 .await
                 .map_err(|f| (Refusal::Unavailable, f.message))?;
             return Ok(url);
@@ -553,9 +604,6 @@ impl Joins {
             None => true,
         };
         if due {
-            let pair = pool
-                .pair_with(&url)
-                .map_err(|f| (Refusal::Unavailable, f.message))?;
             lock(&self.stages).insert(me.device.clone(), Stage::Qualifying);
             tokio::spawn(self.clone().qualify(me.device.clone(), pair, state.clone()));
         }

@@ -284,10 +284,13 @@ pub async fn run(
             .collect::<Vec<_>>(),
     )?;
     if let Some((joins, _)) = &joining {
-        // The joined devices where they last were; each announces itself again.
-        for d in joins.devices() {
+        // The qualified joined devices where they last were, each under its own key; each
+        // announces itself again.
+        for d in joins.devices().into_iter().filter(|d| d.qualified) {
             if let Some(url) = d.url.filter(|u| !pool.urls().contains(u)) {
-                let _ = pool.add(&url).await;
+                if let Ok(pair) = pool.pair_with(&url, &d.id) {
+                    let _ = pool.adopt(pair).await;
+                }
             }
         }
     }

@@ -252,6 +252,7 @@ impl Backend {
                 } else {
                     0
                 },
+                decode_key: self.decode_key.clone(),
             }),
             info.kv_budget_bytes,
         );

@@ -123,6 +123,10 @@ pub struct Backend {
     load: Arc<Load>,
     /// The calibration at start is done (`probe.rs`; at once when probes are off).
     calibrated: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The decode node's link key: empty for the household's secret, else the id of the
+    /// device that joined with a code (`join.rs`), which each handoff names to the
+    /// prefill node.
+    decode_key: String,
 }
 
 impl std::fmt::Debug for Backend {
@@ -209,6 +213,7 @@ impl Backend {
             health_infos: Arc::default(),
             learned: Arc::default(),
             load: Arc::default(),
+            decode_key: String::new(),
         }
     }
 
@@ -231,19 +236,28 @@ impl Backend {
             health_infos: Arc::default(),
             learned: Arc::default(),
             load: Arc::new(Load::beside(&self.load)),
+            decode_key: String::new(),
         }
     }
 
-    /// A gRPC client of the decode node at `url`, over this backend's link.
+    /// This pair with its decode node reached under the link key of the joined device
+    /// `device` ([`Link::device`]).
+    #[must_use]
+    pub fn keyed(mut self, device: &str) -> Self {
+        self.decode_key = device.to_string();
+        self
+    }
+
+    /// A gRPC client of the decode node at `url`, over this backend's link, or the joined
+    /// device `device`'s link when it is not empty.
     ///
     /// # Errors
     /// A malformed URL.
-    pub fn grpc_decode(&self, url: &str) -> anyhow::Result<Arc<dyn DecodeCalls>> {
+    pub fn grpc_decode(&self, url: &str, device: &str) -> anyhow::Result<Arc<dyn DecodeCalls>> {
+        let link = self.config.link.device(device)?;
         Ok(Arc::new(GrpcDecode::new(
-            self.config
-                .link
-                .grpc_channel(url, self.config.connect_timeout)?,
-            GrpcCredentials(self.config.link.secret_arc()),
+            link.grpc_channel(url, self.config.connect_timeout)?,
+            GrpcCredentials(link.secret_arc()),
         )))
     }
 

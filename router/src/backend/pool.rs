@@ -232,7 +232,7 @@ impl Pool {
                 decode_urls.iter().filter(|u| *u == url).count() == 1,
                 "--decode-url {url} is given twice"
             );
-            backends.push(first.beside(url.clone(), first.grpc_decode(url)?));
+            backends.push(first.beside(url.clone(), first.grpc_decode(url, "")?));
         }
         Ok(Pool::of(backends))
     }
@@ -294,23 +294,24 @@ impl Pool {
     /// # Errors
     /// A 400 naming `url`: malformed, already in the pool, or the pool full.
     pub async fn add(&self, url: &str) -> Result<NodeState, Failure> {
-        self.adopt(self.pair_with(url)?).await
+        self.adopt(self.pair_with(url, "")?).await
     }
 
-    /// A pair of the prefill node with the decode node at `url`, made beside the first but
-    /// not in the pool (a joined device's qualification; [`Pool::adopt`] takes it in).
+    /// A pair of the prefill node with the decode node at `url` (reached under the link
+    /// key of the joined device `device`, when not empty), made beside the first but not
+    /// in the pool (a joined device's qualification; [`Pool::adopt`] takes it in).
     ///
     /// # Errors
     /// A 400 naming `url`: malformed.
-    pub fn pair_with(&self, url: &str) -> Result<Backend, Failure> {
+    pub fn pair_with(&self, url: &str, device: &str) -> Result<Backend, Failure> {
         let first = self.first();
-        let decode = first.grpc_decode(url).map_err(|e| {
+        let decode = first.grpc_decode(url, device).map_err(|e| {
             Failure::invalid(
                 Some("url".to_string()),
                 format!("{url:?} is not a node URL: {e}"),
             )
         })?;
-        Ok(first.beside(url.to_string(), decode))
+        Ok(first.beside(url.to_string(), decode).keyed(device))
     }
 
     /// Adds `backend`, a pair made with [`Backend::beside`] the first (what

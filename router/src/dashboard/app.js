@@ -88,6 +88,11 @@ async function refreshStatus() {
     return;
   }
   const r = s.router;
+  if (r.joining && $('devices-panel').hidden) {
+    $('devices-panel').hidden = false;
+    refreshDevices();
+    setInterval(refreshDevices, 2000);
+  }
   setCard('card-router', r.up, 'up', [
     ['version', r.version],
     ['default transport', r.default_transport],
@@ -317,6 +322,67 @@ async function loadBench() {
   box.append(plots);
 }
 
+// The code this page opened, shown while its pairing is open (the router shows only the
+// nameplate of a pairing opened elsewhere: the code is never read back).
+let pairCode = null;
+
+function fmtLeft(s) {
+  return Math.floor(s / 60) + ':' + String(s % 60).padStart(2, '0');
+}
+
+// Devices that join with a code (`/admin/devices`, behind the API key): each one's stage
+// (not announced, qualifying, failed its qualification and why, then the pool's
+// ready / down / refused), the open pairing, and a button that opens one.
+async function refreshDevices() {
+  let d;
+  try {
+    d = await getJson('/admin/devices');
+  } catch (e) {
+    $('pairing').textContent = String(e.message || e);
+    return;
+  }
+  if (!d.devices) return;
+  const p = d.pairing;
+  const mine = p && pairCode && pairCode.startsWith(p.nameplate + '-') ? pairCode : null;
+  if (!p) pairCode = null;
+  $('pairing').textContent = !p ? 'no pairing open'
+    : mine ? 'code, ' + fmtLeft(p.expires_in_s) + ' left:'
+      : 'a pairing is open under ' + p.nameplate + ', ' + fmtLeft(p.expires_in_s) + ' left';
+  $('pair-code').textContent = mine || '';
+  $('pair-command').textContent = mine ? 'edgesplit-decode --join ' + mine + ' --model MODEL.gguf' : '';
+  $('pair-hint').hidden = !mine;
+  $('pair').textContent = p ? 'New code' : 'Pair a device';
+  const tb = $('devices').querySelector('tbody');
+  tb.replaceChildren();
+  if (d.devices.length === 0) {
+    tb.append(el('tr', {}, el('td', { colspan: '5', class: 'muted' }, 'none joined yet')));
+  }
+  for (const dev of d.devices) {
+    const bad = /^(failed|down|refused)/.test(dev.state);
+    const remove = el('button', { type: 'button', 'data-id': dev.id }, 'Remove');
+    remove.addEventListener('click', async () => {
+      if (!confirm('Remove ' + dev.name + '? It must join again with a new code.')) return;
+      await fetch('/admin/devices/' + encodeURIComponent(dev.id), { method: 'DELETE', headers: authed() });
+      refreshDevices();
+    });
+    tb.append(el('tr', { 'data-id': dev.id }, el('td', {}, dev.name), el('td', {}, dev.id),
+      el('td', { class: bad ? 'stage-bad' : dev.state === 'ready' ? 'stage-ok' : '' }, dev.state),
+      el('td', {}, dev.url || '-'), el('td', {}, remove)));
+  }
+}
+
+async function pair() {
+  $('pair').disabled = true;
+  try {
+    const r = await fetch('/admin/pairing', { method: 'POST', headers: authed({ 'content-type': 'application/json' }), body: '{}' });
+    const v = await r.json();
+    if (r.ok) pairCode = v.code; else $('pairing').textContent = v.error ? v.error.message : 'HTTP ' + r.status;
+  } finally {
+    $('pair').disabled = false;
+  }
+  refreshDevices();
+}
+
 function init() {
   for (const [name, text] of EXAMPLES) {
     const b = el('button', { type: 'button' }, name);
@@ -324,6 +390,7 @@ function init() {
     $('examples').append(b);
   }
   $('run-form').addEventListener('submit', run);
+  $('pair').addEventListener('click', pair);
   $('key-box').addEventListener('submit', (ev) => {
     ev.preventDefault();
     sessionStorage.setItem(KEY, $('api-key').value.trim());

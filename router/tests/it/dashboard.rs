@@ -2,7 +2,9 @@
 //! which scripts/test.sh installs), driven over WebDriver, against the real services: all
 //! cards up, a v2 request run from the page, its streamed text equal to the API's answer
 //! for the same request, the figures filled in, the request in the recent table. Leaves a
-//! screenshot of the page in `target/tmp/dashboard.png` (docs/dashboard.png is one).
+//! screenshot of the page in `target/tmp/dashboard.png` (docs/dashboard.png is one). And
+//! a device joining with a code from the page: the code shown, the device's stages (not
+//! announced, failed its qualification, with why) listed, and its removal.
 //!
 //! `EDGESPLIT_DASHBOARD_BENCH_DB=bench/results/bench.sqlite` shows a bench record too.
 
@@ -74,7 +76,10 @@ fn start_chromedriver() -> (Driver, u16) {
     );
 }
 
-async fn start_browser() -> (Driver, Client) {
+/// One browser at a time: each with its services is most of this machine's 2 cores.
+static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn start_browser(name: &str) -> (Driver, Client) {
     for p in [CHROMIUM, CHROMEDRIVER] {
         assert!(
             std::path::Path::new(p).exists(),
@@ -82,7 +87,8 @@ async fn start_browser() -> (Driver, Client) {
         );
     }
     let (driver, port) = start_chromedriver();
-    let profile = std::env::temp_dir().join(format!("edgesplit-chromium-{}", std::process::id()));
+    let profile =
+        std::env::temp_dir().join(format!("edgesplit-chromium-{name}-{}", std::process::id()));
     let mut caps = serde_json::Map::new();
     caps.insert(
         "goog:chromeOptions".into(),
@@ -134,7 +140,8 @@ async fn dashboard_runs_a_v2_request_in_a_real_browser() {
     let mut opts = common::StackOptions::new(common::SMOLLM2);
     opts.bench_db = std::env::var_os("EDGESPLIT_DASHBOARD_BENCH_DB").map(Into::into);
     let stack = common::start(opts);
-    let (_driver, c) = start_browser().await;
+    let _one = ONE_BROWSER.lock().await;
+    let (_driver, c) = start_browser("request").await;
 
     c.goto(&format!("{}/dashboard", stack.router))
         .await
@@ -289,4 +296,148 @@ async fn dashboard_runs_a_v2_request_in_a_real_browser() {
     let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     std::fs::write(&out, png).unwrap();
     c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_pairs_a_device_and_shows_its_stages() {
+    use edgesplit_proto::join::{self, Code, Hello, JoinError, Present, Refusal};
+    let state = std::env::temp_dir().join(format!("edgesplit-dash-join-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    let mut opts = common::StackOptions::new(common::SMOLLM2);
+    opts.secret = Some("a-household-secret-for-the-dashboard-test".into());
+    opts.join_state_dir = Some(state.clone());
+    let stack = common::start(opts);
+    let _one = ONE_BROWSER.lock().await;
+    let (_driver, c) = start_browser("devices").await;
+    c.goto(&format!("{}/dashboard", stack.router))
+        .await
+        .unwrap();
+    let rows = "document.querySelector('#devices tbody').textContent";
+    wait_for(
+        &c,
+        &format!("return {rows}.includes('none joined yet')"),
+        "the devices panel",
+        Duration::from_secs(20),
+    )
+    .await;
+    c.find(Locator::Id("pair"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_for(
+        &c,
+        "return /^[0-9]{3}-[0-9]{4}-[0-9]{4}$/.test(document.getElementById('pair-code').textContent)",
+        "the pairing code on the page",
+        Duration::from_secs(10),
+    )
+    .await;
+    let code = js(
+        &c,
+        "return document.getElementById('pair-code').textContent",
+    )
+    .await;
+    let code = code.as_str().unwrap().to_string();
+    let hint = js(
+        &c,
+        "return document.getElementById('pair-command').textContent",
+    )
+    .await;
+    assert_eq!(
+        hint,
+        json!(format!("edgesplit-decode --join {code} --model MODEL.gguf"))
+    );
+    let listed = common::get_json(&format!("{}/admin/devices", stack.router)).await;
+    assert_eq!(
+        listed["pairing"]["nameplate"],
+        json!(&code[..3]),
+        "{listed}"
+    );
+    let at = format!("127.0.0.1:{}", listed["join_port"]);
+
+    // A device joins with the code the page shows: listed, not yet announced, and the
+    // pairing closed (single-use).
+    let mut tcp = tokio::net::TcpStream::connect(&at).await.unwrap();
+    let grant = join::join(&mut tcp, &Code::parse(&code).unwrap(), "test-phone")
+        .await
+        .unwrap();
+    wait_for(
+        &c,
+        &format!(
+            "return {rows}.includes('test-phone') && {rows}.includes('not announced') \
+             && document.getElementById('pairing').textContent === 'no pairing open'"
+        ),
+        "the joined device, not announced",
+        Duration::from_secs(10),
+    )
+    .await;
+    // It announces a gRPC port where nothing listens, under its own key: its
+    // qualification fails, and the page says why.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let key = join::unhex("secret", &grant.secret).unwrap();
+    let link = edgesplit_proto::link::Link::new(Some(std::sync::Arc::new(
+        edgesplit_proto::auth::Secret::new(&key, "grant").unwrap(),
+    )))
+    .unwrap();
+    let mut tcp = tokio::net::TcpStream::connect(&at).await.unwrap();
+    let hello = Hello::Announce {
+        v: join::VERSION,
+        device: grant.device.clone(),
+    };
+    join::knock(&mut tcp, &hello).await.unwrap();
+    let mut private = link.connect(tcp).await.unwrap();
+    let me = Present {
+        device: grant.device.clone(),
+        port,
+        name: "test-phone".into(),
+    };
+    let url = join::present(&mut private, &me).await.unwrap();
+    assert_eq!(url, format!("http://127.0.0.1:{port}"));
+    wait_for(
+        &c,
+        &format!("return {rows}.includes('failed its qualification')"),
+        "the failed qualification on the page",
+        Duration::from_secs(30),
+    )
+    .await;
+    let why = js(
+        &c,
+        "return document.querySelector('#devices td.stage-bad').textContent",
+    )
+    .await;
+    assert!(
+        why.as_str().unwrap().len() > "failed its qualification: ".len(),
+        "{why}"
+    );
+
+    // Removed from the page: gone from the list, and its announces refused.
+    js(&c, "window.confirm = () => true; return true").await;
+    c.find(Locator::Css(&format!(
+        "#devices button[data-id='{}']",
+        grant.device
+    )))
+    .await
+    .unwrap()
+    .click()
+    .await
+    .unwrap();
+    wait_for(
+        &c,
+        &format!("return {rows}.includes('none joined yet')"),
+        "the device removed",
+        Duration::from_secs(10),
+    )
+    .await;
+    let listed = common::get_json(&format!("{}/admin/devices", stack.router)).await;
+    assert_eq!(listed["devices"], json!([]), "{listed}");
+    let mut tcp = tokio::net::TcpStream::connect(&at).await.unwrap();
+    match join::knock(&mut tcp, &hello).await {
+        Err(JoinError::Refused { reason, .. }) => assert_eq!(reason, Refusal::Revoked),
+        other => panic!("{other:?}"),
+    }
+    c.close().await.unwrap();
+    let _ = std::fs::remove_dir_all(&state);
 }

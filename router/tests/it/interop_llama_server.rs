@@ -46,6 +46,7 @@ async fn stock_llama_server_restores_our_v1_file_and_continues_identically() {
                 live: false,
                 keep: false,
                 base_max: 0,
+                decode_key: String::new(),
                 handoff_id: "interop-1".into(),
                 decode_addr: upload_url,
                 transport: pb::HandoffTransport::V1 as i32,

@@ -1,16 +1,19 @@
 //! A device that joins with a code, on a LAN of the test's own: the phone in a network
 //! namespace of its own, joined to this one by a veth pair (as root, as CI runs). The
 //! router and the prefill node run here. The phone's node is given nothing but the code
-//! (and the model): it finds the router by broadcast, receives the secret, and serves
+//! (and the model): it finds the router by broadcast, receives its key, and serves
 //! split answers identical to the laptop's own; a wrong and an expired code are refused;
 //! its address changes and it is found again; it comes back after a restart from what it
-//! kept; removed, its announces are refused and no request reaches it.
+//! kept; it holds a key of its own, not the household's secret; removed, its announces are
+//! refused and no request reaches it.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use edgesplit_proto::join::{Hello, JoinError, Refusal};
 
 use crate::common;
 use crate::processes::{bin, reported, spawn, Proc, ONE_AT_A_TIME};
@@ -409,6 +412,11 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         .as_str()
         .unwrap()
         .to_string();
+    // The device holds its own key, not the household's secret: the router's link to it
+    // is under that key, and nothing else is.
+    let key = std::fs::read(phone_dir.join("secret")).unwrap();
+    assert_eq!(key.len(), 64);
+    assert_ne!(key, secret.as_bytes());
     let r = common::client()
         .delete(format!("{router}/admin/devices/{id}"))
         .send()
@@ -425,5 +433,22 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     .await;
     assert_eq!(refused["reason"], "revoked", "{refused}");
     drop(node);
+    // Its id is refused before any key is used; an id the router never gave is unknown.
+    let at = reported(&dir.join("router.log"), "devices may join with a code").await;
+    let at: std::net::SocketAddr = at["addr"].as_str().unwrap().parse().unwrap();
+    for (device, want) in [
+        (id.as_str(), Refusal::Revoked),
+        ("0123456789abcdef", Refusal::UnknownDevice),
+    ] {
+        let mut tcp = tokio::net::TcpStream::connect(at).await.unwrap();
+        let hello = Hello::Announce {
+            v: edgesplit_proto::join::VERSION,
+            device: device.to_string(),
+        };
+        match edgesplit_proto::join::knock(&mut tcp, &hello).await {
+            Err(JoinError::Refused { reason, .. }) => assert_eq!(reason, want, "{device}"),
+            other => panic!("{device}: {other:?}"),
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

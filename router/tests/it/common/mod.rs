@@ -101,6 +101,9 @@ pub struct StackOptions {
     pub decode_plain: bool,
     /// The router's API key.
     pub api_key: Option<String>,
+    /// The router takes devices that join with a code (`--join-listen 127.0.0.1:0`, no
+    /// discovery), its registry in this directory; needs `secret`.
+    pub join_state_dir: Option<PathBuf>,
     /// The router's default handoff mode: the product's (`live`); a test that checks
     /// another mode names it in its requests (`v2` in [`run`] is `after`).
     pub handoff: edgesplit_router::api::HandoffMode,
@@ -163,6 +166,7 @@ impl StackOptions {
             kv_budget_bytes: 0,
             bench_db: None,
             secret: None,
+            join_state_dir: None,
             decode_secret: None,
             decode_plain: false,
             api_key: None,
@@ -406,6 +410,11 @@ async fn serve(opts: StackOptions) -> Stack {
         rcfg.on_split_failure = edgesplit_router::OnSplitFailure::Fail;
     }
     rcfg.bench_db = opts.bench_db;
+    if let Some(dir) = opts.join_state_dir {
+        rcfg.join_listen = Some("127.0.0.1:0".into());
+        rcfg.discovery_port = 0;
+        rcfg.state_dir = Some(dir);
+    }
     rcfg.secret_file = secret_file;
     rcfg.api_key_file = api_key_file;
     tokio::spawn(async move {
