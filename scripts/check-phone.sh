@@ -24,7 +24,7 @@ expect termux.sh '^\+ termux-wake-lock$' \
     '^\+ .*/edgesplit-decode --model models/phone\.gguf --n-ctx 2048 --parallel 3 --listen 0\.0\.0\.0:50052 .*--kv-budget-bytes'
 # Joining with a code: no secret file, no advertised address; the code goes to the node.
 JOIN=123-4567-8901 expect termux.sh \
-    '^\+ .*/edgesplit-decode --model models/phone\.gguf .*--listen 0\.0\.0\.0:50052 .*--join 123-4567-8901 --kv-budget-bytes'
+    '^\+ .*/edgesplit-decode --model models/phone\.gguf --parallel [0-9]+ --listen 0\.0\.0\.0:50052 .*--join 123-4567-8901$'
 if grep -Eq -- '(cargo|pkg install)' <<<"$(bash deploy/termux.sh --dry-run models/phone.gguf 2048)"; then
     fail "termux.sh --dry-run builds or installs something: it serves the static file only"
 fi

@@ -36,6 +36,10 @@ pub struct Joined {
     pub device: String,
     /// The router's join address when last reached.
     pub join_addr: SocketAddr,
+    /// The prefill node's settings as the router last gave them (used when the router
+    /// does not answer at a start).
+    #[serde(default)]
+    pub settings: Option<join::Settings>,
 }
 
 /// The flags of joining (`Default`: no join, as a node started in-process by a test).
@@ -134,6 +138,7 @@ impl JoinArgs {
             router: grant.router,
             device: grant.device,
             join_addr: at,
+            settings: None,
         };
         let dir = self.dir();
         write_private(&dir, "secret", &secret)?;
@@ -266,8 +271,8 @@ fn save(dir: &Path, joined: &Joined) -> anyhow::Result<()> {
 /// # Errors
 /// A failed join, or a joined state that cannot be read.
 pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined>> {
-    let args = &config.joining;
-    let joined = match &args.join {
+    let args = config.joining.clone();
+    let mut joined = match &args.join {
         Some(code) => Some(args.join(code).await?),
         None if edgesplit_proto::auth::Secret::load(config.node.secret_file.as_deref())?
             .is_some() =>
@@ -276,7 +281,7 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
         }
         None => args.joined()?,
     };
-    if let Some(joined) = &joined {
+    if let Some(joined) = &mut joined {
         config.node.secret_file = Some(args.dir().join("secret"));
         for addr in [
             &mut config.listen,
@@ -285,12 +290,126 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
         ] {
             *addr = on_every_interface(addr);
         }
+        let link = config.node.link(&[])?;
         if !config.engine.model.exists() {
-            let link = config.node.link(&[])?;
             fetch_model(joined, &link, &config.engine.model).await?;
+        }
+        match fetch_settings(joined, &link).await {
+            Ok(s) => {
+                if joined.settings.as_ref() != Some(&s) {
+                    joined.settings = Some(s);
+                    save(&args.dir(), joined)?;
+                }
+            }
+            Err(
+                e @ JoinError::Refused {
+                    reason: Refusal::Revoked | Refusal::UnknownDevice,
+                    ..
+                },
+            ) => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "the router did not give the prefill node's settings: using those it gave last")
+            }
+        }
+        if let Some(s) = &joined.settings {
+            take_settings(config, s)?;
+        }
+        if !config.plan {
+            fit_memory(config).await;
         }
     }
     Ok(joined)
+}
+
+/// The prefill node's settings, from the router.
+async fn fetch_settings(joined: &Joined, link: &Link) -> Result<join::Settings, JoinError> {
+    let exchange = async {
+        let mut tcp = connect(joined.join_addr).await?;
+        let hello = Hello::Settings {
+            v: join::VERSION,
+            device: joined.device.clone(),
+        };
+        join::knock(&mut tcp, &hello).await?;
+        let mut private = link.connect(tcp).await?;
+        let answer: serde_json::Value = join::receive(&mut private).await?;
+        if answer.get("op").is_some() {
+            return Err(refusal(answer));
+        }
+        serde_json::from_value(answer).map_err(|e| JoinError::Malformed(e.to_string()))
+    };
+    tokio::time::timeout(EXCHANGE_TIME, exchange)
+        .await
+        .unwrap_or_else(|_| Err(JoinError::Io(std::io::ErrorKind::TimedOut.into())))
+}
+
+/// The router's answer that is not what was asked for: its refusal.
+fn refusal(answer: serde_json::Value) -> JoinError {
+    match serde_json::from_value::<join::Reply>(answer) {
+        Ok(join::Reply::Refused { reason, message }) => JoinError::Refused { reason, message },
+        Ok(other) => JoinError::Malformed(format!("unexpected reply {other:?}")),
+        Err(e) => JoinError::Malformed(e.to_string()),
+    }
+}
+
+/// The engine takes the prefill node's settings: what the handoff's handshake compares
+/// (flash attention, KV cache types) and the context size, whatever the flags said.
+///
+/// # Errors
+/// A KV cache type this build does not know.
+fn take_settings(config: &mut crate::Config, s: &join::Settings) -> anyhow::Result<()> {
+    use edgesplit_engine::{FlashAttn, KvType};
+    let kv = |t: u32| {
+        KvType::of_ggml_type(t).ok_or_else(|| {
+            anyhow::anyhow!("the prefill node's KV cache type {t} is not one this node knows")
+        })
+    };
+    let e = &mut config.engine;
+    let (k, v) = (kv(s.type_k)?, kv(s.type_v)?);
+    let fa = if s.flash_attn {
+        FlashAttn::On
+    } else {
+        FlashAttn::Off
+    };
+    if (e.n_ctx, e.cache_type_k, e.cache_type_v) != (s.n_ctx, k, v) || e.flash_attn != fa {
+        tracing::info!(n_ctx = s.n_ctx, cache_type_k = ?k, cache_type_v = ?v, flash_attn = s.flash_attn,
+            "the prefill node's settings, from the router");
+    }
+    (e.n_ctx, e.cache_type_k, e.cache_type_v, e.flash_attn) = (s.n_ctx, k, v, fa);
+    Ok(())
+}
+
+/// Fits the node to the memory available now (`--plan`'s figures) unless
+/// `--kv-budget-bytes` was given: as many of `--parallel` contexts of `--n-ctx` tokens as
+/// fit (at least one), the context shortened to what fits when one does not, and each
+/// sequence's KV budget set, so that the router sends this device only what it holds.
+/// Without the figures (MemAvailable unreadable) the flags stand.
+async fn fit_memory(config: &mut crate::Config) {
+    if config.kv_budget_bytes > 0 {
+        return;
+    }
+    let p = match crate::memory_plan(config).await {
+        Ok((p, _)) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "no memory plan: the flags' context and parallel stand");
+            return;
+        }
+    };
+    let n_ctx = u64::from(config.engine.n_ctx.max(1));
+    let fits = p.tokens / n_ctx;
+    if fits >= 1 {
+        config.parallel = config.parallel.min(u32::try_from(fits).unwrap_or(u32::MAX));
+    } else {
+        config.parallel = 1;
+        config.engine.n_ctx = u32::try_from((p.tokens / 256 * 256).max(256)).unwrap_or(256);
+    }
+    config.kv_budget_bytes = u64::from(config.engine.n_ctx) * p.kv_bytes_per_token;
+    tracing::info!(
+        parallel = config.parallel,
+        n_ctx = config.engine.n_ctx,
+        kv_budget_bytes = config.kv_budget_bytes,
+        mem_available = p.mem_available,
+        "memory planned"
+    );
 }
 
 /// Attempts at the model file: a broken transfer goes on from the bytes received, a file
@@ -349,12 +468,7 @@ async fn fetch_once(joined: &Joined, link: &Link, part: &Path) -> Result<String,
     join::send(&mut private, &join::ModelAsk { have }).await?;
     let answer: serde_json::Value = join::receive(&mut private).await?;
     if answer.get("op").is_some() {
-        let reply: join::Reply =
-            serde_json::from_value(answer).map_err(|e| JoinError::Malformed(e.to_string()))?;
-        return Err(match reply {
-            join::Reply::Refused { reason, message } => JoinError::Refused { reason, message },
-            other => JoinError::Malformed(format!("unexpected reply {other:?}")),
-        });
+        return Err(refusal(answer));
     }
     let offer: join::ModelOffer =
         serde_json::from_value(answer).map_err(|e| JoinError::Malformed(e.to_string()))?;
@@ -448,6 +562,12 @@ mod tests {
             router: "r".into(),
             device: "d".into(),
             join_addr: "10.0.0.1:47475".parse().unwrap(),
+            settings: Some(join::Settings {
+                n_ctx: 2048,
+                flash_attn: true,
+                type_k: 8,
+                type_v: 8,
+            }),
         };
         write_private(&dir, "secret", b"0123456789abcdef0123456789abcdef").unwrap();
         save(&dir, &joined).unwrap();
@@ -467,7 +587,32 @@ mod tests {
             name: None,
             announce_every_s: 10,
         };
-        assert_eq!(args.joined().unwrap().unwrap().device, "d");
+        let back = args.joined().unwrap().unwrap();
+        assert_eq!(back.device, "d");
+        assert_eq!(back.settings, joined.settings);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_engine_takes_the_prefill_nodes_settings() {
+        use clap::Parser;
+        use edgesplit_engine::{FlashAttn, KvType};
+        let mut c = crate::Config::parse_from(["edgesplit-decode", "--model", "m.gguf"]);
+        let mut s = join::Settings {
+            n_ctx: 2048,
+            flash_attn: true,
+            type_k: 8,
+            type_v: 2,
+        };
+        take_settings(&mut c, &s).unwrap();
+        let e = &c.engine;
+        assert_eq!((e.n_ctx, e.flash_attn), (2048, FlashAttn::On));
+        assert_eq!(
+            (e.cache_type_k, e.cache_type_v),
+            (KvType::Q8_0, KvType::Q4_0)
+        );
+        s.type_v = 99;
+        let err = take_settings(&mut c, &s).unwrap_err().to_string();
+        assert!(err.contains("KV cache type 99"), "{err}");
     }
 }

@@ -279,21 +279,34 @@ impl pb::decode_server::Decode for DecodeService {
     }
 }
 
-/// `--plan`: how many tokens of context fit in the memory available now.
+/// How many tokens of KV fit in the memory available now, for this model and these KV
+/// types, with the model's figures.
 ///
 /// # Errors
-/// The model cannot be read or loaded.
-pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
+/// The model cannot be read or loaded, or MemAvailable is not readable.
+pub async fn memory_plan(
+    config: &Config,
+) -> anyhow::Result<(edgesplit_engine::MemoryPlan, edgesplit_engine::ModelInfo)> {
     let model_bytes = std::fs::metadata(&config.engine.model)?.len();
     let avail = edgesplit_engine::mem_available_bytes()
         .ok_or_else(|| anyhow::anyhow!("MemAvailable is not readable from /proc/meminfo"))?;
     // A small context and no warm-up: only the model's metadata matters here.
     let mut ecfg = config.engine();
     ecfg.n_ctx = 256;
+    ecfg.n_parallel = 1;
     ecfg.warmup = false;
     let engine = Engine::start(ecfg).await?;
-    let info = engine.info();
+    let info = engine.info().clone();
     let p = edgesplit_engine::MemoryPlan::new(avail, model_bytes, info.kv_bytes_per_token);
+    Ok((p, info))
+}
+
+/// `--plan`: how many tokens of context fit in the memory available now.
+///
+/// # Errors
+/// The model cannot be read or loaded.
+pub async fn print_plan(config: &Config) -> anyhow::Result<()> {
+    let (p, info) = memory_plan(config).await?;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(
         "model            {} ({:.1} MiB, mapped)",

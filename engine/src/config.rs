@@ -134,6 +134,15 @@ impl KvType {
         }
     }
 
+    /// The type of ggml's type id `t` (what [`KvType::ggml_type`] gives), if it is one of
+    /// these.
+    #[must_use]
+    pub fn of_ggml_type(t: u32) -> Option<KvType> {
+        [KvType::F16, KvType::Q8_0, KvType::Q4_0]
+            .into_iter()
+            .find(|k| k.ggml_type() == t)
+    }
+
     /// Bytes of a row of `n` values (`n` a multiple of 32 for the quantized types, as
     /// llama.cpp requires of the K and V rows it quantizes).
     #[must_use]

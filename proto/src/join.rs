@@ -277,6 +277,9 @@ pub enum Hello {
     /// Joined device `device` asking for the model file; the private link under its key
     /// follows, then [`ModelAsk`].
     Model { v: u32, device: String },
+    /// Joined device `device` asking, before its engine starts, for the [`Settings`] it
+    /// must share with the prefill node; the private link under its key follows.
+    Settings { v: u32, device: String },
 }
 
 /// Inside the private link: the bytes of the model file the device holds already (a
@@ -285,6 +288,18 @@ pub enum Hello {
 #[serde(deny_unknown_fields)]
 pub struct ModelAsk {
     pub have: u64,
+}
+
+/// What a joined device's engine takes from the prefill node (the router asks its `Info`):
+/// what the handoff's handshake compares (flash attention, the K and V cache types as
+/// ggml type numbers) and the context size, which both nodes share.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub n_ctx: u32,
+    pub flash_attn: bool,
+    pub type_k: u32,
+    pub type_v: u32,
 }
 
 /// The router's model file: its size, SHA-256 (hex) and name. The bytes from the asked

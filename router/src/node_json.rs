@@ -21,6 +21,17 @@ pub(crate) fn layer_split(l: &edgesplit_proto::pb::LayerSplit) -> Value {
     })
 }
 
+/// A KV cache type's flag value (`f16`, `q8_0`, `q4_0`), from ggml's type id (`enum
+/// ggml_type`; the router does not link the engine, which names them too).
+fn kv_type(t: u32) -> Value {
+    match t {
+        1 => json!("f16"),
+        2 => json!("q4_0"),
+        8 => json!("q8_0"),
+        other => json!(other),
+    }
+}
+
 /// A node's `Info` (or why it is not known) as `/health` shows it.
 pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Value {
     match r {
@@ -36,6 +47,10 @@ pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Valu
             "n_ctx": i.n_ctx,
             "flash_attn": i.flash_attn,
             "kv_bytes_per_token": i.kv_bytes_per_token,
+            "cache_type_k": kv_type(i.type_k),
+            "cache_type_v": kv_type(i.type_v),
+            "parallel": i.parallel,
+            "kv_budget_bytes": i.kv_budget_bytes,
             "mem_available_bytes": i.mem_available_bytes,
             "handoff_addr": i.handoff_addr,
             "handoff_bytes_received": i.handoff_bytes_received,

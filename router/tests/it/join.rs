@@ -102,23 +102,20 @@ impl Drop for Lan {
     }
 }
 
-/// The decode node in the phone's namespace with `args` after the model's.
-fn phone(lan: &Lan, model: &Path, args: &[&str], log: &Path) -> Proc {
+/// The decode node in the phone's namespace with `args` after the model's, its memory
+/// `budget` bytes (`EDGESPLIT_MEM_BUDGET_BYTES`) when given.
+fn phone(lan: &Lan, model: &Path, args: &[&str], budget: Option<u64>, log: &Path) -> Proc {
     let file = std::fs::File::create(log).unwrap();
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", &lan.ns])
+        .arg(bin("edgesplit-decode"))
+        .args(["--model", &model.display().to_string(), "--threads", "1"])
+        .args(args);
+    if let Some(b) = budget {
+        c.env("EDGESPLIT_MEM_BUDGET_BYTES", b.to_string());
+    }
     Proc(
-        Command::new("ip")
-            .args(["netns", "exec", &lan.ns])
-            .arg(bin("edgesplit-decode"))
-            .args([
-                "--model",
-                &model.display().to_string(),
-                "--n-ctx",
-                "1024",
-                "--threads",
-                "1",
-            ])
-            .args(args)
-            .env("EDGESPLIT_LOG_FORMAT", "json")
+        c.env("EDGESPLIT_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
             .env_remove("EDGESPLIT_SECRET")
             .env_remove("EDGESPLIT_SECRET_FILE")
@@ -142,6 +139,7 @@ fn join_refused(lan: &Lan, model: &Path, code: &str, port: &str, dir: &Path, log
             "--join-dir",
             &dir.display().to_string(),
         ],
+        None,
         log,
     );
     let t0 = Instant::now();
@@ -232,6 +230,9 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     std::fs::write(&secret_file, secret).unwrap();
     let sf = secret_file.display().to_string();
     let strs = |a: &[&str]| a.iter().map(|s| (*s).to_string()).collect::<Vec<String>>();
+    // The prefill node's KV cache is q8_0 with flash attention on: the phone, started
+    // without those flags, takes them from the router (the handshake would refuse it
+    // otherwise), and its context size.
     let _prefill = spawn(
         "edgesplit-prefill",
         &strs(&[
@@ -239,6 +240,12 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
             &m,
             "--n-ctx",
             "1024",
+            "--cache-type-k",
+            "q8_0",
+            "--cache-type-v",
+            "q8_0",
+            "--flash-attn",
+            "on",
             "--threads",
             "1",
             "--listen",
@@ -351,8 +358,29 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "1",
     ];
     let args = [&["--join", code.as_str()][..], &joined].concat();
-    let mut node = phone(&lan, &received, &args, &dir.join("phone.log"));
+    // Memory for the model, the plan's margin (256 MiB) and one and a half contexts of
+    // the prefill node's 1,024 tokens: the phone plans one sequence, whatever its
+    // --parallel, and a KV budget of one context.
+    let kvpt = common::get_json(&format!("{router}/health")).await["prefill"]["kv_bytes_per_token"]
+        .as_u64()
+        .unwrap();
+    let model_bytes = std::fs::metadata(&model).unwrap().len();
+    let budget = Some(model_bytes + (256 << 20) + 1536 * kvpt);
+    let mut node = phone(&lan, &received, &args, budget, &dir.join("phone.log"));
     let url = ready_at(&router, &format!("{}.2", lan.net)).await;
+    // It took the prefill node's settings, and planned its memory.
+    let h = common::get_json(&format!("{router}/health")).await;
+    let d = &h["decode_nodes"][0];
+    assert_eq!(
+        (&d["cache_type_k"], &d["cache_type_v"], &d["flash_attn"]),
+        (&json!("q8_0"), &json!("q8_0"), &json!(true)),
+        "{h}"
+    );
+    assert_eq!(
+        (&d["n_ctx"], &d["parallel"], &d["kv_budget_bytes"]),
+        (&json!(1024), &json!(1), &json!(1024 * kvpt)),
+        "{h}"
+    );
     for log in ["router.log", "phone.log"] {
         let text = std::fs::read_to_string(dir.join(log)).unwrap();
         assert!(!text.contains(&code[4..]), "the code in {log}");
@@ -403,7 +431,13 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
 
     // Restarted with nothing but the model: it is the joined device it was.
     drop(node);
-    node = phone(&lan, &received, &joined, &dir.join("phone-again.log"));
+    node = phone(
+        &lan,
+        &received,
+        &joined,
+        budget,
+        &dir.join("phone-again.log"),
+    );
     reported(&dir.join("phone-again.log"), "announced to the router").await;
     split_through(&router, &moved, &want).await;
 

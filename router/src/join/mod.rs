@@ -33,6 +33,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::backend::Pool;
 
+mod supply;
+
 /// How long a pairing stays open unless asked otherwise.
 pub const PAIRING_TTL: Duration = Duration::from_secs(300);
 /// The longest pairing that may be asked for.
@@ -333,6 +335,19 @@ impl Joins {
                         .map_err(|_| timed_out())??;
                 self.send_model(&mut link, ask.have, peer).await
             }
+            Hello::Settings { v, device } if v == join::VERSION => {
+                let settings = async {
+                    let link = self.admit(&mut tcp, &device).await?;
+                    let mut link = link.accept(tcp).await?;
+                    let Some(state) = state.upgrade() else {
+                        return Err(JoinError::Malformed("the router is stopping".into()));
+                    };
+                    Self::send_settings(&mut link, (*state).as_ref()).await
+                };
+                tokio::time::timeout(CONNECTION_TIME, settings)
+                    .await
+                    .unwrap_or_else(|_| Err(timed_out()))
+            }
             _ => {
                 let m = format!("join protocol version {} only", join::VERSION);
                 refuse(&mut tcp, Refusal::Malformed, &m).await;
@@ -367,73 +382,6 @@ impl Joins {
             .map_err(|e| JoinError::Io(std::io::Error::other(e)))?;
         join::send(tcp, &Reply::Proceed).await?;
         Ok(link)
-    }
-
-    /// The shared model file from byte `have` on, after its size and SHA-256 (computed
-    /// once), each write allowed [`CONNECTION_TIME`].
-    async fn send_model<W: tokio::io::AsyncWrite + Unpin>(
-        &self,
-        link: &mut W,
-        have: u64,
-        peer: std::net::SocketAddr,
-    ) -> Result<(), JoinError> {
-        use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
-        let Some(path) = self.model.clone() else {
-            let m = "the router shares no model file (--share-model): copy it to the device";
-            join::send(
-                link,
-                &Reply::Refused {
-                    reason: Refusal::Unavailable,
-                    message: m.into(),
-                },
-            )
-            .await?;
-            return Err(JoinError::Malformed(m.into()));
-        };
-        let (size, sha256) = self
-            .model_sha
-            .get_or_try_init(|| async {
-                let p = path.clone();
-                tokio::task::spawn_blocking(move || join::sha256_file(&p))
-                    .await
-                    .map_err(std::io::Error::other)?
-            })
-            .await?
-            .clone();
-        if have > size {
-            let m = format!("the device holds {have} bytes of a {size}-byte file");
-            join::send(
-                link,
-                &Reply::Refused {
-                    reason: Refusal::Malformed,
-                    message: m.clone(),
-                },
-            )
-            .await?;
-            return Err(JoinError::Malformed(m));
-        }
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        join::send(link, &join::ModelOffer { size, sha256, name }).await?;
-        tracing::info!(%peer, from = have, size, "sending the model file");
-        let mut file = tokio::fs::File::open(&path).await?;
-        file.seek(std::io::SeekFrom::Start(have)).await?;
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            tokio::time::timeout(CONNECTION_TIME, link.write_all(&buf[..n]))
-                .await
-                .map_err(|_| JoinError::Io(std::io::ErrorKind::TimedOut.into()))??;
-        }
-        link.flush().await?;
-        link.shutdown().await?;
-        tracing::info!(%peer, size, "model file sent");
-        Ok(())
     }
 
     /// Takes a try of the open pairing under `nameplate`, or says why there is none.
