@@ -40,6 +40,9 @@ const KEY_LABEL: &str = "edgesplit link key v1";
 /// The name in the certificate and the one the client asks for (not checked: the pinned
 /// key is the identity).
 const NAME: &str = "edgesplit";
+/// How often a gRPC channel pings its peer, and how long it waits for the answer before
+/// it takes the connection for dead.
+const KEEPALIVE: Duration = Duration::from_secs(5);
 /// Handshakes in progress at once on one listener; more wait for a slot.
 const MAX_HANDSHAKES: usize = 64;
 
@@ -302,9 +305,15 @@ impl Link {
         url: &str,
         connect_timeout: Duration,
     ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+        // HTTP/2 pings find a connection that died without a word (the laptop's or the
+        // phone's address changed, a Wi-Fi that dropped the device): the channel then
+        // connects again at its next call instead of waiting on it.
         let endpoint = tonic::transport::Endpoint::from_shared(url.to_string())?
             .connect_timeout(connect_timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE)
+            .keep_alive_while_idle(true);
         if !self.is_private() {
             return Ok(endpoint.connect_lazy());
         }

@@ -3,7 +3,8 @@
 //! router and the prefill node run here. The phone's node is given nothing but the code
 //! (and the model): it finds the router by broadcast, receives its key, and serves
 //! split answers identical to the laptop's own; a wrong and an expired code are refused;
-//! its address changes and it is found again; it comes back after a restart from what it
+//! its address changes and it is found again; the laptop's address changes and the phone
+//! finds the router again, and splits go through it within seconds; it comes back after a restart from what it
 //! kept; it holds a key of its own, not the household's secret; removed, its announces are
 //! refused and no request reaches it.
 
@@ -93,6 +94,17 @@ impl Lan {
         );
         self.exec(&["ip", "addr", "del", &old, "dev", &there]);
         self.exec(&["ip", "addr", "add", &new, "brd", "+", "dev", &there]);
+    }
+
+    /// The laptop's address changes as the phone's does in [`Lan::set_phone`].
+    fn set_laptop(&self, from: u8, to: u8) {
+        let here = format!("esj{}h", std::process::id());
+        let (old, new) = (
+            format!("{}.{from}/24", self.net),
+            format!("{}.{to}/24", self.net),
+        );
+        ip(&["addr", "del", &old, "dev", &here]);
+        ip(&["addr", "add", &new, "brd", "+", "dev", &here]);
     }
 }
 
@@ -258,7 +270,8 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         &dir.join("prefill.log"),
     );
     let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
-    let join_at = format!("{}.1:0", lan.net);
+    // Every interface: the laptop's own address changes below.
+    let join_at = "0.0.0.0:0".to_string();
     let state = dir.join("state").display().to_string();
     let router_args = strs(&[
         "--listen",
@@ -428,6 +441,29 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     assert_eq!(h["decode_nodes"][0]["handoffs_refused"], 0, "{h}");
     let (st, v) = answer(&router, "v2", Some(&url)).await;
     assert_eq!(st, 400, "the old address is not a node any more: {v}");
+
+    // The laptop's address changes: the phone finds the router again by its id, and
+    // split answers are written on the phone again within seconds.
+    lan.set_laptop(1, 4);
+    reported(&dir.join("phone.log"), "the router moved").await;
+    let t0 = Instant::now();
+    loop {
+        let (st, v) = answer(&router, "v2", Some(&moved)).await;
+        let e = &v["edgesplit"];
+        if st == 200 && e["fallback"].is_null() && e["decode_node_tokens"].as_u64() > Some(0) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "no split through the phone since the laptop moved: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "splits through the phone again {:?} after the router was found",
+        t0.elapsed()
+    );
+    split_through(&router, &moved, &want).await;
 
     // Restarted with nothing but the model: it is the joined device it was.
     drop(node);
