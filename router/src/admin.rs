@@ -66,13 +66,23 @@ async fn devices(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError
         .devices()
         .into_iter()
         .map(|d| {
-            let state = match d.url.as_ref().and_then(|u| states.iter().find(|(url, _)| url == u)) {
+            let state = match d
+                .url
+                .as_ref()
+                .and_then(|u| states.iter().find(|(url, _)| url == u))
+            {
                 Some((_, st)) => st.as_str().to_string(),
                 None => joins.stage(&d.id).unwrap_or_else(|| {
-                    if d.url.is_some() { "not in the pool" } else { "not announced" }.to_string()
+                    if d.url.is_some() {
+                        "not in the pool"
+                    } else {
+                        "not announced"
+                    }
+                    .to_string()
                 }),
             };
-            json!({"id": d.id, "name": d.name, "url": d.url, "qualified": d.qualified, "state": state})
+            json!({"id": d.id, "name": d.name, "url": d.url, "qualified": d.qualified,
+                "agreement": d.agreement, "state": state})
         })
         .collect();
     let pairing = joins

@@ -355,7 +355,7 @@ async function refreshDevices() {
   const tb = $('devices').querySelector('tbody');
   tb.replaceChildren();
   if (d.devices.length === 0) {
-    tb.append(el('tr', {}, el('td', { colspan: '5', class: 'muted' }, 'none joined yet')));
+    tb.append(el('tr', {}, el('td', { colspan: '6', class: 'muted' }, 'none joined yet')));
   }
   for (const dev of d.devices) {
     const bad = /^(failed|down|refused)/.test(dev.state);
@@ -367,7 +367,7 @@ async function refreshDevices() {
     });
     tb.append(el('tr', { 'data-id': dev.id }, el('td', {}, dev.name), el('td', {}, dev.id),
       el('td', { class: bad ? 'stage-bad' : dev.state === 'ready' ? 'stage-ok' : '' }, dev.state),
-      el('td', {}, dev.url || '-'), el('td', {}, remove)));
+      el('td', {}, dev.agreement || '-'), el('td', {}, dev.url || '-'), el('td', {}, remove)));
   }
 }
 

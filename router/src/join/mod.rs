@@ -56,6 +56,9 @@ pub struct Device {
     /// It passed its qualification (`backend/qualify.rs`); until then it is not used.
     #[serde(default)]
     pub qualified: bool,
+    /// How its qualification's answers compared with the laptop's, in words.
+    #[serde(default)]
+    pub agreement: Option<String>,
 }
 
 /// A device's qualification under way, or failed.
@@ -455,6 +458,7 @@ impl Joins {
             name: name.chars().take(MAX_NAME).collect(),
             url: None,
             qualified: false,
+            agreement: None,
         };
         let grant = {
             let mut r = lock(&self.registry);
@@ -568,18 +572,27 @@ impl Joins {
         tracing::info!(device = %id, node = %pair.decode_url(), "qualifying the device");
         match pair.qualify().await {
             Ok(q) => {
+                let agreement = if q.same_numerics {
+                    "identical to the laptop's (it computes alike)".to_string()
+                } else {
+                    format!(
+                        "{} of {} tokens as the laptop's (another architecture or kernels)",
+                        q.agreeing, q.compared
+                    )
+                };
                 {
                     let mut r = lock(&self.registry);
                     if let Some(d) = r.devices.iter_mut().find(|d| d.id == id) {
                         d.qualified = true;
+                        d.agreement = Some(agreement.clone());
                     }
                     if let Err(e) = self.save(&r) {
                         tracing::warn!(error = %e, "cannot write the device registry");
                     }
                 }
                 lock(&self.stages).remove(&id);
-                tracing::info!(device = %id, answers = q.answers, link_bytes_per_ms = ?q.link,
-                    rtt_ms = ?q.rtt_ms, "device qualified: its answers are the laptop's");
+                tracing::info!(device = %id, answers = q.answers, %agreement,
+                    link_bytes_per_ms = ?q.link, rtt_ms = ?q.rtt_ms, "device qualified");
                 let pool: &Pool = (*state).as_ref();
                 if let Err(f) = pool.adopt(pair).await {
                     tracing::warn!(device = %id, error = %f.message, "the qualified device did not enter the pool");

@@ -8,11 +8,14 @@
 //! architecture (PROTOCOL.md, "Compatibility": the architecture may differ, the build may
 //! not); a pair whose states do not match (another KV cache type) is refused in the
 //! handshake with a reason naming both values; and the file's memory plan reads
-//! `/proc/meminfo` where there is one and says so where there is none. Speed under
-//! emulation is not a phone's speed: nothing here is timed.
+//! `/proc/meminfo` where there is one and says so where there is none. And the phone's
+//! own path: the file joins an x86 router with a code, takes the prefill node's settings,
+//! qualifies with its agreement reported (another architecture cannot be held to identical
+//! answers) and serves. Speed under emulation is not a phone's speed: nothing here is
+//! timed.
 
 use crate::common;
-use crate::processes::{start_three_with, ThreeOptions, ONE_AT_A_TIME};
+use crate::processes::{reported, spawn, start_three_with, Proc, ThreeOptions, ONE_AT_A_TIME};
 
 use std::path::{Path, PathBuf};
 
@@ -289,4 +292,146 @@ async fn the_static_aarch64_decode_node_plans_its_memory() {
         err.contains("MemAvailable is not readable from /proc/meminfo"),
         "{err}"
     );
+}
+
+/// The phone's path: the static file in its empty root joins an x86 router with a code (its
+/// address given: the broadcast is `join.rs`'s, on a LAN of its own), takes the prefill
+/// node's settings, qualifies with its agreement reported, and serves a split answer.
+#[tokio::test]
+async fn the_static_aarch64_decode_node_joins_with_a_code_and_qualifies() {
+    use std::time::{Duration, Instant};
+    let _one = ONE_AT_A_TIME.lock().await;
+    let root = EmptyRoot::new("join");
+    let dir = std::env::temp_dir().join(format!("edgesplit-xjoin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret_file = dir.join("secret");
+    std::fs::write(&secret_file, SECRET).unwrap();
+    let sf = secret_file.display().to_string();
+    let m = common::model(common::SMOLLM2).display().to_string();
+    let strs = |a: &[&str]| a.iter().map(|x| (*x).to_string()).collect::<Vec<_>>();
+    let _prefill = spawn(
+        "edgesplit-prefill",
+        &strs(&[
+            "--model",
+            &m,
+            "--n-ctx",
+            "1024",
+            "--threads",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--secret-file",
+            &sf,
+        ]),
+        &dir.join("prefill.log"),
+    );
+    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
+    let state = dir.join("state").display().to_string();
+    let _router = spawn(
+        "edgesplit-router",
+        &strs(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill-url",
+            &format!("http://{}", p["grpc"].as_str().unwrap()),
+            "--join-listen",
+            "127.0.0.1:0",
+            "--discovery-port",
+            "0",
+            "--state-dir",
+            &state,
+            "--no-probes",
+            "--decode-url",
+            "none",
+            "--secret-file",
+            &sf,
+        ]),
+        &dir.join("router.log"),
+    );
+    let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
+    let router = format!("http://{}", r["addr"].as_str().unwrap());
+    let joins = reported(&dir.join("router.log"), "devices may join with a code").await;
+    let (st, _, v) = common::post(&format!("{router}/admin/pairing"), &json!({})).await;
+    assert_eq!(st, 200, "{v}");
+    let code = v["code"].as_str().unwrap().to_string();
+    let program = root.program();
+    let log = std::fs::File::create(dir.join("phone.log")).unwrap();
+    let _phone = Proc(
+        std::process::Command::new(&program[0])
+            .args(&program[1..])
+            .args([
+                "--model",
+                MODEL,
+                "--join",
+                &code,
+                "--router",
+                joins["addr"].as_str().unwrap(),
+                "--join-dir",
+                "/joined",
+                "--name",
+                "phone",
+                "--threads",
+                "1",
+                "--listen",
+                "127.0.0.1:0",
+                "--handoff-listen",
+                "127.0.0.1:0",
+                "--v1-listen",
+                "127.0.0.1:0",
+                "--announce-every-s",
+                "1",
+            ])
+            .env("EDGESPLIT_LOG_FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let t0 = Instant::now();
+    let d = loop {
+        let d = common::get_json(&format!("{router}/admin/devices")).await;
+        if d["devices"][0]["state"] == "ready" {
+            break d;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "not ready: {d}\n{}",
+            std::fs::read_to_string(dir.join("phone.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    // Another architecture: qualified on its measured agreement, not on identity.
+    let agreement = d["devices"][0]["agreement"].as_str().unwrap_or_default();
+    assert!(
+        agreement.ends_with(" of 24 tokens as the laptop's (another architecture or kernels)"),
+        "{d}"
+    );
+    // The prefill node's settings: its context size, flash attention resolved on.
+    let h = common::get_json(&format!("{router}/health")).await;
+    let node = &h["decode_nodes"][0];
+    assert_eq!(node["arch"], "aarch64", "{h}");
+    assert_eq!(
+        (&node["n_ctx"], &node["flash_attn"]),
+        (&json!(1024), &json!(true)),
+        "{h}"
+    );
+    let url = d["devices"][0]["url"].as_str().unwrap();
+    let v = ask(
+        &router,
+        &json!({
+            "messages": [{"role": "user", "content": "Name two moons of Jupiter."}],
+            "max_tokens": 12, "temperature": 0,
+            "edgesplit": {"transport": "v2", "handoff": "after", "node": url},
+        }),
+    )
+    .await;
+    let e = &v["edgesplit"];
+    assert!(e["fallback"].is_null(), "{v}");
+    assert!(e["decode_node_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(e["same_numerics"], json!(false), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -381,6 +381,11 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     let budget = Some(model_bytes + (256 << 20) + 1536 * kvpt);
     let mut node = phone(&lan, &received, &args, budget, &dir.join("phone.log"));
     let url = ready_at(&router, &format!("{}.2", lan.net)).await;
+    // Qualified with answers identical to the laptop's (the same architecture and build).
+    assert_eq!(
+        devices(&router).await["devices"][0]["agreement"],
+        json!("identical to the laptop's (it computes alike)")
+    );
     // It took the prefill node's settings, and planned its memory.
     let h = common::get_json(&format!("{router}/health")).await;
     let d = &h["decode_nodes"][0];
