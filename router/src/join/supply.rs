@@ -94,6 +94,7 @@ impl Joins {
         let mut file = tokio::fs::File::open(&path).await?;
         file.seek(std::io::SeekFrom::Start(have)).await?;
         let mut buf = vec![0u8; 1 << 20];
+        let (mut sent, mut shown) = (have, have * 100 / size.max(1));
         loop {
             let n = file.read(&mut buf).await?;
             if n == 0 {
@@ -102,6 +103,12 @@ impl Joins {
             tokio::time::timeout(CONNECTION_TIME, link.write_all(&buf[..n]))
                 .await
                 .map_err(|_| JoinError::Io(std::io::ErrorKind::TimedOut.into()))??;
+            sent += n as u64;
+            let percent = sent * 100 / size.max(1);
+            if percent >= shown + 10 {
+                shown = percent;
+                tracing::info!(%peer, percent, "model file transfer");
+            }
         }
         link.flush().await?;
         link.shutdown().await?;

@@ -4,7 +4,8 @@
 //! (and the model): it finds the router by broadcast, receives its key, and serves
 //! split answers identical to the laptop's own; a wrong and an expired code are refused;
 //! its address changes and it is found again; the laptop's address changes and the phone
-//! finds the router again, and splits go through it within seconds; it comes back after a restart from what it
+//! finds the router again, and splits go through it within seconds; the router restarts and
+//! takes it back, and it finds the router again; it comes back after a restart from what it
 //! kept; it holds a key of its own, not the household's secret; removed, its announces are
 //! refused and no request reaches it.
 
@@ -292,7 +293,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--secret-file",
         &sf,
     ]);
-    let _router = spawn("edgesplit-router", &router_args, &dir.join("router.log"));
+    let router_proc = spawn("edgesplit-router", &router_args, &dir.join("router.log"));
     let r = reported(&dir.join("router.log"), "router listening (HTTP)").await;
     let router = format!("http://{}", r["addr"].as_str().unwrap());
     reported(&dir.join("router.log"), "devices may join with a code").await;
@@ -470,6 +471,33 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     );
     split_through(&router, &moved, &want).await;
 
+    // The router restarts (other HTTP and join ports): it takes the qualified phone back
+    // from its registry, and the phone, its announces unanswered, finds it again by id.
+    drop(router_proc);
+    let _router = spawn(
+        "edgesplit-router",
+        &router_args,
+        &dir.join("router-again.log"),
+    );
+    let r = reported(&dir.join("router-again.log"), "router listening (HTTP)").await;
+    let router = format!("http://{}", r["addr"].as_str().unwrap());
+    assert_eq!(ready_at(&router, &format!("{}.3", lan.net)).await, moved);
+    let t0 = Instant::now();
+    let moves = || {
+        std::fs::read_to_string(dir.join("phone.log"))
+            .unwrap()
+            .matches("the router moved")
+            .count()
+    };
+    while moves() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the phone did not find the restarted router"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    split_through(&router, &moved, &want).await;
+
     // Restarted with nothing but the model: it is the joined device it was.
     drop(node);
     node = phone(
@@ -509,7 +537,11 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     assert_eq!(refused["reason"], "revoked", "{refused}");
     drop(node);
     // Its id is refused before any key is used; an id the router never gave is unknown.
-    let at = reported(&dir.join("router.log"), "devices may join with a code").await;
+    let at = reported(
+        &dir.join("router-again.log"),
+        "devices may join with a code",
+    )
+    .await;
     let at: std::net::SocketAddr = at["addr"].as_str().unwrap().parse().unwrap();
     for (device, want) in [
         (id.as_str(), Refusal::Revoked),
