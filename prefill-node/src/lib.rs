@@ -269,6 +269,9 @@ impl pb::prefill_server::Prefill for PrefillService {
             if !edgesplit_proto::frame::valid_id(&h.handoff_id) {
                 return Err(Status::invalid_argument("invalid handoff id"));
             }
+            if !h.decode_key.is_empty() && !edgesplit_proto::frame::valid_id(&h.decode_key) {
+                return Err(Status::invalid_argument("invalid decode_key (a device id)"));
+            }
             sender = Some(self.sender(h)?);
         }
         let v1 = handoff
