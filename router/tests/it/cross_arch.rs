@@ -406,6 +406,7 @@ async fn the_static_aarch64_decode_node_joins_with_a_code_and_qualifies() {
     };
     // Another architecture: qualified on its measured agreement, not on identity.
     let agreement = d["devices"][0]["agreement"].as_str().unwrap_or_default();
+    eprintln!("the aarch64 file qualified: {agreement}");
     assert!(
         agreement.ends_with(" of 24 tokens as the laptop's (another architecture or kernels)"),
         "{d}"
