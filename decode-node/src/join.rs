@@ -215,19 +215,29 @@ async fn connect(at: SocketAddr) -> Result<tokio::net::TcpStream, JoinError> {
         .map_err(failed)
 }
 
+/// A connection to the router at `at` that opened with `hello` (a joined device's first
+/// message) and, the router having taken it, runs the private link under this device's key.
+async fn knock(
+    at: SocketAddr,
+    hello: &Hello,
+    link: &Link,
+) -> Result<edgesplit_proto::link::LinkStream, JoinError> {
+    let mut tcp = connect(at).await?;
+    join::knock(&mut tcp, hello).await?;
+    Ok(link.connect(tcp).await?)
+}
+
 async fn announce_once(
     at: SocketAddr,
     link: &Link,
     me: &join::Present,
 ) -> Result<String, JoinError> {
     let exchange = async {
-        let mut tcp = connect(at).await?;
         let hello = Hello::Announce {
             v: join::VERSION,
             device: me.device.clone(),
         };
-        join::knock(&mut tcp, &hello).await?;
-        let mut private = link.connect(tcp).await?;
+        let mut private = knock(at, &hello, link).await?;
         join::present(&mut private, me).await
     };
     tokio::time::timeout(EXCHANGE_TIME, exchange)
@@ -324,13 +334,11 @@ pub async fn prepare(config: &mut crate::Config) -> anyhow::Result<Option<Joined
 /// The prefill node's settings, from the router.
 async fn fetch_settings(joined: &Joined, link: &Link) -> Result<join::Settings, JoinError> {
     let exchange = async {
-        let mut tcp = connect(joined.join_addr).await?;
         let hello = Hello::Settings {
             v: join::VERSION,
             device: joined.device.clone(),
         };
-        join::knock(&mut tcp, &hello).await?;
-        let mut private = link.connect(tcp).await?;
+        let mut private = knock(joined.join_addr, &hello, link).await?;
         let answer: serde_json::Value = join::receive(&mut private).await?;
         if answer.get("op").is_some() {
             return Err(refusal(answer));
@@ -458,13 +466,11 @@ pub async fn fetch_model(joined: &Joined, link: &Link, path: &Path) -> anyhow::R
 async fn fetch_once(joined: &Joined, link: &Link, part: &Path) -> Result<String, JoinError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let have = std::fs::metadata(part).map_or(0, |m| m.len());
-    let mut tcp = connect(joined.join_addr).await?;
     let hello = Hello::Model {
         v: join::VERSION,
         device: joined.device.clone(),
     };
-    join::knock(&mut tcp, &hello).await?;
-    let mut private = link.connect(tcp).await?;
+    let mut private = knock(joined.join_addr, &hello, link).await?;
     join::send(&mut private, &join::ModelAsk { have }).await?;
     let answer: serde_json::Value = join::receive(&mut private).await?;
     if answer.get("op").is_some() {
