@@ -15,7 +15,9 @@
 //! timed.
 
 use crate::common;
-use crate::processes::{reported, spawn, start_three_with, Proc, ThreeOptions, ONE_AT_A_TIME};
+use crate::processes::{
+    prefill_node, reported, spawn, start_three_with, Proc, ThreeOptions, ONE_AT_A_TIME,
+};
 
 use std::path::{Path, PathBuf};
 
@@ -308,27 +310,8 @@ async fn the_static_aarch64_decode_node_joins_with_a_code_and_qualifies() {
     let secret_file = dir.join("secret");
     std::fs::write(&secret_file, SECRET).unwrap();
     let sf = secret_file.display().to_string();
-    let m = common::model(common::SMOLLM2).display().to_string();
     let strs = |a: &[&str]| a.iter().map(|x| (*x).to_string()).collect::<Vec<_>>();
-    let _prefill = spawn(
-        "edgesplit-prefill",
-        &strs(&[
-            "--model",
-            &m,
-            "--n-ctx",
-            "1024",
-            "--threads",
-            "1",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--secret-file",
-            &sf,
-        ]),
-        &dir.join("prefill.log"),
-    );
-    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
+    let (_prefill, prefill_url) = prefill_node(&dir, &secret_file, &[]).await;
     let state = dir.join("state").display().to_string();
     let _router = spawn(
         "edgesplit-router",
@@ -336,7 +319,7 @@ async fn the_static_aarch64_decode_node_joins_with_a_code_and_qualifies() {
             "--listen",
             "127.0.0.1:0",
             "--prefill-url",
-            &format!("http://{}", p["grpc"].as_str().unwrap()),
+            &prefill_url,
             "--join-listen",
             "127.0.0.1:0",
             "--discovery-port",

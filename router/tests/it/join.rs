@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use edgesplit_proto::join::{Hello, JoinError, Refusal};
 
 use crate::common;
-use crate::processes::{bin, reported, spawn, Proc, ONE_AT_A_TIME};
+use crate::processes::{bin, prefill_node, reported, spawn, Proc, ONE_AT_A_TIME};
 
 /// `ip` with `args`; panics with its error output when it fails.
 fn ip(args: &[&str]) {
@@ -246,31 +246,19 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
     // The prefill node's KV cache is q8_0 with flash attention on: the phone, started
     // without those flags, takes them from the router (the handshake would refuse it
     // otherwise), and its context size.
-    let _prefill = spawn(
-        "edgesplit-prefill",
-        &strs(&[
-            "--model",
-            &m,
-            "--n-ctx",
-            "1024",
+    let (_prefill, prefill_url) = prefill_node(
+        &dir,
+        &secret_file,
+        &[
             "--cache-type-k",
             "q8_0",
             "--cache-type-v",
             "q8_0",
             "--flash-attn",
             "on",
-            "--threads",
-            "1",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--secret-file",
-            &sf,
-        ]),
-        &dir.join("prefill.log"),
-    );
-    let p = reported(&dir.join("prefill.log"), "prefill node listening").await;
+        ],
+    )
+    .await;
     // Every interface: the laptop's own address changes below.
     let join_at = "0.0.0.0:0".to_string();
     let state = dir.join("state").display().to_string();
@@ -278,7 +266,7 @@ async fn a_phone_joins_with_a_code_alone_and_serves_split_answers() {
         "--listen",
         "127.0.0.1:0",
         "--prefill-url",
-        &format!("http://{}", p["grpc"].as_str().unwrap()),
+        &prefill_url,
         "--join-listen",
         &join_at,
         "--discovery-port",

@@ -59,6 +59,39 @@ pub(crate) fn spawn(name: &str, args: &[String], log: &std::path::Path) -> Proc 
     )
 }
 
+/// A SmolLM2 prefill node on loopback (1,024 tokens of context, one thread) keyed by
+/// `secret_file`, with `extra` flags, logging to `dir/prefill.log`; returns it and its
+/// gRPC URL.
+pub(crate) async fn prefill_node(
+    dir: &std::path::Path,
+    secret_file: &std::path::Path,
+    extra: &[&str],
+) -> (Proc, String) {
+    let model = crate::common::model(crate::common::SMOLLM2);
+    let mut args: Vec<String> = [
+        "--model",
+        &model.display().to_string(),
+        "--n-ctx",
+        "1024",
+        "--threads",
+        "1",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--secret-file",
+        &secret_file.display().to_string(),
+    ]
+    .iter()
+    .map(|s| (*s).to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| (*s).to_string()));
+    let log = dir.join("prefill.log");
+    let p = spawn("edgesplit-prefill", &args, &log);
+    let at = reported(&log, "prefill node listening").await;
+    (p, format!("http://{}", at["grpc"].as_str().unwrap()))
+}
+
 /// The tests here each start three processes: one at a time, so that on a 2-core
 /// machine their timings (drain deadlines) are not at the mercy of each other.
 pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
