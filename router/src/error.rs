@@ -1,10 +1,13 @@
 //! The error a client sees: an HTTP status and the OpenAI error object. The backend's
-//! failures become one in `server.rs` (`From<Failure> for ApiError`).
+//! failures become one in `server.rs` (`From<Failure> for ApiError`); a request's shape
+//! (a value of the wrong type, a field we do not take) becomes one here ([`typed`],
+//! [`refuse_other`]).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use edgesplit_proto::error::ErrorCode;
-use serde_json::json;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Map, Value};
 
 /// An error as the client sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,5 +113,48 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
+    }
+}
+
+/// `value` as a `T`, or a 400 naming the field whose value did not fit.
+pub fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let mut message = e.into_inner().to_string();
+        // What serde expected, in the client's words rather than Rust's types.
+        for (rust, json) in [
+            ("expected f64", "expected a number"),
+            ("expected i64", "expected an integer"),
+            ("expected u64", "expected a non-negative integer"),
+            ("expected u32", "expected an integer from 0 to 4294967295"),
+        ] {
+            message = message.replace(rust, json);
+        }
+        if let Some(at) = message.find("expected struct ") {
+            message.replace_range(at.., "expected an object");
+        }
+        if path == "." {
+            ApiError::invalid(None, message)
+        } else {
+            ApiError::invalid(Some(path.clone()), format!("{path}: {message}"))
+        }
+    })
+}
+
+/// Refuses the first field of `other` that is set, by its name under `at` ("" at the top).
+pub fn refuse_other(other: &Map<String, Value>, at: &str) -> Result<(), ApiError> {
+    match other.iter().find(|(_, v)| !v.is_null()) {
+        Some((k, _)) => {
+            let name = if at.is_empty() {
+                k.clone()
+            } else {
+                format!("{at}.{k}")
+            };
+            Err(ApiError::invalid(
+                Some(name.clone()),
+                format!("unsupported field {name:?}"),
+            ))
+        }
+        None => Ok(()),
     }
 }

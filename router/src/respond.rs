@@ -918,7 +918,7 @@ mod tests {
     fn with_tools() -> Answer {
         let mut a = answer(Endpoint::Chat, false, vec![]);
         let body = json!({"tools": [{"type": "function", "function": {"name": "get_time"}}]});
-        a.meta.tools = crate::tools::parse(body.as_object().unwrap()).unwrap();
+        a.meta.tools = crate::tools::parse(crate::error::typed(body).unwrap()).unwrap();
         a.text = TextAssembler::new(vec![]).holding_from(crate::tools::MARKER);
         a
     }

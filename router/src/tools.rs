@@ -19,9 +19,10 @@
 //! - `parallel_tool_calls` (default true): more than one call may come; false: one (the
 //!   grammar's when forced; with `auto`, the first call the model wrote).
 
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::error::ApiError;
+use crate::error::{refuse_other, ApiError};
 
 /// Where a call starts in the model's text (what streamed text is held back from).
 pub const MARKER: &str = "<tool_call>";
@@ -73,15 +74,71 @@ fn invalid(param: impl Into<String>, msg: impl Into<String>) -> ApiError {
     ApiError::invalid(Some(param.into()), msg)
 }
 
-/// Refuses any key of `obj` (at `param`) not in `allowed`.
-fn only(obj: &Map<String, Value>, allowed: &[&str], param: &str) -> Result<(), ApiError> {
-    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(k) => Err(invalid(
-            format!("{param}.{k}"),
-            format!("unsupported field {param}.{k}"),
-        )),
-        None => Ok(()),
-    }
+/// The one kind of tool and call there is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FunctionKind {
+    Function,
+}
+
+/// `tools[i]` as it arrives: `{"type": "function", "function": {...}}`.
+#[derive(Debug, Deserialize)]
+pub struct ToolBody {
+    #[serde(rename = "type")]
+    kind: FunctionKind,
+    function: Option<FunctionBody>,
+    #[serde(flatten)]
+    other: Map<String, Value>,
+}
+
+/// `tools[i].function`: `{"name", "description", "parameters", "strict"}`.
+#[derive(Debug, Deserialize)]
+struct FunctionBody {
+    name: Option<String>,
+    description: Option<String>,
+    /// A JSON Schema.
+    parameters: Option<Map<String, Value>>,
+    /// Accepted: calls are always held to the parameters when forced.
+    #[allow(dead_code)]
+    strict: Option<bool>,
+    #[serde(flatten)]
+    other: Map<String, Value>,
+}
+
+/// `tool_choice` as it arrives: `"none" | "auto" | "required"` or a named function.
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "tool_choice must be \"none\", \"auto\", \"required\" or a named function"
+)]
+pub enum ToolChoiceBody {
+    Mode(String),
+    Named(NamedChoice),
+}
+
+/// `{"type": "function", "function": {"name": ...}}`.
+#[derive(Debug, Deserialize)]
+pub struct NamedChoice {
+    #[serde(rename = "type")]
+    kind: FunctionKind,
+    function: ChoiceName,
+    #[serde(flatten)]
+    other: Map<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChoiceName {
+    name: String,
+    #[serde(flatten)]
+    other: Map<String, Value>,
+}
+
+/// A request's `tools`, `tool_choice` and `parallel_tool_calls` as they arrived.
+#[derive(Debug, Default, Deserialize)]
+pub struct ToolFields {
+    pub tools: Option<Vec<ToolBody>>,
+    pub tool_choice: Option<ToolChoiceBody>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// OpenAI's rule for function names.
@@ -92,27 +149,18 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-/// One `tools[i]` entry: `{"type": "function", "function": {"name", "description",
-/// "parameters", "strict"}}`.
-fn function(i: usize, tool: &Value) -> Result<Function, ApiError> {
+/// One `tools[i]` entry.
+fn function(i: usize, tool: ToolBody) -> Result<Function, ApiError> {
     let param = format!("tools[{i}]");
-    let Some(tool) = tool.as_object() else {
-        return Err(invalid(param, "each tool must be an object"));
-    };
-    only(tool, &["type", "function"], &param)?;
-    if tool.get("type").and_then(Value::as_str) != Some("function") {
-        return Err(invalid(
-            format!("{param}.type"),
-            "only tools of type \"function\" are supported",
-        ));
-    }
+    refuse_other(&tool.other, &param)?;
+    let FunctionKind::Function = tool.kind;
     let param = format!("{param}.function");
-    let Some(f) = tool.get("function").and_then(Value::as_object) else {
+    let Some(f) = tool.function else {
         return Err(invalid(param, "a function tool needs a function object"));
     };
-    only(f, &["name", "description", "parameters", "strict"], &param)?;
-    let name = match f.get("name").and_then(Value::as_str) {
-        Some(n) if valid_name(n) => n.to_string(),
+    refuse_other(&f.other, &param)?;
+    let name = match f.name {
+        Some(n) if valid_name(&n) => n,
         _ => {
             return Err(invalid(
                 format!("{param}.name"),
@@ -120,37 +168,10 @@ fn function(i: usize, tool: &Value) -> Result<Function, ApiError> {
             ))
         }
     };
-    if f.get("description").is_some_and(|d| !d.is_string()) {
-        return Err(invalid(
-            format!("{param}.description"),
-            "description must be a string",
-        ));
-    }
-    if f.get("strict").is_some_and(|d| !d.is_boolean()) {
-        return Err(invalid(
-            format!("{param}.strict"),
-            "strict must be a boolean",
-        ));
-    }
-    let parameters = match f.get("parameters") {
-        None | Some(Value::Null) => None,
-        Some(p @ Value::Object(_)) => Some(p.clone()),
-        Some(_) => {
-            return Err(invalid(
-                format!("{param}.parameters"),
-                "parameters must be a JSON Schema object",
-            ))
-        }
-    };
-    let description = f
-        .get("description")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
     Ok(Function {
         name,
-        description,
-        parameters,
+        description: f.description.unwrap_or_default(),
+        parameters: f.parameters.map(Value::Object),
     })
 }
 
@@ -159,19 +180,16 @@ fn function(i: usize, tool: &Value) -> Result<Function, ApiError> {
 ///
 /// # Errors
 /// A 400 naming the field.
-pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
-    let list = match obj.get("tools") {
-        None | Some(Value::Null) => &Vec::new(),
-        Some(Value::Array(a)) if a.len() <= MAX_TOOLS => a,
-        Some(_) => {
-            return Err(invalid(
-                "tools",
-                format!("tools must be an array of at most {MAX_TOOLS} tools"),
-            ))
-        }
-    };
+pub fn parse(fields: ToolFields) -> Result<Option<Tools>, ApiError> {
+    let list = fields.tools.unwrap_or_default();
+    if list.len() > MAX_TOOLS {
+        return Err(invalid(
+            "tools",
+            format!("tools must be an array of at most {MAX_TOOLS} tools"),
+        ));
+    }
     let mut functions: Vec<Function> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
+    for (i, t) in list.into_iter().enumerate() {
         let f = function(i, t)?;
         if functions.iter().any(|g| g.name == f.name) {
             return Err(invalid(
@@ -181,48 +199,32 @@ pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         }
         functions.push(f);
     }
-    let parallel = match obj.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(invalid(
-                "parallel_tool_calls",
-                "parallel_tool_calls must be a boolean",
-            ))
-        }
-    };
-    let choice = match obj.get("tool_choice") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if s == "none" => return Ok(None),
-        Some(Value::String(s)) if s == "auto" => Some(ToolChoice::Auto),
-        Some(Value::String(s)) if s == "required" => Some(ToolChoice::Required),
-        Some(Value::Object(o)) => {
-            only(o, &["type", "function"], "tool_choice")?;
-            let name = o
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str);
-            match (o.get("type").and_then(Value::as_str), name) {
-                (Some("function"), Some(n)) if functions.iter().any(|f| f.name == n) => {
-                    Some(ToolChoice::Function(n.to_string()))
-                }
-                (Some("function"), Some(n)) => {
-                    return Err(invalid(
-                        "tool_choice.function.name",
-                        format!("no tool is named {n:?}"),
-                    ))
-                }
-                _ => return Err(invalid(
+    let parallel = fields.parallel_tool_calls.unwrap_or(true);
+    let choice = match fields.tool_choice {
+        None => None,
+        Some(ToolChoiceBody::Mode(s)) => match s.as_str() {
+            "none" => return Ok(None),
+            "auto" => Some(ToolChoice::Auto),
+            "required" => Some(ToolChoice::Required),
+            _ => {
+                return Err(invalid(
                     "tool_choice",
-                    "tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                )),
+                    "tool_choice must be \"none\", \"auto\", \"required\" or a named function",
+                ))
             }
-        }
-        Some(_) => {
-            return Err(invalid(
-                "tool_choice",
-                "tool_choice must be \"none\", \"auto\", \"required\" or a named function",
-            ))
+        },
+        Some(ToolChoiceBody::Named(n)) => {
+            refuse_other(&n.other, "tool_choice")?;
+            refuse_other(&n.function.other, "tool_choice.function")?;
+            let FunctionKind::Function = n.kind;
+            let name = n.function.name;
+            if !functions.iter().any(|f| f.name == name) {
+                return Err(invalid(
+                    "tool_choice.function.name",
+                    format!("no tool is named {name:?}"),
+                ));
+            }
+            Some(ToolChoice::Function(name))
         }
     };
     if functions.is_empty() {
@@ -325,7 +327,12 @@ mod tests {
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
-        parse(body.as_object().unwrap())
+        read(body)
+    }
+
+    /// `body`'s tool fields, read as a request's are.
+    fn read(body: Value) -> Result<Option<Tools>, ApiError> {
+        parse(crate::error::typed(body)?)
     }
 
     fn param(r: Result<Option<Tools>, ApiError>) -> String {
@@ -360,15 +367,12 @@ mod tests {
         let s: Value = serde_json::from_str(&t.forced_schema().unwrap()).unwrap();
         assert_eq!(s["anyOf"].as_array().unwrap().len(), 2);
         assert_eq!(tools(json!({"tool_choice": "none"})).unwrap(), None);
-        assert_eq!(
-            parse(json!({"tool_choice": "none"}).as_object().unwrap()).unwrap(),
-            None
-        );
+        assert_eq!(read(json!({"tool_choice": "none"})).unwrap(), None);
     }
 
     #[test]
     fn malformed_tools_are_refused_by_name() {
-        let bad = |body: Value| param(parse(body.as_object().unwrap()));
+        let bad = |body: Value| param(read(body));
         assert_eq!(bad(json!({"tools": {}})), "tools");
         assert_eq!(bad(json!({"tools": [1]})), "tools[0]");
         assert_eq!(

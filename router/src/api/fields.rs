@@ -1,116 +1,54 @@
-//! Which fields a request may carry: the ones we use, per endpoint, and the ones refused
-//! unless inert; anything else is a 400 naming it.
+//! Which fields a request may carry beyond the ones its endpoint reads: the other
+//! endpoint's are refused by name, and OpenAI fields we do not implement are accepted only
+//! at the value that asks for nothing. A field silently ignored would give an answer that
+//! looks right and is not what was asked for.
 
-use serde_json::{Map, Value};
-
+use super::body::Body;
 use super::Endpoint;
-use crate::error::ApiError;
+use crate::error::{refuse_other, ApiError};
 
-/// Top-level fields both endpoints take. (`user` is OpenAI's end-user id: metadata that
-/// changes no answer, accepted and not used.)
-const FIELDS: &[&str] = &[
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "repeat_penalty",
-    "edgesplit",
-    "user",
-    "logprobs",
-    "response_format",
-    "cache_prompt",
-];
-const CHAT_FIELDS: &[&str] = &[
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-];
-const COMPLETION_FIELDS: &[&str] = &["prompt"];
+fn refused(field: &str, why: impl Into<String>) -> Result<(), ApiError> {
+    Err(ApiError::invalid(Some(field.to_string()), why))
+}
 
-/// OpenAI fields we do not implement (yet) but accept at the value that asks for nothing:
-/// the field, whether a value asks for nothing, and what the 400 says otherwise.
-type Inert = (&'static str, fn(&Value) -> bool, &'static str);
-const INERT: &[Inert] = &[
-    (
-        "logit_bias",
-        |v| v.as_object().is_some_and(Map::is_empty),
-        "logit_bias is not supported",
-    ),
-    (
-        "echo",
-        |v| matches!(v, Value::Bool(false)),
-        "echo is not supported",
-    ),
-    (
-        "best_of",
-        |v| v.as_u64() == Some(1),
-        "only best_of=1 is supported",
-    ),
-    (
-        "suffix",
-        |v| v.as_str().is_some_and(str::is_empty),
-        "suffix is not supported",
-    ),
-];
-
-/// Refuses every field the endpoint does not take, naming it, and every unimplemented
-/// OpenAI field set to ask for something (null is always "not set"). A field silently
-/// ignored would give an answer that looks right and is not what was asked for.
-pub(super) fn known_fields(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiError> {
-    let own = match endpoint {
-        Endpoint::Chat => CHAT_FIELDS,
-        Endpoint::Completion => COMPLETION_FIELDS,
+/// Refuses the first field that `endpoint` does not take or that asks for what we do not
+/// implement (null is always "not set").
+pub(super) fn known_fields(endpoint: Endpoint, body: &Body) -> Result<(), ApiError> {
+    refuse_other(&body.other, "")?;
+    let other_endpoint: &[(&str, bool)] = match endpoint {
+        Endpoint::Chat => &[("prompt", body.prompt.is_some())],
+        Endpoint::Completion => &[
+            ("messages", body.messages.is_some()),
+            (
+                "max_completion_tokens",
+                body.max_completion_tokens.is_some(),
+            ),
+            ("top_logprobs", body.top_logprobs.is_some()),
+            ("tools", body.tools.is_some()),
+            ("tool_choice", body.tool_choice.is_some()),
+            ("parallel_tool_calls", body.parallel_tool_calls.is_some()),
+        ],
     };
-    for (key, value) in obj {
-        if FIELDS.contains(&key.as_str()) || own.contains(&key.as_str()) || value.is_null() {
-            continue;
-        }
-        match INERT.iter().find(|(name, ..)| name == key) {
-            Some((_, inert, _)) if inert(value) => {}
-            Some((_, _, why)) => return Err(ApiError::invalid(Some(key.clone()), *why)),
-            None => {
-                return Err(ApiError::invalid(
-                    Some(key.clone()),
-                    format!("unsupported field {key:?}"),
-                ))
-            }
-        }
+    if let Some((field, _)) = other_endpoint.iter().find(|(_, set)| *set) {
+        return refused(field, format!("unsupported field {field:?}"));
     }
-    let nested: [(&str, &[&str]); 2] = [
-        (
-            "edgesplit",
-            &[
-                "transport",
-                "handoff",
-                "objective",
-                "node",
-                "return_token_ids",
-            ],
-        ),
-        ("stream_options", &["include_usage"]),
-    ];
-    for (outer, allowed) in nested {
-        if let Some(Value::Object(o)) = obj.get(outer) {
-            if let Some(k) = o.keys().find(|k| !allowed.contains(&k.as_str())) {
-                return Err(ApiError::invalid(
-                    Some(format!("{outer}.{k}")),
-                    format!("unsupported field {outer}.{k}"),
-                ));
-            }
-        }
+    if body.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return refused("logit_bias", "logit_bias is not supported");
+    }
+    if body.echo == Some(true) {
+        return refused("echo", "echo is not supported");
+    }
+    if body.best_of.is_some_and(|n| n != 1) {
+        return refused("best_of", "only best_of=1 is supported");
+    }
+    if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return refused("suffix", "suffix is not supported");
+    }
+    if let Some(o) = &body.stream_options {
+        refuse_other(&o.other, "stream_options")?;
+    }
+    if let Some(e) = &body.edgesplit {
+        refuse_other(&e.other, "edgesplit")?;
     }
     Ok(())
 }

@@ -3,29 +3,27 @@
 
 use serde_json::{Map, Value};
 
+use super::body::{CallBody, Content, MessageBody, Role};
 use super::Message;
-use crate::error::ApiError;
-use crate::tools::Call;
+use crate::error::{refuse_other, ApiError};
+use crate::tools::{Call, FunctionKind};
 
-const ROLES: [&str; 5] = ["system", "user", "assistant", "developer", "tool"];
-
-/// Text of a message's `content`: a string, or an array of `{"type":"text","text":...}` parts
-/// joined with newlines (as llama-server joins them).
-pub(super) fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
+/// Text of a message's `content`: a string, or `{"type":"text","text":...}` parts joined
+/// with newlines (as llama-server joins them).
+fn content_text(content: Content, param: &str) -> Result<String, ApiError> {
+    match content {
+        Content::Text(s) => Ok(s),
+        Content::Parts(parts) => {
             let mut out = String::new();
             for (j, p) in parts.iter().enumerate() {
-                match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    // Joined with a newline, as llama-server joins them.
-                    (Some("text"), Some(Value::String(t))) => {
+                match text_part(p) {
+                    Some(t) => {
                         if j > 0 {
                             out.push('\n');
                         }
                         out.push_str(t);
                     }
-                    _ => return Err(ApiError::invalid(
+                    None => return Err(ApiError::invalid(
                         Some(format!("{param}[{j}]")),
                         "only text content parts ({\"type\":\"text\",\"text\":...}) are supported",
                     )),
@@ -33,28 +31,26 @@ pub(super) fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
             }
             Ok(out)
         }
-        _ => Err(ApiError::invalid(
-            Some(param.to_string()),
-            "content must be a string or an array of text parts",
-        )),
     }
 }
 
-pub(super) fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiError> {
-    let list = match obj.get("messages") {
-        None | Some(Value::Null) => {
-            return Err(ApiError::invalid(
-                Some("messages".into()),
-                "messages is required",
-            ))
+/// A part's text when it is a text part and nothing else.
+fn text_part(p: &Map<String, Value>) -> Option<&str> {
+    match (p.get("type"), p.get("text")) {
+        (Some(Value::String(kind)), Some(Value::String(t))) if kind == "text" && p.len() == 2 => {
+            Some(t)
         }
-        Some(Value::Array(a)) => a,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("messages".into()),
-                "messages must be an array",
-            ))
-        }
+        _ => None,
+    }
+}
+
+/// `messages`: at least one.
+pub(super) fn messages(list: Option<Vec<MessageBody>>) -> Result<Vec<Message>, ApiError> {
+    let Some(list) = list else {
+        return Err(ApiError::invalid(
+            Some("messages".into()),
+            "messages is required",
+        ));
     };
     if list.is_empty() {
         return Err(ApiError::invalid(
@@ -62,139 +58,92 @@ pub(super) fn messages(obj: &Map<String, Value>) -> Result<Vec<Message>, ApiErro
             "messages must contain at least one message",
         ));
     }
-    list.iter()
+    list.into_iter()
         .enumerate()
         .map(|(i, m)| message(i, m))
         .collect()
 }
 
 /// `messages[i]`: `role` and `content`, plus an assistant's `tool_calls` (then `content`
-/// may be null) and a tool's `tool_call_id`.
-pub(super) fn message(i: usize, m: &Value) -> Result<Message, ApiError> {
-    let Some(m) = m.as_object() else {
+/// may be null) and a tool's `tool_call_id`. A field the role does not take (`name`,
+/// `audio`, a user's `tool_calls`...) is refused rather than dropped.
+fn message(i: usize, m: MessageBody) -> Result<Message, ApiError> {
+    let at = format!("messages[{i}]");
+    let Some(role) = m.role else {
         return Err(ApiError::invalid(
-            Some(format!("messages[{i}]")),
-            "each message must be an object",
+            Some(format!("{at}.role")),
+            "role is required",
         ));
     };
-    let role = match m.get("role") {
-        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
-        Some(Value::String(r)) => {
-            return Err(ApiError::invalid(
-                Some(format!("messages[{i}].role")),
-                format!(
-                    "invalid role {r:?}; expected one of system, user, assistant, developer, tool"
-                ),
-            ))
-        }
-        _ => {
-            return Err(ApiError::invalid(
-                Some(format!("messages[{i}].role")),
-                "role is required and must be a string",
-            ))
-        }
+    refuse_other(&m.other, &at)?;
+    let unsupported = |field: &str| {
+        Err(ApiError::invalid(
+            Some(format!("{at}.{field}")),
+            format!("unsupported field {field:?} in a {} message", role.as_str()),
+        ))
     };
-    // Fields a message may carry that we would not use (`name`, `audio`, ...) are refused
-    // rather than dropped; a null one is not set.
-    let own: &[&str] = match role.as_str() {
-        "assistant" => &["role", "content", "tool_calls"],
-        "tool" => &["role", "content", "tool_call_id"],
-        _ => &["role", "content"],
-    };
-    if let Some((k, _)) = m
-        .iter()
-        .find(|(k, v)| !own.contains(&k.as_str()) && !v.is_null())
-    {
-        return Err(ApiError::invalid(
-            Some(format!("messages[{i}].{k}")),
-            format!("unsupported field {k:?} in a {role} message"),
-        ));
+    if m.tool_calls.is_some() && role != Role::Assistant {
+        return unsupported("tool_calls");
     }
-    let tool_calls = match m.get("tool_calls") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .enumerate()
-            .map(|(j, c)| message_call(&format!("messages[{i}].tool_calls[{j}]"), c))
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
+    if m.tool_call_id.is_some() && role != Role::Tool {
+        return unsupported("tool_call_id");
+    }
+    let tool_calls = m
+        .tool_calls
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .map(|(j, c)| message_call(&format!("{at}.tool_calls[{j}]"), c))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tool_call_id = match (role, m.tool_call_id) {
+        (Role::Tool, None) => {
             return Err(ApiError::invalid(
-                Some(format!("messages[{i}].tool_calls")),
-                "tool_calls must be an array",
-            ))
-        }
-    };
-    let tool_call_id = match m.get("tool_call_id") {
-        _ if role != "tool" => None,
-        Some(Value::String(id)) => Some(id.clone()),
-        _ => {
-            return Err(ApiError::invalid(
-                Some(format!("messages[{i}].tool_call_id")),
+                Some(format!("{at}.tool_call_id")),
                 "a tool message needs the tool_call_id (a string) of the call it answers",
             ))
         }
+        (_, id) => id,
     };
-    let param = format!("messages[{i}].content");
-    let content = match m.get("content") {
-        // An assistant message that calls tools may say nothing.
-        None | Some(Value::Null) if !tool_calls.is_empty() => String::new(),
-        None | Some(Value::Null) => {
-            return Err(ApiError::invalid(Some(param), "content is required"))
-        }
+    let param = format!("{at}.content");
+    let content = match m.content {
         Some(c) => content_text(c, &param)?,
+        // An assistant message that calls tools may say nothing.
+        None if !tool_calls.is_empty() => String::new(),
+        None => return Err(ApiError::invalid(Some(param), "content is required")),
     };
-    // Templates generally know no "developer" role: it is OpenAI's newer name for system.
-    let role = if role == "developer" {
-        "system".into()
-    } else {
-        role
+    // Templates generally know no "developer": it is OpenAI's newer name for system.
+    let role = match role {
+        Role::Developer => Role::System,
+        r => r,
     };
     Ok(Message {
-        role,
+        role: role.as_str().into(),
         content,
         tool_calls,
         tool_call_id,
     })
 }
 
-/// An assistant message's call: `{"id", "type": "function", "function": {"name",
-/// "arguments"}}`, the arguments JSON text of an object (as OpenAI returned them).
-pub(super) fn message_call(param: &str, c: &Value) -> Result<Call, ApiError> {
-    let bad = |p: &str, msg: &str| Err(ApiError::invalid(Some(format!("{param}{p}")), msg));
-    let Some(o) = c.as_object() else {
-        return bad("", "each tool call must be an object");
-    };
-    if let Some(k) = o
-        .keys()
-        .find(|k| !matches!(k.as_str(), "id" | "type" | "function"))
-    {
-        return bad(&format!(".{k}"), "unsupported field in a tool call");
-    }
-    let (Some(id), Some("function")) = (
-        o.get("id").and_then(Value::as_str),
-        o.get("type").and_then(Value::as_str),
-    ) else {
-        return bad("", "a tool call needs an id and type \"function\"");
-    };
-    let f = o.get("function").and_then(Value::as_object);
-    let (Some(name), Some(arguments)) = (
-        f.and_then(|f| f.get("name")).and_then(Value::as_str),
-        f.and_then(|f| f.get("arguments")).and_then(Value::as_str),
-    ) else {
-        return bad(
-            ".function",
+/// An assistant message's call, its arguments the JSON text of an object.
+fn message_call(param: &str, c: CallBody) -> Result<Call, ApiError> {
+    refuse_other(&c.other, param)?;
+    let FunctionKind::Function = c.kind;
+    let Some(f) = c.function else {
+        return Err(ApiError::invalid(
+            Some(format!("{param}.function")),
             "a tool call's function needs a name and arguments (a string)",
-        );
+        ));
     };
-    if !serde_json::from_str::<Value>(arguments).is_ok_and(|v| v.is_object()) {
-        return bad(
-            ".function.arguments",
+    refuse_other(&f.other, &format!("{param}.function"))?;
+    if !serde_json::from_str::<Value>(&f.arguments).is_ok_and(|v| v.is_object()) {
+        return Err(ApiError::invalid(
+            Some(format!("{param}.function.arguments")),
             "arguments must be the JSON text of an object",
-        );
+        ));
     }
     Ok(Call {
-        id: id.to_string(),
-        name: name.to_string(),
-        arguments: arguments.to_string(),
+        id: c.id,
+        name: f.name,
+        arguments: f.arguments,
     })
 }

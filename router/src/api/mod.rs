@@ -3,23 +3,26 @@
 //! refuses unrecognized arguments: an ignored field gives an answer that looks right and
 //! is not what was asked for (see [`known_fields`]).
 //!
-//! Rooms: `messages` (a chat request's messages), `fields` (the fields a request may
-//! carry), `sampling` (the value rules both endpoints share); here the request types and
-//! [`parse`], each endpoint's request read top to bottom.
+//! Rooms: `body` (the body as serde reads it: typed, every unknown field kept to be
+//! refused by name), `messages` (a chat request's messages), `fields` (the fields an
+//! endpoint refuses), `sampling` (the value rules both endpoints share); here the request
+//! types and [`parse`], each endpoint's request read top to bottom.
 
+mod body;
 mod fields;
 mod messages;
 mod sampling;
 
+use body::{Body, Prompt};
 use fields::known_fields;
 use messages::messages;
 pub use sampling::MAX_TOP_LOGPROBS;
-use sampling::{boolean, int, logprobs, num, response_format, stop};
+use sampling::{int, logprobs, num, response_format, stop};
 
 use serde_json::Value;
 
-use crate::error::ApiError;
-use crate::tools::{self, Call, Tools};
+use crate::error::{typed, ApiError};
+use crate::tools::{self, Call, ToolFields, Tools};
 
 /// Which endpoint a request came through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,96 +251,60 @@ pub fn parse(
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(None, format!("invalid JSON body: {e}")).with_code("invalid_json")
     })?;
-    let Value::Object(obj) = value else {
+    if !value.is_object() {
         return Err(ApiError::invalid(
             None,
             "the request body must be a JSON object",
         ));
-    };
-    known_fields(endpoint, &obj)?;
-    let model = match obj.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("model".into()),
-                "model must be a string",
-            ))
-        }
-    };
+    }
+    let body: Body = typed(value)?;
+    known_fields(endpoint, &body)?;
     let input = match endpoint {
-        Endpoint::Chat => Input::Chat(messages(&obj)?),
-        Endpoint::Completion => match obj.get("prompt") {
-            Some(Value::String(s)) if !s.is_empty() => Input::Prompt(s.clone()),
-            Some(Value::Array(a))
-                if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) =>
-            {
-                Input::Prompt(a[0].as_str().unwrap_or_default().to_string())
-            }
-            None | Some(Value::Null) => {
-                return Err(ApiError::invalid(
-                    Some("prompt".into()),
-                    "prompt is required",
-                ))
-            }
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    Some("prompt".into()),
-                    "prompt must be a non-empty string (or an array of one string)",
-                ))
-            }
-        },
+        Endpoint::Chat => Input::Chat(messages(body.messages)?),
+        Endpoint::Completion => Input::Prompt(prompt(body.prompt)?),
     };
-    if let Some(n) = int(&obj, "n", 1, 128)? {
+    if let Some(n) = int("n", body.n, 1, 128)? {
         if n != 1 {
             return Err(ApiError::invalid(Some("n".into()), "only n=1 is supported"));
         }
     }
-    let max_tokens = match int(&obj, "max_completion_tokens", 1, i64::from(u32::MAX))? {
-        Some(v) => Some(v),
-        None => int(&obj, "max_tokens", 1, i64::from(u32::MAX))?,
-    };
-    let temperature = num(&obj, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
-    let seed = match obj.get("seed") {
-        None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => match n.as_i64() {
-            // OpenAI seeds are any integer; llama.cpp takes 32 bits.
-            Some(v) => Some(v as u32),
-            None => {
-                return Err(ApiError::invalid(
-                    Some("seed".into()),
-                    "seed must be an integer",
-                ))
-            }
-        },
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("seed".into()),
-                "seed must be an integer",
-            ))
-        }
-    };
+    // Each of two names for one setting is checked; the newer name wins.
+    let max_tokens = int(
+        "max_completion_tokens",
+        body.max_completion_tokens,
+        1,
+        u32::MAX.into(),
+    )?
+    .or(int("max_tokens", body.max_tokens, 1, u32::MAX.into())?);
+    let repeat_penalty = num("repetition_penalty", body.repetition_penalty, 0.0, 10.0)?.or(num(
+        "repeat_penalty",
+        body.repeat_penalty,
+        0.0,
+        10.0,
+    )?);
     let mut sampling = Sampling {
-        temperature,
-        top_p: num(&obj, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
-        top_k: int(&obj, "top_k", 0, 1_000_000)?.unwrap_or(0) as i32,
-        min_p: num(&obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
-        seed: seed.unwrap_or_else(random_seed),
-        repeat_penalty: num(&obj, "repetition_penalty", 0.0, 10.0)?
-            .or(num(&obj, "repeat_penalty", 0.0, 10.0)?)
-            .unwrap_or(1.0) as f32,
-        presence_penalty: num(&obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-        frequency_penalty: num(&obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-        logprobs: None,
+        temperature: num("temperature", body.temperature, 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        top_p: num("top_p", body.top_p, 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_k: int("top_k", body.top_k, 0, 1_000_000)?.unwrap_or(0) as i32,
+        min_p: num("min_p", body.min_p, 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        // OpenAI seeds are any integer; llama.cpp takes 32 bits.
+        seed: body.seed.map_or_else(random_seed, |v| v as u32),
+        repeat_penalty: repeat_penalty.unwrap_or(1.0) as f32,
+        presence_penalty: num("presence_penalty", body.presence_penalty, -2.0, 2.0)?.unwrap_or(0.0)
+            as f32,
+        frequency_penalty: num("frequency_penalty", body.frequency_penalty, -2.0, 2.0)?
+            .unwrap_or(0.0) as f32,
+        logprobs: logprobs(endpoint, body.logprobs, body.top_logprobs)?,
         penalty_last_n: Sampling::default().penalty_last_n,
-        json_schema: response_format(&obj)?.map(Into::into),
+        json_schema: response_format(body.response_format)?.map(Into::into),
         tool_call_schema: None,
         parallel_tool_calls: false,
     };
-    let tools = match endpoint {
-        Endpoint::Chat => tools::parse(&obj)?,
-        Endpoint::Completion => None,
-    };
+    let tools = tools::parse(ToolFields {
+        tools: body.tools,
+        tool_choice: body.tool_choice,
+        parallel_tool_calls: body.parallel_tool_calls,
+    })?;
     if let Some(t) = &tools {
         if sampling.json_schema.is_some() {
             // Both would hold the answer to a grammar; llama-server refuses the pair too.
@@ -349,7 +316,6 @@ pub fn parse(
         sampling.tool_call_schema = t.forced_schema().map(Into::into);
         sampling.parallel_tool_calls = t.parallel;
     }
-    sampling.logprobs = logprobs(endpoint, &obj)?;
     if sampling.top_p <= 0.0 {
         return Err(ApiError::invalid(
             Some("top_p".into()),
@@ -362,52 +328,39 @@ pub fn parse(
             "repetition_penalty must be greater than 0",
         ));
     }
-    let stream = boolean(&obj, "stream")?;
-    let include_usage = match obj.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => boolean(o, "include_usage")?,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("stream_options".into()),
-                "stream_options must be an object",
-            ))
-        }
-    };
-    let transport = edgesplit_name(&obj, "transport", Transport::parse)?;
-    let handoff = edgesplit_name(&obj, "handoff", HandoffMode::parse)?;
-    let objective = edgesplit_name(&obj, "objective", Objective::parse)?;
-    let node = edgesplit_name(&obj, "node", node_name)?;
-    let return_token_ids = match obj.get("edgesplit") {
-        Some(Value::Object(o)) => boolean(o, "return_token_ids")?,
-        None | Some(Value::Null) => false,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("edgesplit".into()),
-                "edgesplit must be an object",
-            ))
-        }
-    };
-    let cache_prompt = match obj.get("cache_prompt") {
-        None | Some(Value::Null) => true,
-        Some(_) => boolean(&obj, "cache_prompt")?,
+    let ext = body.edgesplit;
+    let node = match ext.as_ref().and_then(|e| e.node.clone()) {
+        Some(n) => Some(node_name(n)?),
+        None => None,
     };
     Ok(ValidRequest {
-        cache_prompt,
-        return_token_ids,
+        cache_prompt: body.cache_prompt.unwrap_or(true),
+        return_token_ids: ext.as_ref().and_then(|e| e.return_token_ids) == Some(true),
         endpoint,
-        model,
+        model: body.model,
         input,
         sampling,
-        max_tokens: max_tokens.map_or(0, |v| v as u32),
-        stop: stop(&obj)?,
-        stream,
-        include_usage,
-        transport,
-        handoff,
-        objective,
+        max_tokens: max_tokens.unwrap_or(0),
+        stop: stop(body.stop)?,
+        stream: body.stream == Some(true),
+        include_usage: body.stream_options.and_then(|o| o.include_usage) == Some(true),
+        transport: ext.as_ref().and_then(|e| e.transport),
+        handoff: ext.as_ref().and_then(|e| e.handoff),
+        objective: ext.as_ref().and_then(|e| e.objective),
         node,
         tools,
     })
+}
+
+/// A completion's prompt: one non-empty string.
+fn prompt(value: Option<Prompt>) -> Result<String, ApiError> {
+    let bad = |why: &str| Err(ApiError::invalid(Some("prompt".into()), why));
+    match value {
+        None => bad("prompt is required"),
+        Some(Prompt::One(s)) if !s.is_empty() => Ok(s),
+        Some(Prompt::Many(mut v)) if v.len() == 1 && !v[0].is_empty() => Ok(v.remove(0)),
+        Some(_) => bad("prompt must be a non-empty string (or an array of one string)"),
+    }
 }
 
 /// Longest `edgesplit.node` accepted (a node's URL).
@@ -415,32 +368,16 @@ const MAX_NODE_NAME: usize = 512;
 
 /// `edgesplit.node`: a decode node's URL, checked against the router's nodes when the
 /// request runs (`backend/pool.rs`).
-fn node_name(s: &str) -> Result<String, String> {
+fn node_name(s: String) -> Result<String, ApiError> {
     if s.is_empty() || s.len() > MAX_NODE_NAME {
-        return Err(format!(
-            "edgesplit.node must name a decode node by its URL (1 to {MAX_NODE_NAME} bytes)"
+        return Err(ApiError::invalid(
+            Some("edgesplit.node".into()),
+            format!(
+                "edgesplit.node must name a decode node by its URL (1 to {MAX_NODE_NAME} bytes)"
+            ),
         ));
     }
-    Ok(s.to_string())
-}
-
-/// `edgesplit.<key>`, a name `parse` reads (absent or null: `None`).
-fn edgesplit_name<T>(
-    obj: &serde_json::Map<String, Value>,
-    key: &str,
-    parse: fn(&str) -> Result<T, String>,
-) -> Result<Option<T>, ApiError> {
-    let param = || Some(format!("edgesplit.{key}"));
-    match obj.get("edgesplit").and_then(|e| e.get(key)) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => parse(s)
-            .map(Some)
-            .map_err(|m| ApiError::invalid(param(), m)),
-        Some(_) => Err(ApiError::invalid(
-            param(),
-            format!("edgesplit.{key} must be a string"),
-        )),
-    }
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -530,6 +467,87 @@ mod tests {
     }
 
     #[test]
+    fn a_value_of_the_wrong_type_is_named_where_it_stands() {
+        let msgs = r#""messages":[{"role":"user","content":"x"}]"#;
+        for (extra, param) in [
+            (r#""stream":"yes""#, "stream"),
+            (r#""seed":1.5"#, "seed"),
+            (r#""max_tokens":-1"#, "max_tokens"),
+            (r#""max_tokens":4294967296"#, "max_tokens"),
+            (r#""temperature":"hot""#, "temperature"),
+            (r#""stop":[1]"#, "stop"),
+            (r#""user":7"#, "user"),
+            (
+                r#""edgesplit":{"return_token_ids":"x"}"#,
+                "edgesplit.return_token_ids",
+            ),
+            (r#""edgesplit":{"node":""}"#, "edgesplit.node"),
+            (
+                r#""stream_options":{"include_usage":1}"#,
+                "stream_options.include_usage",
+            ),
+            (
+                r#""response_format":{"type":"text","json_schema":{}}"#,
+                "response_format.json_schema",
+            ),
+            (
+                r#""repetition_penalty":1.1,"repeat_penalty":11"#,
+                "repeat_penalty",
+            ),
+            (r#""max_completion_tokens":5,"max_tokens":0"#, "max_tokens"),
+            (
+                r#""tools":[{"type":"function","function":{"name":5}}]"#,
+                "tools[0].function.name",
+            ),
+            (
+                r#""tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"f"},"x":1}"#,
+                "tool_choice.x",
+            ),
+        ] {
+            let body = format!("{{{msgs},{extra}}}");
+            let e = chat(&body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        for (body, param) in [
+            (r#"{"messages":[{"content":"x"}]}"#, "messages[0].role"),
+            (
+                r#"{"messages":[{"role":"user","content":5}]}"#,
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}, 3]}"#,
+                "messages[1]",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x","tool_calls":[]}]}"#,
+                "messages[0].tool_calls",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a","cache":1}]}]}"#,
+                "messages[0].content[0]",
+            ),
+        ] {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        // The message names what was expected.
+        let e = chat(&format!(r#"{{{msgs},"stream":"yes"}}"#)).unwrap_err();
+        assert!(e.message.contains("expected a boolean"), "{}", e.message);
+        let e = chat(&format!(r#"{{{msgs},"seed":1.5}}"#)).unwrap_err();
+        assert_eq!(
+            e.message,
+            "seed: invalid type: floating point `1.5`, expected an integer"
+        );
+        let e = chat(r#"{"messages":[3]}"#).unwrap_err();
+        assert_eq!(
+            e.message,
+            "messages[0]: invalid type: integer `3`, expected an object"
+        );
+        let e = chat(&format!(r#"{{{msgs},"edgesplit":{{"handoff":"soon"}}}}"#)).unwrap_err();
+        assert!(e.message.contains("\"live\" or \"after\""), "{}", e.message);
+    }
+
+    #[test]
     fn completions_need_a_prompt() {
         let r = parse(Endpoint::Completion, br#"{"prompt":"Once"}"#, || 1).unwrap();
         assert_eq!(r.input, Input::Prompt("Once".into()));
@@ -554,7 +572,7 @@ mod tests {
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}}"#,
-                "response_format",
+                "response_format.type",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"a"}}}"#,

@@ -1,89 +1,56 @@
-//! The rules shared by both endpoints: numbers in range, `stop`, `logprobs`,
+//! The rules on values that both endpoints share: numbers in range, `stop`, `logprobs`,
 //! `response_format`.
 
-use serde_json::{Map, Value};
-
+use super::body::{FormatKind, Logprobs, ResponseFormat, Stop};
 use super::Endpoint;
-use crate::error::ApiError;
+use crate::error::{refuse_other, ApiError};
 
+/// `value` when it lies in `lo..=hi`.
 pub(super) fn num(
-    obj: &Map<String, Value>,
     key: &str,
+    value: Option<f64>,
     lo: f64,
     hi: f64,
 ) -> Result<Option<f64>, ApiError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => {
-            let v = n.as_f64().unwrap_or(f64::NAN);
-            if v.is_finite() && v >= lo && v <= hi {
-                Ok(Some(v))
-            } else {
-                Err(ApiError::invalid(
-                    Some(key.to_string()),
-                    format!("{key} must be between {lo} and {hi}, got {n}"),
-                ))
-            }
-        }
-        Some(_) => Err(ApiError::invalid(
+    match value {
+        Some(v) if !(v.is_finite() && v >= lo && v <= hi) => Err(ApiError::invalid(
             Some(key.to_string()),
-            format!("{key} must be a number"),
+            format!("{key} must be between {lo} and {hi}, got {v}"),
         )),
+        v => Ok(v),
     }
 }
 
-pub(super) fn int(
-    obj: &Map<String, Value>,
-    key: &str,
-    lo: i64,
-    hi: i64,
-) -> Result<Option<i64>, ApiError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) if v >= lo && v <= hi => Ok(Some(v)),
-            _ => Err(ApiError::invalid(
+/// `value` when it lies in `lo..=hi`.
+pub(super) fn int<T>(key: &str, value: Option<T>, lo: i64, hi: i64) -> Result<Option<T>, ApiError>
+where
+    T: Copy + Into<i128> + std::fmt::Display,
+{
+    match value {
+        Some(v) if !(i128::from(lo)..=i128::from(hi)).contains(&v.into()) => {
+            Err(ApiError::invalid(
                 Some(key.to_string()),
-                format!("{key} must be an integer between {lo} and {hi}, got {n}"),
-            )),
-        },
-        Some(_) => Err(ApiError::invalid(
-            Some(key.to_string()),
-            format!("{key} must be an integer"),
-        )),
+                format!("{key} must be an integer between {lo} and {hi}, got {v}"),
+            ))
+        }
+        v => Ok(v),
     }
 }
 
-pub(super) fn boolean(obj: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::invalid(
-            Some(key.to_string()),
-            format!("{key} must be a boolean"),
-        )),
-    }
-}
-
-pub(super) fn stop(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    let bad = || {
-        ApiError::invalid(
+/// `stop`: up to 4 non-empty strings.
+pub(super) fn stop(value: Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let list = match value {
+        None => return Ok(Vec::new()),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if list.len() > 4 || list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
             Some("stop".into()),
             "stop must be a non-empty string or an array of up to 4 non-empty strings",
-        )
-    };
-    match obj.get("stop") {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) if !s.is_empty() => Ok(vec![s.clone()]),
-        Some(Value::Array(a)) if a.len() <= 4 => a
-            .iter()
-            .map(|v| match v {
-                Value::String(s) if !s.is_empty() => Ok(s.clone()),
-                _ => Err(bad()),
-            })
-            .collect(),
-        _ => Err(bad()),
+        ));
     }
+    Ok(list)
 }
 
 /// Most alternatives per token (`top_logprobs`; the engine's limit, OpenAI's for chat).
@@ -93,12 +60,18 @@ pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// needs `logprobs`), completions `logprobs` 0-20 (OpenAI allows 5; llama-server more).
 pub(super) fn logprobs(
     endpoint: Endpoint,
-    obj: &Map<String, Value>,
+    logprobs: Option<Logprobs>,
+    top: Option<i64>,
 ) -> Result<Option<u32>, ApiError> {
-    match endpoint {
-        Endpoint::Chat => {
-            let on = boolean(obj, "logprobs")?;
-            let top = int(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+    let refused = |why: &str| Err(ApiError::invalid(Some("logprobs".into()), why));
+    match (endpoint, logprobs) {
+        (Endpoint::Chat, Some(Logprobs::Count(_))) => refused("logprobs must be a boolean"),
+        (Endpoint::Completion, Some(Logprobs::Flag(_))) => {
+            refused("logprobs must be an integer: the alternatives per token")
+        }
+        (Endpoint::Chat, flag) => {
+            let on = matches!(flag, Some(Logprobs::Flag(true)));
+            let top = int("top_logprobs", top, 0, MAX_TOP_LOGPROBS)?;
             if top.is_some() && !on {
                 return Err(ApiError::invalid(
                     Some("top_logprobs".into()),
@@ -107,7 +80,10 @@ pub(super) fn logprobs(
             }
             Ok(on.then(|| top.unwrap_or(0) as u32))
         }
-        Endpoint::Completion => Ok(int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)?.map(|n| n as u32)),
+        (Endpoint::Completion, Some(Logprobs::Count(n))) => {
+            Ok(int("logprobs", Some(n), 0, MAX_TOP_LOGPROBS)?.map(|n| n as u32))
+        }
+        (Endpoint::Completion, None) => Ok(None),
     }
 }
 
@@ -116,63 +92,35 @@ pub(super) fn logprobs(
 /// "description"}}`: the JSON Schema the answer must follow (turned into a grammar on the
 /// nodes by llama.cpp's own converter, llama-server's). Answers are always held to the
 /// schema, strict or not.
-pub(super) fn response_format(obj: &Map<String, Value>) -> Result<Option<String>, ApiError> {
-    let bad = |param: &str, msg: String| Err(ApiError::invalid(Some(param.into()), msg));
-    let rf = match obj.get("response_format") {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Object(o)) => o,
-        Some(_) => {
-            return bad(
-                "response_format",
-                "response_format must be an object".into(),
-            )
-        }
-    };
-    if let Some(k) = rf
-        .keys()
-        .find(|k| !matches!(k.as_str(), "type" | "json_schema"))
-    {
-        return bad(
-            &format!("response_format.{k}"),
-            format!("unsupported field response_format.{k}"),
-        );
-    }
-    let schema = match rf.get("type").and_then(Value::as_str) {
-        Some("text") if rf.len() == 1 => return Ok(None),
-        Some("json_object") if rf.len() == 1 => serde_json::json!({"type": "object"}),
-        Some("json_schema") => {
-            let Some(Value::Object(js)) = rf.get("json_schema") else {
-                return bad(
-                    "response_format.json_schema",
-                    "response_format.json_schema must be an object with a schema".into(),
-                );
-            };
-            if let Some(k) = js
-                .keys()
-                .find(|k| !matches!(k.as_str(), "name" | "schema" | "strict" | "description"))
-            {
-                return bad(
-                    &format!("response_format.json_schema.{k}"),
-                    format!("unsupported field response_format.json_schema.{k}"),
-                );
-            }
-            match js.get("schema") {
-                Some(s @ Value::Object(_)) => s.clone(),
-                _ => {
-                    return bad(
-                        "response_format.json_schema.schema",
-                        "response_format.json_schema.schema must be a JSON Schema object".into(),
-                    )
+pub(super) fn response_format(value: Option<ResponseFormat>) -> Result<Option<String>, ApiError> {
+    let Some(rf) = value else { return Ok(None) };
+    refuse_other(&rf.other, "response_format")?;
+    let schema = match (rf.kind, rf.json_schema) {
+        (FormatKind::Text, None) => return Ok(None),
+        (FormatKind::JsonObject, None) => serde_json::json!({"type": "object"}),
+        (FormatKind::JsonSchema, Some(js)) => {
+            refuse_other(&js.other, "response_format.json_schema")?;
+            match js.schema {
+                Some(s) => serde_json::Value::Object(s),
+                None => {
+                    return Err(ApiError::invalid(
+                        Some("response_format.json_schema.schema".into()),
+                        "response_format.json_schema.schema must be a JSON Schema object",
+                    ))
                 }
             }
         }
-        _ => {
-            return bad(
-                "response_format",
-                "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} \
-                 or {\"type\": \"json_schema\", \"json_schema\": {...}}"
-                    .into(),
-            )
+        (FormatKind::JsonSchema, None) => {
+            return Err(ApiError::invalid(
+                Some("response_format.json_schema".into()),
+                "response_format.json_schema must be an object with a schema",
+            ))
+        }
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(
+                Some("response_format.json_schema".into()),
+                "response_format.json_schema goes only with the type \"json_schema\"",
+            ))
         }
     };
     // The nodes turn it into a grammar (llama.cpp's converter); one it refuses is a 400

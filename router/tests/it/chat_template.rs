@@ -354,7 +354,8 @@ async fn a_template_file_gives_llama_servers_prompt_and_a_bad_one_is_refused_at_
 /// The engine's chat for OpenAI-shaped `messages` and `tools`, the tools as the router
 /// passes them on (`edgesplit_router::tools::parse`).
 fn chat_of(messages: &Value, tools: &Value) -> edgesplit_engine::Chat {
-    let tools = edgesplit_router::tools::parse(json!({ "tools": tools }).as_object().unwrap())
+    let fields = edgesplit_router::error::typed(json!({ "tools": tools })).unwrap();
+    let tools = edgesplit_router::tools::parse(fields)
         .unwrap()
         .map(|t| serde_json::from_str::<Value>(&t.json).unwrap());
     let messages = messages
