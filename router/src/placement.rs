@@ -197,8 +197,8 @@ pub struct Rates {
 /// speed, or the link's goodput, unknown or not refreshed for [`crate::estimate::STALE_AFTER`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stale {
-    pub laptop: bool,
-    pub phone: bool,
+    pub prefill_node: bool,
+    pub decode_node: bool,
     pub link: bool,
 }
 
@@ -214,10 +214,10 @@ const DEFAULT_CHARS_PER_TOKEN: f64 = 4.0;
 /// (`backend/cost.rs`): tokens or bytes per millisecond, and milliseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Measured {
-    pub laptop_prefill: Option<f64>,
-    pub laptop_decode: Option<f64>,
-    pub phone_prefill: Option<f64>,
-    pub phone_decode: Option<f64>,
+    pub prefill_node_prefill: Option<f64>,
+    pub prefill_node_decode: Option<f64>,
+    pub decode_node_prefill: Option<f64>,
+    pub decode_node_decode: Option<f64>,
     pub link: Option<f64>,
     pub rtt_ms: Option<f64>,
 }
@@ -290,10 +290,10 @@ impl Rates {
     #[must_use]
     pub fn measured(&self) -> Measured {
         Measured {
-            laptop_prefill: self.prefill_node.value(),
-            laptop_decode: self.prefill_node_decode.value(),
-            phone_prefill: self.decode_node.value(),
-            phone_decode: self.decode_node_decode.value(),
+            prefill_node_prefill: self.prefill_node.value(),
+            prefill_node_decode: self.prefill_node_decode.value(),
+            decode_node_prefill: self.decode_node.value(),
+            decode_node_decode: self.decode_node_decode.value(),
             link: self.link.value(),
             rtt_ms: self.decode_node_rtt.value(),
         }
@@ -304,8 +304,8 @@ impl Rates {
     #[must_use]
     pub fn stale(&self, now: Instant) -> Stale {
         Stale {
-            laptop: self.prefill_node.stale(now) || self.prefill_node_decode.stale(now),
-            phone: self.decode_node.stale(now) || self.decode_node_decode.stale(now),
+            prefill_node: self.prefill_node.stale(now) || self.prefill_node_decode.stale(now),
+            decode_node: self.decode_node.stale(now) || self.decode_node_decode.stale(now),
             link: self.link.stale(now),
         }
     }
@@ -451,7 +451,7 @@ mod tests {
         assert!(!c.replayed_for(&next));
     }
 
-    /// A split's prefill and a colocated answer's are one figure of the laptop, and each
+    /// A split's prefill and a colocated answer's are one figure of the prefill node, and each
     /// device's figures say when they want measuring.
     #[test]
     fn every_answer_that_measures_a_device_feeds_its_one_estimate() {
@@ -460,20 +460,20 @@ mod tests {
         assert_eq!(
             r.stale(now),
             Stale {
-                laptop: true,
-                phone: true,
+                prefill_node: true,
+                decode_node: true,
                 link: true
             }
         );
         r.prefilled(false, 1000, 1000.0); // a split's prefill: 1 token/ms
         r.prefilled(false, 1000, 500.0); // colocated answers: 2 and 2.5
         r.prefilled(false, 1000, 400.0);
-        assert_eq!(r.measured().laptop_prefill, Some(2.0));
-        // Its decode speed not yet measured: the laptop still wants measuring.
-        assert!(r.stale(now).laptop);
+        assert_eq!(r.measured().prefill_node_prefill, Some(2.0));
+        // Its decode speed not yet measured: the prefill node still wants measuring.
+        assert!(r.stale(now).prefill_node);
         r.decoded(false, 100, 1000.0);
         let s = r.stale(Instant::now());
-        assert!(!s.laptop && s.phone && s.link, "{s:?}");
+        assert!(!s.prefill_node && s.decode_node && s.link, "{s:?}");
         r.handed_off(1_000_000, 100.0);
         assert!(!r.stale(Instant::now()).link);
         assert_eq!(r.measured().link, Some(10_000.0));

@@ -107,7 +107,7 @@ pub struct Timing {
     pub same_numerics: Option<bool>,
     /// `transport: "auto"`: the mode the router chose (`local`, `live`, `after`, `phone`),
     /// under which objective, why (the predictions compared), and the chosen mode's
-    /// predicted time to the end of the answer and laptop time (`None`: chosen without a
+    /// predicted time to the end of the answer and prefill-node time (`None`: chosen without a
     /// prediction), and the answer tokens it expected (`max_tokens`, else the mean length
     /// of the recent answers that set none). The actual end is `e2e_ms`.
     pub mode: Option<&'static str>,
@@ -117,7 +117,7 @@ pub struct Timing {
     /// The same answer's actual time from its admission (the router's queue left) to its
     /// end.
     pub actual_ms: Option<f64>,
-    pub predicted_laptop_ms: Option<f64>,
+    pub predicted_prefill_node_ms: Option<f64>,
     pub predicted_tokens: Option<u32>,
 }
 

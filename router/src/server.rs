@@ -246,7 +246,7 @@ async fn serve_inner(
         answer.timing.mode = Some(choice.mode.as_str());
         answer.timing.objective = Some(req.objective.unwrap_or(s.objective).as_str());
         answer.timing.predicted_ms = choice.predicted.map(|c| c.e2e_ms);
-        answer.timing.predicted_laptop_ms = choice.predicted.map(|c| c.laptop_ms);
+        answer.timing.predicted_prefill_node_ms = choice.predicted.map(|c| c.prefill_node_ms);
         answer.timing.predicted_tokens = choice.answer_tokens.map(|t| t.round() as u32);
         answer.timing.reason = Some(choice.reason);
     }

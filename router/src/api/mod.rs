@@ -44,7 +44,7 @@ pub enum Transport {
     /// model's last layers computed on the peer for every token. Refused (400) when the
     /// prefill node serves no split.
     Layers,
-    /// No handoff: the decode node (the phone) prefills and writes the whole answer itself,
+    /// No handoff: the decode node prefills and writes the whole answer itself,
     /// only tokens cross the link (the phone-alone baseline). A decode node that cannot
     /// serve it refuses it before its first token, with the reason.
     Phone,
@@ -139,7 +139,7 @@ impl HandoffMode {
 pub enum Objective {
     /// The soonest expected end of the answer.
     Latency,
-    /// The least laptop (prefill node) time among the modes whose answer is expected to
+    /// The least prefill-node time among the modes whose answer is expected to
     /// end within `cost::OFFLOAD_BOUND` x the soonest one's.
     Offload,
     /// `latency` while the prefill node runs no other answer, `offload` while it does.

@@ -101,8 +101,8 @@ impl Backend {
         Err(held.unwrap_or(0))
     }
 
-    /// Runs the route `auto` chose. The phone it chose could not take the answer (gone,
-    /// asleep, or it refused what the laptop would serve): the laptop answers under the
+    /// Runs the route `auto` chose. The decode node it chose could not take the answer (gone,
+    /// asleep, or it refused what the prefill node would serve): the prefill node answers under the
     /// fallback policy, as a split that finds no decode node does, and says so
     /// (`fallback`).
     pub(super) async fn run_chosen(

@@ -90,9 +90,9 @@ impl Backend {
         preq.max_uncached = max_uncached;
         // A conversation's new turn: the call is answered once the node has tokenized the
         // prompt and taken a slot, which on an idle node is at once; a node that does not
-        // answer is bounded like an `Info`, and the request is split instead. The phone
+        // answer is bounded like an `Info`, and the request is split instead. The decode node
         // alone (no bound on what it prefills) is committed to this node: it waits as a
-        // first token does (a busy phone answers the call only when a slot is free).
+        // first token does (a busy decode node answers the call only when a slot is free).
         let bound = if max_uncached.is_some() {
             self.config.info_timeout
         } else {

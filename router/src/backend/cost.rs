@@ -1,34 +1,34 @@
 //! The cost model: for one request, how long each mode is expected to take to the
-//! end of its answer and how long it keeps the laptop (the prefill node) busy, from the
+//! end of its answer and how long it keeps the prefill node busy, from the
 //! rates the router measured and the work each node has queued; and the choice among the
 //! modes under the user's objective.
 //!
-//! The modes: `local` (the laptop alone), `live` (split, the laptop writes until the state
-//! has crossed, then the phone), `after` (split, the phone writes from the second token
+//! The modes: `local` (the prefill node alone), `live` (split, the prefill node writes until the state
+//! has crossed, then the decode node), `after` (split, the decode node writes from the second token
 //! once the state has crossed), `phone` (the decode node prefills and writes; only tokens
-//! cross). With `P` prompt tokens to prefill, `N` answer tokens, `pL`/`dL` the laptop's
-//! prefill/decode rates, `pP`/`dP` the phone's, `g` the link's goodput, `r` its round trip
+//! cross). With `P` prompt tokens to prefill, `N` answer tokens, `pL`/`dL` the prefill node's
+//! prefill/decode rates, `pP`/`dP` the decode node's, `g` the link's goodput, `r` its round trip
 //! and `x = P kv / g` the state's crossing; and `L(s)`/`F(s)` the time to the end of `s` ms
-//! of work on the laptop/phone given the work its other answers have left (each engine
+//! of work on the prefill node/decode node given the work its other answers have left (each engine
 //! shares its time among its answers: `s + sum(min(left_i, s))`, [`finish_ms`]; `s` on an
 //! idle node):
 //!
-//! - local: `L(P/pL + N/dL)`; the laptop is busy `P/pL + N/dL`.
-//! - phone: `r + F(P/pP + N/dP)`; the laptop is not busy.
-//! - after: `L(P/pL) + x + r + F((N-1)/dP)`; the laptop is busy `P/pL`.
-//! - live: the laptop writes `k = x dL / b` tokens while the state crosses (`b`: the answers
-//!   sharing the laptop, this one included); when `k >= N` the answer ends there (as
+//! - local: `L(P/pL + N/dL)`; the prefill node is busy `P/pL + N/dL`.
+//! - phone: `r + F(P/pP + N/dP)`; the prefill node is not busy.
+//! - after: `L(P/pL) + x + r + F((N-1)/dP)`; the prefill node is busy `P/pL`.
+//! - live: the prefill node writes `k = x dL / b` tokens while the state crosses (`b`: the answers
+//!   sharing the prefill node, this one included); when `k >= N` the answer ends there (as
 //!   local); else `L(P/pL) + x + r + 1/dP + F((N-k)/dP)` (the switch's floor is a round trip
-//!   and a step); the laptop is busy `P/pL + k/dL`.
+//!   and a step); the prefill node is busy `P/pL + k/dL`.
 //!
 //! The work other answers have left is each one's expected work (the same rates) worked
-//! off as the node shares its time (`load.rs`): counting answers alone saw a phone filling
-//! up with long prefills as a phone with a few answers. A node's decode rate is measured
+//! off as the node shares its time (`load.rs`): counting answers alone saw a decode node filling
+//! up with long prefills as a decode node with a few answers. A node's decode rate is measured
 //! from every answer it writes, times the answers it shared the node with (the mean of the
 //! counts at its start and end: approximate when others come and go during it); a prefill
 //! rate is measured as the node ran it, between other answers' steps. A mode whose rates
 //! are not all measured yet is not predicted. The export is left out (measured: a 2,000
-//! token prompt's is ~1% of its prefill), and so is the phone's work ending while the state
+//! token prompt's is ~1% of its prefill), and so is the decode node's work ending while the state
 //! crosses (its backlog is read at the request's start).
 
 use std::fmt::Write as _;
@@ -57,8 +57,8 @@ pub struct Request {
 /// left.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Backlog {
-    pub laptop: Vec<f64>,
-    pub phone: Vec<f64>,
+    pub prefill_node: Vec<f64>,
+    pub decode_node: Vec<f64>,
 }
 
 /// The end of a new answer of `work_ms` on a node whose answers have `left` ms of work
@@ -77,8 +77,8 @@ pub struct Cost {
     pub mode: Route,
     /// Expected time to the end of the answer.
     pub e2e_ms: f64,
-    /// Expected time the laptop's engine works on this request.
-    pub laptop_ms: f64,
+    /// Expected time the prefill node's engine works on this request.
+    pub prefill_node_ms: f64,
 }
 
 /// The choice for one request.
@@ -98,54 +98,62 @@ pub struct Choice {
 #[must_use]
 pub fn cost(mode: Route, m: &Measured, r: &Request) -> Option<Cost> {
     let (p, n) = (r.prompt_tokens.max(0.0), r.answer_tokens.max(1.0));
-    let on_laptop = |s: f64| finish_ms(s, &r.backlog.laptop);
-    let on_phone = |s: f64| finish_ms(s, &r.backlog.phone);
+    let on_prefill_node = |s: f64| finish_ms(s, &r.backlog.prefill_node);
+    let on_decode_node = |s: f64| finish_ms(s, &r.backlog.decode_node);
     let crossing = || -> Option<(f64, f64)> {
         let x = p * r.kv_bytes_per_token as f64 / m.link?;
         Some((x, m.rtt_ms?))
     };
     Some(match mode {
         Route::Local => {
-            let (pl, dl) = (m.laptop_prefill?, m.laptop_decode?);
+            let (pl, dl) = (m.prefill_node_prefill?, m.prefill_node_decode?);
             Cost {
                 mode,
-                e2e_ms: on_laptop(p / pl + n / dl),
-                laptop_ms: p / pl + n / dl,
+                e2e_ms: on_prefill_node(p / pl + n / dl),
+                prefill_node_ms: p / pl + n / dl,
             }
         }
         Route::Phone => {
-            let (pp, dp, rtt) = (m.phone_prefill?, m.phone_decode?, m.rtt_ms?);
+            let (pp, dp, rtt) = (m.decode_node_prefill?, m.decode_node_decode?, m.rtt_ms?);
             Cost {
                 mode,
-                e2e_ms: rtt + on_phone(p / pp + n / dp),
-                laptop_ms: 0.0,
+                e2e_ms: rtt + on_decode_node(p / pp + n / dp),
+                prefill_node_ms: 0.0,
             }
         }
         Route::After(Wire::V2) => {
-            let (pl, dp) = (m.laptop_prefill?, m.phone_decode?);
+            let (pl, dp) = (m.prefill_node_prefill?, m.decode_node_decode?);
             let (x, rtt) = crossing()?;
             Cost {
                 mode,
-                e2e_ms: on_laptop(p / pl) + x + rtt + on_phone((n - 1.0) / dp),
-                laptop_ms: p / pl,
+                e2e_ms: on_prefill_node(p / pl) + x + rtt + on_decode_node((n - 1.0) / dp),
+                prefill_node_ms: p / pl,
             }
         }
         Route::Live => {
-            let (pl, dl, dp) = (m.laptop_prefill?, m.laptop_decode?, m.phone_decode?);
+            let (pl, dl, dp) = (
+                m.prefill_node_prefill?,
+                m.prefill_node_decode?,
+                m.decode_node_decode?,
+            );
             let (x, rtt) = crossing()?;
-            let sharing = 1.0 + r.backlog.laptop.iter().filter(|&&l| l > 0.0).count() as f64;
+            let sharing = 1.0 + r.backlog.prefill_node.iter().filter(|&&l| l > 0.0).count() as f64;
             let k = x * dl / sharing;
             if k >= n {
                 Cost {
                     mode,
-                    e2e_ms: on_laptop(p / pl + n / dl),
-                    laptop_ms: p / pl + n / dl,
+                    e2e_ms: on_prefill_node(p / pl + n / dl),
+                    prefill_node_ms: p / pl + n / dl,
                 }
             } else {
                 Cost {
                     mode,
-                    e2e_ms: on_laptop(p / pl) + x + rtt + 1.0 / dp + on_phone((n - k) / dp),
-                    laptop_ms: p / pl + k / dl,
+                    e2e_ms: on_prefill_node(p / pl)
+                        + x
+                        + rtt
+                        + 1.0 / dp
+                        + on_decode_node((n - k) / dp),
+                    prefill_node_ms: p / pl + k / dl,
                 }
             }
         }
@@ -184,9 +192,9 @@ pub fn choose(
             answer_tokens: Some(r.answer_tokens),
         };
     };
-    let laptop_busy = r.backlog.laptop.len();
+    let prefill_node_busy = r.backlog.prefill_node.len();
     let effective = match objective {
-        Objective::Balanced if laptop_busy == 0 => Objective::Latency,
+        Objective::Balanced if prefill_node_busy == 0 => Objective::Latency,
         Objective::Balanced => Objective::Offload,
         o => o,
     };
@@ -196,8 +204,8 @@ pub fn choose(
             .copied()
             .filter(|c| c.e2e_ms <= soonest.e2e_ms * OFFLOAD_BOUND)
             .min_by(|a, b| {
-                a.laptop_ms
-                    .total_cmp(&b.laptop_ms)
+                a.prefill_node_ms
+                    .total_cmp(&b.prefill_node_ms)
                     .then(a.e2e_ms.total_cmp(&b.e2e_ms))
             })
             .unwrap_or(soonest),
@@ -207,8 +215,8 @@ pub fn choose(
     if objective == Objective::Balanced {
         let _ = write!(
             reason,
-            " ({} answers on the laptop: {})",
-            laptop_busy,
+            " ({} answers on the prefill node: {})",
+            prefill_node_busy,
             effective.as_str()
         );
     }
@@ -216,10 +224,10 @@ pub fn choose(
     for c in &costs {
         let _ = write!(
             reason,
-            " {} {:.0} ms (laptop {:.0} ms);",
+            " {} {:.0} ms (prefill node {:.0} ms);",
             c.mode.as_str(),
             c.e2e_ms,
-            c.laptop_ms
+            c.prefill_node_ms
         );
     }
     reason.pop();
@@ -251,30 +259,30 @@ fn names(modes: &[Route]) -> String {
 mod tests {
     use super::*;
 
-    /// A laptop that prefills 1 token/ms and decodes 0.05 (50 tok/s), a phone at half its
+    /// A prefill node that prefills 1 token/ms and decodes 0.05 (50 tok/s), a decode node at half its
     /// speed, 100 Mbit/s Wi-Fi (12,500 bytes/ms) with a 5 ms round trip, SmolLM2's
     /// ~23 KB of KV per token.
     fn rates() -> Measured {
         Measured {
-            laptop_prefill: Some(1.0),
-            laptop_decode: Some(0.05),
-            phone_prefill: Some(0.5),
-            phone_decode: Some(0.025),
+            prefill_node_prefill: Some(1.0),
+            prefill_node_decode: Some(0.05),
+            decode_node_prefill: Some(0.5),
+            decode_node_decode: Some(0.025),
             link: Some(12_500.0),
             rtt_ms: Some(5.0),
         }
     }
 
-    /// A request with `laptop_busy` other answers on the laptop, each with more work left
+    /// A request with `prefill_node_busy` other answers on the prefill node, each with more work left
     /// than this one has.
-    fn request(p: f64, n: f64, laptop_busy: usize) -> Request {
+    fn request(p: f64, n: f64, prefill_node_busy: usize) -> Request {
         Request {
             prompt_tokens: p,
             answer_tokens: n,
             kv_bytes_per_token: 23_040,
             backlog: Backlog {
-                laptop: vec![1e9; laptop_busy],
-                phone: Vec::new(),
+                prefill_node: vec![1e9; prefill_node_busy],
+                decode_node: Vec::new(),
             },
         }
     }
@@ -284,11 +292,11 @@ mod tests {
         choose(m, &r, objective, &Route::CHOSEN, Route::Live)
     }
 
-    /// A phone at 0.9x the laptop's speeds.
-    fn near_laptop_phone() -> Measured {
+    /// A decode node at 0.9x the prefill node's speeds.
+    fn decode_node_near_the_prefill_nodes_speed() -> Measured {
         Measured {
-            phone_decode: Some(0.045),
-            phone_prefill: Some(0.9),
+            decode_node_decode: Some(0.045),
+            decode_node_prefill: Some(0.9),
             ..rates()
         }
     }
@@ -303,20 +311,20 @@ mod tests {
         let x = 2000.0 * 23_040.0 / 12_500.0; // 3,686.4 ms to cross
         let local = cost(Route::Local, &m, &r).unwrap();
         approx(local.e2e_ms, 2000.0 + 512.0 / 0.05);
-        approx(local.laptop_ms, local.e2e_ms);
+        approx(local.prefill_node_ms, local.e2e_ms);
         let phone = cost(Route::Phone, &m, &r).unwrap();
         approx(phone.e2e_ms, 5.0 + 2000.0 / 0.5 + 512.0 / 0.025);
-        approx(phone.laptop_ms, 0.0);
+        approx(phone.prefill_node_ms, 0.0);
         let after = cost(Route::After(Wire::V2), &m, &r).unwrap();
         approx(after.e2e_ms, 2000.0 + x + 5.0 + 511.0 / 0.025);
-        approx(after.laptop_ms, 2000.0);
+        approx(after.prefill_node_ms, 2000.0);
         let live = cost(Route::Live, &m, &r).unwrap();
         let k = x * 0.05;
         approx(
             live.e2e_ms,
             2000.0 + x + 5.0 + 1.0 / 0.025 + (512.0 - k) / 0.025,
         );
-        approx(live.laptop_ms, 2000.0 + k / 0.05);
+        approx(live.prefill_node_ms, 2000.0 + k / 0.05);
     }
 
     #[test]
@@ -339,53 +347,53 @@ mod tests {
         let (m, idle) = (rates(), request(2000.0, 512.0, 0));
         let mut r = idle.clone();
         r.backlog = Backlog {
-            laptop: vec![1_000.0],
-            phone: vec![3_000.0, 50_000.0],
+            prefill_node: vec![1_000.0],
+            decode_node: vec![3_000.0, 50_000.0],
         };
         let c = |mode, r: &Request| cost(mode, &m, r).unwrap();
-        // local: 12,240 ms of work, sharing 1,000 with the laptop's other answer.
+        // local: 12,240 ms of work, sharing 1,000 with the prefill node's other answer.
         approx(c(Route::Local, &r).e2e_ms, 12_240.0 + 1_000.0);
-        approx(c(Route::Local, &r).laptop_ms, 12_240.0);
-        // phone: 24,480 ms of work, 3,000 + 24,480 shared on the phone.
+        approx(c(Route::Local, &r).prefill_node_ms, 12_240.0);
+        // decode node: 24,480 ms of work, 3,000 + 24,480 shared on the decode node.
         approx(
             c(Route::Phone, &r).e2e_ms,
             5.0 + 24_480.0 + 3_000.0 + 24_480.0,
         );
-        // after: the prefill shares the laptop (1,000), the answer the phone (3,000 +
+        // after: the prefill shares the prefill node (1,000), the answer the decode node (3,000 +
         // its own 20,440).
         approx(
             c(Route::After(Wire::V2), &r).e2e_ms,
             c(Route::After(Wire::V2), &idle).e2e_ms + 1_000.0 + 3_000.0 + 20_440.0,
         );
-        // live: the laptop is shared while the state crosses, so it writes half the
-        // tokens (k), and the phone writes the rest sharing its time.
+        // live: the prefill node is shared while the state crosses, so it writes half the
+        // tokens (k), and the decode node writes the rest sharing its time.
         let x = 2000.0 * 23_040.0 / 12_500.0;
         let k = x * 0.05 / 2.0;
-        let phone_part = (512.0 - k) / 0.025;
+        let decode_node_part = (512.0 - k) / 0.025;
         approx(
             c(Route::Live, &r).e2e_ms,
-            3_000.0 + x + 5.0 + 40.0 + phone_part + 3_000.0 + phone_part,
+            3_000.0 + x + 5.0 + 40.0 + decode_node_part + 3_000.0 + decode_node_part,
         );
-        approx(c(Route::Live, &r).laptop_ms, 2_000.0 + k / 0.05);
+        approx(c(Route::Live, &r).prefill_node_ms, 2_000.0 + k / 0.05);
     }
 
     #[test]
     fn a_phone_filled_with_long_prefills_is_not_where_offload_sends_the_next() {
-        // A slow link (10 Mbit/s: a 2,000-token state crosses in ~37 s), a busy laptop:
-        // balanced offloads, and an idle phone is within the bound.
+        // A slow link (10 Mbit/s: a 2,000-token state crosses in ~37 s), a busy prefill node:
+        // balanced offloads, and an idle decode node is within the bound.
         let mut m = rates();
         m.link = Some(1_250.0);
         let mut r = request(2000.0, 128.0, 0);
-        r.backlog.laptop = vec![20_000.0];
+        r.backlog.prefill_node = vec![20_000.0];
         let c = pick(&m, r.clone(), Objective::Balanced);
         assert_eq!(c.mode, Route::Phone, "{}", c.reason);
-        // Three answers on the phone, each a long prefill still ahead (30 s of its time):
-        // three answers, seen as the phone's next 90 s.
-        r.backlog.phone = vec![30_000.0; 3];
+        // Three answers on the decode node, each a long prefill still ahead (30 s of its time):
+        // three answers, seen as the decode node's next 90 s.
+        r.backlog.decode_node = vec![30_000.0; 3];
         let c = pick(&m, r.clone(), Objective::Balanced);
         assert_eq!(c.mode, Route::Local, "{}", c.reason);
-        // The same three answers near their ends (0.5 s left each): the phone again.
-        r.backlog.phone = vec![500.0; 3];
+        // The same three answers near their ends (0.5 s left each): the decode node again.
+        r.backlog.decode_node = vec![500.0; 3];
         let c = pick(&m, r, Objective::Balanced);
         assert_eq!(c.mode, Route::Phone, "{}", c.reason);
     }
@@ -396,19 +404,19 @@ mod tests {
         let live = cost(Route::Live, &m, &r).unwrap();
         let local = cost(Route::Local, &m, &r).unwrap();
         approx(live.e2e_ms, local.e2e_ms);
-        approx(live.laptop_ms, local.laptop_ms);
+        approx(live.prefill_node_ms, local.prefill_node_ms);
     }
 
     #[test]
     fn latency_takes_the_soonest_and_a_slower_phone_loses_it() {
         let c = pick(&rates(), request(2000.0, 512.0, 0), Objective::Latency);
         assert_eq!(c.mode, Route::Local, "{}", c.reason);
-        // A phone that decodes as fast as the laptop, on a fast link, and a laptop with
-        // three long answers running: the idle phone alone is soonest (its prefill at half
-        // the laptop's speed beats a quarter of the laptop's), then the split (its decode
-        // no longer shares the laptop).
+        // A decode node that decodes as fast as the prefill node, on a fast link, and a prefill node with
+        // three long answers running: the idle decode node alone is soonest (its prefill at half
+        // the prefill node's speed beats a quarter of the prefill node's), then the split (its decode
+        // no longer shares the prefill node).
         let mut m = rates();
-        m.phone_decode = Some(0.05);
+        m.decode_node_decode = Some(0.05);
         m.link = Some(125_000.0);
         let c = pick(&m, request(2000.0, 512.0, 3), Objective::Latency);
         assert_eq!(c.mode, Route::Phone, "{}", c.reason);
@@ -429,14 +437,14 @@ mod tests {
     #[test]
     fn offload_frees_the_laptop_within_its_bound_and_no_further() {
         let m = rates();
-        // The phone is 2x slower: after / live keep the answer within 1.5x? after:
+        // The decode node is 2x slower: after / live keep the answer within 1.5x? after:
         // 2000 + 3686 + 5 + 20440 = 26,131 ms against local's 12,240: over the bound, so
-        // offload keeps the answer on the laptop.
+        // offload keeps the answer on the prefill node.
         let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
         assert_eq!(c.mode, Route::Local, "{}", c.reason);
-        // A phone at 0.9x the laptop: `after` is within the bound and frees the laptop
+        // A decode node at 0.9x the prefill node: `after` is within the bound and frees the prefill node
         // the most.
-        let m = near_laptop_phone();
+        let m = decode_node_near_the_prefill_nodes_speed();
         let c = pick(&m, request(2000.0, 512.0, 0), Objective::Offload);
         assert_eq!(c.mode, Route::Phone, "{}", c.reason);
         let c = choose(
@@ -451,7 +459,7 @@ mod tests {
 
     #[test]
     fn balanced_is_latency_on_an_idle_laptop_and_offload_on_a_busy_one() {
-        let m = near_laptop_phone();
+        let m = decode_node_near_the_prefill_nodes_speed();
         let idle = pick(&m, request(500.0, 256.0, 0), Objective::Balanced);
         assert_eq!(idle.mode, Route::Local, "{}", idle.reason);
         assert!(idle.reason.contains("latency"), "{}", idle.reason);
@@ -463,7 +471,7 @@ mod tests {
     #[test]
     fn a_rate_not_yet_measured_leaves_its_modes_out_and_says_so() {
         let mut m = rates();
-        m.phone_prefill = None;
+        m.decode_node_prefill = None;
         assert_eq!(cost(Route::Phone, &m, &request(100.0, 32.0, 0)), None);
         let c = pick(&m, request(100.0, 32.0, 0), Objective::Offload);
         assert_ne!(c.mode, Route::Phone);

@@ -10,7 +10,7 @@ use super::conversation::Transcript;
 use super::load::{answer_tokens, Work};
 use super::nodes::lock;
 use super::seam::{message, Events};
-use super::split::SplitAnswer;
+use super::split::{Counted, SplitAnswer, Waits};
 use super::RouterCode;
 use super::{input_param, Backend, Failure, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
@@ -190,24 +190,28 @@ impl Backend {
         };
         let split = SplitAnswer {
             transcript: Some(transcript),
-            learned: self.learned.clone(),
             // Every token the client has been sent, the first included.
             sent: vec![first.token],
             first,
             decode: self.decode.clone(),
             generate: greq,
             tx,
-            idle: self.config.token_idle_timeout,
-            handoff_error_grace: self.config.handoff_error_grace,
-            handoff_report_wait: self.config.handoff_report_wait,
+            waits: Waits {
+                idle: self.config.token_idle_timeout,
+                handoff_error_grace: self.config.handoff_error_grace,
+                handoff_report_wait: self.config.handoff_report_wait,
+            },
             param,
             mode,
             keep: self.keeps(req, mode),
-            load: self.load.clone(),
-            prefill_busy: Some(prefill_busy),
-            decode_busy: None,
-            answer_tokens: answer_tokens(req, &self.learned),
-            first_sent: std::time::Instant::now(),
+            counted: Counted {
+                learned: self.learned.clone(),
+                load: self.load.clone(),
+                prefill_busy: Some(prefill_busy),
+                decode_busy: None,
+                answer_tokens: answer_tokens(req, &self.learned),
+                first_sent: std::time::Instant::now(),
+            },
         };
         tokio::spawn(split.run(pstream, fallback));
         Ok(started)

@@ -8,7 +8,7 @@
 //! work left ([`Queue::advance`]). A new answer of work `s` then ends after
 //! `s + sum(min(left_i, s))` (`cost::finish_ms`): an answer with less left than it ends first
 //! and delays it by what it has left; one with more shares the node with it throughout.
-//! Counting answers alone would see a phone filling up with long prefills as a phone
+//! Counting answers alone would see a decode node filling up with long prefills as a decode node
 //! with a few answers (measured: slow-wifi at 8 clients).
 //!
 //! Approximate: the expectation is set when the answer starts (from an estimate of its
@@ -30,15 +30,15 @@ pub(super) fn answer_tokens(req: &ValidRequest, learned: &Mutex<Learned>) -> f64
     lock(learned).rates.expected_answer(req.max_tokens)
 }
 
-/// The work queues of a pair's nodes: the laptop's (the prefill node's), shared by every
-/// decode node's pair in a pool ([`Load::beside`]), and this pair's phone's.
+/// The work queues of a pair's nodes: the prefill node's, shared by every
+/// decode node's pair in a pool ([`Load::beside`]), and this pair's decode node's.
 #[derive(Debug, Default)]
 pub(super) struct Load {
-    laptop: Arc<Mutex<Queue>>,
-    phone: Mutex<Queue>,
+    prefill_node: Arc<Mutex<Queue>>,
+    decode_node: Mutex<Queue>,
 }
 
-/// Answer ids, unique in the process: pairs share the laptop's queue.
+/// Answer ids, unique in the process: pairs share the prefill node's queue.
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// One node's answers and the work each has left, as of `at`.
@@ -123,11 +123,11 @@ impl Work {
     }
 
     /// Node time: what a rate not yet measured would price counts nothing.
-    pub(super) fn ms(&self, m: &Measured, phone: bool) -> f64 {
-        let (p, d) = if phone {
-            (m.phone_prefill, m.phone_decode)
+    pub(super) fn ms(&self, m: &Measured, on_decode_node: bool) -> f64 {
+        let (p, d) = if on_decode_node {
+            (m.decode_node_prefill, m.decode_node_decode)
         } else {
-            (m.laptop_prefill, m.laptop_decode)
+            (m.prefill_node_prefill, m.prefill_node_decode)
         };
         let part = |tokens: f64, rate: Option<f64>| rate.map_or(0.0, |r| tokens.max(0.0) / r);
         part(self.prefill, p) + part(self.decode, d) + self.extra_ms.max(0.0)
@@ -135,15 +135,15 @@ impl Work {
 }
 
 impl super::Backend {
-    /// A split request's expected work on the laptop: its prefill, and in a live handoff
-    /// the answer tokens the laptop writes while the state crosses (as the cost model's
+    /// A split request's expected work on the prefill node: its prefill, and in a live handoff
+    /// the answer tokens the prefill node writes while the state crosses (as the cost model's
     /// `k`, not shared: the fewer of the answer's and those the crossing lasts), which are
     /// returned too for the correction after the prefill.
     pub(super) fn split_work(&self, req: &ValidRequest, mode: HandoffMode) -> (Work, f64) {
         let whole = Work::of(req, &self.learned);
         let kv = self.kv_bytes_per_token();
         let m = lock(&self.learned).rates.measured();
-        let written = match (mode, m.link, m.laptop_decode) {
+        let written = match (mode, m.link, m.prefill_node_decode) {
             (HandoffMode::Live, Some(g), Some(d)) if g > 0.0 => {
                 (whole.prefill * kv as f64 / g * d).min(whole.decode)
             }
@@ -161,38 +161,42 @@ impl super::Backend {
 #[derive(Debug)]
 pub(super) struct Busy {
     load: Arc<Load>,
-    phone: bool,
+    on_decode_node: bool,
     id: u64,
     /// Answers on the node when this one started (itself included).
     at_start: u32,
 }
 
 impl Load {
-    /// The queues of another decode node's pair: the same laptop, its own phone.
+    /// The queues of another decode node's pair: the same prefill node, its own decode node.
     pub(super) fn beside(other: &Load) -> Load {
         Load {
-            laptop: other.laptop.clone(),
-            phone: Mutex::default(),
+            prefill_node: other.prefill_node.clone(),
+            decode_node: Mutex::default(),
         }
     }
 
-    fn queue(&self, phone: bool) -> std::sync::MutexGuard<'_, Queue> {
-        let q = if phone { &self.phone } else { &self.laptop };
+    fn queue(&self, on_decode_node: bool) -> std::sync::MutexGuard<'_, Queue> {
+        let q = if on_decode_node {
+            &self.decode_node
+        } else {
+            &self.prefill_node
+        };
         // A poisoned lock holds only estimates.
         q.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Counts an answer on the phone (the decode node) or the laptop until the guard drops,
+    /// Counts an answer on the decode node or the prefill node until the guard drops,
     /// expected to take `work_ms` of the node's time.
-    pub(super) fn take(self: &Arc<Self>, phone: bool, work_ms: f64) -> Busy {
+    pub(super) fn take(self: &Arc<Self>, on_decode_node: bool, work_ms: f64) -> Busy {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let mut q = self.queue(phone);
+        let mut q = self.queue(on_decode_node);
         q.advance(Instant::now());
         q.jobs.push((id, work_ms.max(0.0)));
         let at_start = u32::try_from(q.jobs.len()).unwrap_or(u32::MAX);
         Busy {
             load: self.clone(),
-            phone,
+            on_decode_node,
             id,
             at_start,
         }
@@ -202,28 +206,28 @@ impl Load {
     pub(super) fn take_work(
         self: &Arc<Self>,
         learned: &Mutex<Learned>,
-        phone: bool,
+        on_decode_node: bool,
         work: Work,
     ) -> Busy {
-        let ms = work.ms(&lock(learned).rates.measured(), phone);
-        self.take(phone, ms)
+        let ms = work.ms(&lock(learned).rates.measured(), on_decode_node);
+        self.take(on_decode_node, ms)
     }
 
-    /// Whether no answer runs on the phone (the decode node) or the laptop.
-    pub(super) fn idle(&self, phone: bool) -> bool {
-        self.queue(phone).jobs.is_empty()
+    /// Whether no answer runs on the decode node or the prefill node.
+    pub(super) fn idle(&self, on_decode_node: bool) -> bool {
+        self.queue(on_decode_node).jobs.is_empty()
     }
 
     /// The work each node's answers have left, as of now.
     pub(super) fn backlog(&self) -> Backlog {
-        let left = |phone| {
-            let mut q = self.queue(phone);
+        let left = |on_decode_node| {
+            let mut q = self.queue(on_decode_node);
             q.advance(Instant::now());
             q.jobs.iter().map(|j| j.1).collect()
         };
         Backlog {
-            laptop: left(false),
-            phone: left(true),
+            prefill_node: left(false),
+            decode_node: left(true),
         }
     }
 }
@@ -233,14 +237,15 @@ impl Busy {
     /// of the counts at its start and now: an engine steps its answers in turn, so one
     /// answer's decode speed is about the node's divided by this.
     pub(super) fn sharing(&self) -> f64 {
-        let now = u32::try_from(self.load.queue(self.phone).jobs.len()).unwrap_or(u32::MAX);
+        let now =
+            u32::try_from(self.load.queue(self.on_decode_node).jobs.len()).unwrap_or(u32::MAX);
         (f64::from(self.at_start) + f64::from(now.max(1))) / 2.0
     }
 
     /// The answer's prefill is done: what it has left is `work` (its answer tokens).
     pub(super) fn prefilled(&self, learned: &Mutex<Learned>, work: Work) {
-        let ms = work.ms(&lock(learned).rates.measured(), self.phone);
-        let mut q = self.load.queue(self.phone);
+        let ms = work.ms(&lock(learned).rates.measured(), self.on_decode_node);
+        let mut q = self.load.queue(self.on_decode_node);
         q.advance(Instant::now());
         q.set(self.id, ms);
     }
@@ -250,13 +255,13 @@ impl Busy {
     pub(super) fn record(&self, learned: &Mutex<Learned>, tokens: u32, ms: f64) {
         lock(learned)
             .rates
-            .decoded(self.phone, tokens, ms / self.sharing());
+            .decoded(self.on_decode_node, tokens, ms / self.sharing());
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        let mut q = self.load.queue(self.phone);
+        let mut q = self.load.queue(self.on_decode_node);
         q.advance(Instant::now());
         q.jobs.retain(|j| j.0 != self.id);
         if q.jobs.is_empty() {
@@ -338,7 +343,7 @@ mod tests {
 
     fn counts(load: &Load) -> (usize, usize) {
         let b = load.backlog();
-        (b.laptop.len(), b.phone.len())
+        (b.prefill_node.len(), b.decode_node.len())
     }
 
     #[test]
@@ -350,8 +355,8 @@ mod tests {
         let c = load.take(false, 200.0);
         assert_eq!(counts(&load), (2, 1));
         let backlog = load.backlog();
-        assert_eq!(backlog.laptop.len(), 2);
-        assert!(backlog.laptop[0] > 900.0 && backlog.laptop[0] <= 1000.0);
+        assert_eq!(backlog.prefill_node.len(), 2);
+        assert!(backlog.prefill_node[0] > 900.0 && backlog.prefill_node[0] <= 1000.0);
         // Rates not measured yet: a prefill's correction prices nothing.
         a.prefilled(
             &learned,
@@ -361,7 +366,7 @@ mod tests {
                 extra_ms: 0.0,
             },
         );
-        assert_eq!(load.backlog().laptop[0], 0.0);
+        assert_eq!(load.backlog().prefill_node[0], 0.0);
         lock(&learned).rates.decoded(false, 100, 1000.0); // 0.1 token/ms
         a.prefilled(
             &learned,
@@ -371,12 +376,12 @@ mod tests {
                 extra_ms: 5.0,
             },
         );
-        let left = load.backlog().laptop[0];
+        let left = load.backlog().prefill_node[0];
         assert!(left > 900.0 && left <= 1005.0, "{left}");
         drop(a);
         drop(b);
         assert_eq!(counts(&load), (1, 0));
-        assert_eq!(load.backlog().phone, Vec::<f64>::new());
+        assert_eq!(load.backlog().decode_node, Vec::<f64>::new());
         drop(c);
         assert_eq!(counts(&load), (0, 0));
     }

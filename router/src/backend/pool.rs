@@ -7,8 +7,8 @@
 //! - a conversation a usable decode node holds goes on there (its KV is there);
 //! - a request that names a node (`edgesplit.node`) goes to it;
 //! - `auto` asks every usable pair's cost model and takes the best of their choices under
-//!   the request's objective ([`best`]): the laptop alone is the same on every pair, each
-//!   pair adds its phone's modes;
+//!   the request's objective ([`best`]): the prefill node alone is the same on every pair, each
+//!   pair adds its decode node's modes;
 //! - a named split or `phone` goes to the usable decode node with the least work queued.
 //!
 //! Usable: the node answered its last `Info` and computes as the prefill node does (same
@@ -145,23 +145,26 @@ fn on_off(b: bool) -> &'static str {
 pub struct Candidate<'a> {
     pub choice: &'a Choice,
     /// Node time (ms) the work queued on this pair's decode node has left.
-    pub phone_backlog_ms: f64,
+    pub decode_node_backlog_ms: f64,
 }
 
 /// Which of the pairs' `auto` choices runs (an index into `candidates`, which is not
-/// empty), under `objective` with `laptop_busy` answers on the shared laptop:
+/// empty), under `objective` with `prefill_node_busy` answers on the shared prefill node:
 /// - while no pair has a prediction, the one whose decode node has the least work queued;
 /// - a pair with no prediction whose decode node is idle is tried (its figures are
 ///   measured by that answer), so that a node that joins is measured;
 /// - else the choice the objective prefers, as `cost::choose` ranks modes: the soonest
-///   end (`latency`), the least laptop time among those ending within
+///   end (`latency`), the least prefill-node time among those ending within
 ///   [`OFFLOAD_BOUND`] of the soonest (`offload`), `balanced` as `latency` on an idle
-///   laptop and `offload` on a busy one.
+///   prefill node and `offload` on a busy one.
 #[must_use]
-pub fn best(candidates: &[Candidate<'_>], objective: Objective, laptop_busy: usize) -> usize {
+pub fn best(candidates: &[Candidate<'_>], objective: Objective, prefill_node_busy: usize) -> usize {
     let least_queued = |among: &mut dyn Iterator<Item = (usize, &Candidate<'_>)>| {
         among
-            .min_by(|a, b| a.1.phone_backlog_ms.total_cmp(&b.1.phone_backlog_ms))
+            .min_by(|a, b| {
+                a.1.decode_node_backlog_ms
+                    .total_cmp(&b.1.decode_node_backlog_ms)
+            })
             .map_or(0, |(i, _)| i)
     };
     let predicted: Vec<(usize, super::cost::Cost)> = candidates
@@ -174,12 +177,12 @@ pub fn best(candidates: &[Candidate<'_>], objective: Objective, laptop_busy: usi
     }
     if let Some(i) = candidates
         .iter()
-        .position(|c| c.choice.predicted.is_none() && c.phone_backlog_ms == 0.0)
+        .position(|c| c.choice.predicted.is_none() && c.decode_node_backlog_ms == 0.0)
     {
         return i;
     }
     let effective = match objective {
-        Objective::Balanced if laptop_busy == 0 => Objective::Latency,
+        Objective::Balanced if prefill_node_busy == 0 => Objective::Latency,
         Objective::Balanced => Objective::Offload,
         o => o,
     };
@@ -192,7 +195,7 @@ pub fn best(candidates: &[Candidate<'_>], objective: Objective, laptop_busy: usi
             let within = |c: &super::cost::Cost| c.e2e_ms <= soonest * OFFLOAD_BOUND;
             within(&b.1)
                 .cmp(&within(&a.1))
-                .then(a.1.laptop_ms.total_cmp(&b.1.laptop_ms))
+                .then(a.1.prefill_node_ms.total_cmp(&b.1.prefill_node_ms))
                 .then(a.1.e2e_ms.total_cmp(&b.1.e2e_ms))
         }
         _ => a.1.e2e_ms.total_cmp(&b.1.e2e_ms),
@@ -537,7 +540,8 @@ impl Pool {
             .iter()
             .copied()
             .find(|&i| members[i].backend.held(req).is_some());
-        let backlog = |i: usize| -> f64 { members[i].backend.load.backlog().phone.iter().sum() };
+        let backlog =
+            |i: usize| -> f64 { members[i].backend.load.backlog().decode_node.iter().sum() };
         match route {
             Some(route @ (Route::Local | Route::Layers)) => {
                 Ok((first.run(req, route, request_id).await?, first))
@@ -578,12 +582,12 @@ impl Pool {
                     .iter()
                     .map(|(i, p)| Candidate {
                         choice: &p.choice,
-                        phone_backlog_ms: backlog(*i),
+                        decode_node_backlog_ms: backlog(*i),
                     })
                     .collect();
                 let objective = req.objective.unwrap_or(first.config.objective);
-                let laptop_busy = first.load.backlog().laptop.len();
-                let k = best(&candidates, objective, laptop_busy);
+                let prefill_node_busy = first.load.backlog().prefill_node.len();
+                let k = best(&candidates, objective, prefill_node_busy);
                 let urls: Vec<String> = plans
                     .iter()
                     .map(|(i, _)| members[*i].backend.decode_url())
@@ -598,7 +602,7 @@ impl Pool {
     }
 
     /// The calibration at start (`probe.rs`), one pair after the other: each measures the
-    /// laptop, its phone and its link, alone.
+    /// prefill node, its decode node and its link, alone.
     pub async fn calibrate(&self) {
         for m in self.members() {
             m.backend.calibrate().await;

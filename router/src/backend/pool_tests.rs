@@ -47,14 +47,14 @@ fn household(n: usize) -> Household {
     }
 }
 
-/// The phone alone answers with one token on decode node `i`.
+/// A `phone` answer of one token on decode node `i`.
 fn phone_answers(h: &Household, i: usize, id: i32) {
     h.decode[i]
         .local
         .then(Ok(vec![prefilled(5, 0), token(id), finished(1)]));
 }
 
-/// A phone answer to "Hi" (request `id`), started on the pool: the node it went to must be
+/// A `phone` answer to "Hi" (request `id`), started on the pool: the node it went to must be
 /// decode node `i`.
 async fn phone_on(pool: &Pool, id: &str, i: usize) -> super::Started {
     let (started, b) = pool
@@ -211,10 +211,10 @@ fn choice(mode: Route, predicted: Option<(f64, f64)>) -> Choice {
     Choice {
         mode,
         reason: String::new(),
-        predicted: predicted.map(|(e2e_ms, laptop_ms)| Cost {
+        predicted: predicted.map(|(e2e_ms, prefill_node_ms)| Cost {
             mode,
             e2e_ms,
-            laptop_ms,
+            prefill_node_ms,
         }),
         answer_tokens: None,
     }
@@ -224,9 +224,9 @@ fn candidates<'a>(choices: &'a [Choice], backlogs: &[f64]) -> Vec<Candidate<'a>>
     choices
         .iter()
         .zip(backlogs)
-        .map(|(choice, &phone_backlog_ms)| Candidate {
+        .map(|(choice, &decode_node_backlog_ms)| Candidate {
             choice,
-            phone_backlog_ms,
+            decode_node_backlog_ms,
         })
         .collect()
 }
@@ -245,7 +245,7 @@ fn the_pairs_choices_are_ranked_as_the_objective_ranks_modes() {
     assert_eq!(best(&candidates(&c, &[0.0, 0.0]), Latency, 0), 1);
     // ... but not while it has work queued: the measured one is ranked.
     assert_eq!(best(&candidates(&c, &[0.0, 50.0]), Latency, 0), 0);
-    // Latency: the soonest end. Offload: the least laptop time within the bound.
+    // Latency: the soonest end. Offload: the least prefill-node time within the bound.
     let c = [
         choice(Route::Live, Some((1000.0, 300.0))),
         choice(Route::Phone, Some((1400.0, 0.0))),
@@ -254,7 +254,7 @@ fn the_pairs_choices_are_ranked_as_the_objective_ranks_modes() {
     let k = candidates(&c, &[0.0, 0.0, 0.0]);
     assert_eq!(best(&k, Latency, 0), 0);
     assert_eq!(best(&k, Offload, 0), 1);
-    // Balanced: latency on an idle laptop, offload on a busy one.
+    // Balanced: latency on an idle prefill node, offload on a busy one.
     assert_eq!(best(&k, Balanced, 0), 0);
     assert_eq!(best(&k, Balanced, 2), 1);
     // Nothing within the bound but the soonest: offload keeps it.
@@ -278,7 +278,7 @@ async fn a_node_added_while_serving_is_used_and_one_removed_is_not() {
     let again = h.pool.first().beside(url(1), added.clone());
     let e = h.pool.adopt(again).await.unwrap_err();
     assert_eq!(e.param.as_deref(), Some("url"), "{e:?}");
-    // The first is busy with a phone answer: the next phone answer goes to the added node.
+    // The first is busy with a `phone` answer: the next `phone` answer goes to the added node.
     h.decode[0].local.then(Ok(vec![
         prefilled(5, 0),
         token(10),

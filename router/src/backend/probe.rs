@@ -3,14 +3,14 @@
 //! `transport: "auto"` predicts a mode only from measured figures (`cost.rs`), and a mode
 //! that is never chosen is never measured by an answer. So the router measures for itself,
 //! with small requests of its own ([`Probe`]), answered and dropped:
-//! - **At start** (calibration): the laptop alone and the phone alone at once, then an
+//! - **At start** (calibration): the prefill node alone and the decode node alone at once, then an
 //!   `after` split for the link. The first `auto` request waits for it (at most
 //!   [`CALIBRATION_WAIT`]), so it is chosen from measured figures; the nodes warm up before
 //!   they report ready (the engine's warm-up), so no cold figure enters.
 //! - **At idle moments**: a device whose figures are stale (`estimate.rs`: none for 30 s)
 //!   is measured again when no answer runs on it (the link: on neither), while clients use
 //!   the router (an `auto` request within [`IN_USE`]): a device the choice avoids is
-//!   measured still, and a router nobody uses does not keep a phone busy.
+//!   measured still, and a router nobody uses does not keep a decode node busy.
 //!
 //! A probe never takes a client's request: a request is placed by its prediction only, so no
 //! client pays for the router's curiosity, and probing costs only a device's idle time.
@@ -55,19 +55,19 @@ pub const IDLE_TICK: Duration = Duration::from_secs(1);
 /// What a probe measures, and the route that measures it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
-    /// The laptop's prefill and decode speeds: the laptop alone.
-    Laptop,
-    /// The phone's: the phone alone.
-    Phone,
-    /// The link's goodput (and the phone's decode): an `after` split.
+    /// The prefill node's prefill and decode speeds: the prefill node alone.
+    PrefillNode,
+    /// The decode node's: the decode node alone.
+    DecodeNode,
+    /// The link's goodput (and the decode node's decode): an `after` split.
     Link,
 }
 
 impl Probe {
     fn route(self) -> Route {
         match self {
-            Probe::Laptop => Route::Local,
-            Probe::Phone => Route::Phone,
+            Probe::PrefillNode => Route::Local,
+            Probe::DecodeNode => Route::Phone,
             Probe::Link => Route::After(Wire::V2),
         }
     }
@@ -78,8 +78,8 @@ impl Probe {
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Probe::Laptop => "laptop",
-            Probe::Phone => "phone",
+            Probe::PrefillNode => "prefill-node",
+            Probe::DecodeNode => "decode-node",
             Probe::Link => "link",
         }
     }
@@ -160,25 +160,25 @@ impl Backend {
         }
     }
 
-    /// The calibration at start: the laptop and the phone at once, then the link, each
+    /// The calibration at start: the prefill node and the decode node at once, then the link, each
     /// tried again while its nodes are not up (until [`CALIBRATION_WAIT`]); then the
     /// `auto` requests waiting for it go on.
     pub async fn calibrate(&self) {
         let t0 = Instant::now();
         let deadline = t0 + CALIBRATION_WAIT;
         tokio::join!(
-            self.probe_until(Probe::Laptop, deadline),
-            self.probe_until(Probe::Phone, deadline)
+            self.probe_until(Probe::PrefillNode, deadline),
+            self.probe_until(Probe::DecodeNode, deadline)
         );
         self.probe_until(Probe::Link, deadline).await;
         self.calibrated.send_replace(true);
         let m = lock(&self.learned).rates.measured();
         tracing::info!(
             ms = t0.elapsed().as_millis() as u64,
-            laptop_prefill = ?m.laptop_prefill,
-            laptop_decode = ?m.laptop_decode,
-            phone_prefill = ?m.phone_prefill,
-            phone_decode = ?m.phone_decode,
+            prefill_node_prefill = ?m.prefill_node_prefill,
+            prefill_node_decode = ?m.prefill_node_decode,
+            decode_node_prefill = ?m.decode_node_prefill,
+            decode_node_decode = ?m.decode_node_decode,
             link = ?m.link,
             "calibrated (tokens or bytes per ms)"
         );
@@ -199,7 +199,7 @@ impl Backend {
     /// At an idle moment: the probes whose figures are stale and whose devices run no
     /// answer, one after the other, while the router is in use.
     pub async fn measure_idle(&self) {
-        for probe in [Probe::Laptop, Probe::Phone, Probe::Link] {
+        for probe in [Probe::PrefillNode, Probe::DecodeNode, Probe::Link] {
             let now = Instant::now();
             let wanted = {
                 let l = lock(&self.learned);
@@ -210,15 +210,15 @@ impl Backend {
                     .is_some_and(|t| now.saturating_duration_since(t) < PROBE_GAP);
                 let stale = l.rates.stale(now);
                 let stale = match probe {
-                    Probe::Laptop => stale.laptop,
-                    Probe::Phone => stale.phone,
+                    Probe::PrefillNode => stale.prefill_node,
+                    Probe::DecodeNode => stale.decode_node,
                     Probe::Link => stale.link,
                 };
                 in_use && stale && !recent
             };
             let idle = match probe {
-                Probe::Laptop => self.load.idle(false),
-                Probe::Phone => self.load.idle(true),
+                Probe::PrefillNode => self.load.idle(false),
+                Probe::DecodeNode => self.load.idle(true),
                 Probe::Link => self.load.idle(false) && self.load.idle(true),
             };
             if wanted && idle {

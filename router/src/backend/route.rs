@@ -30,7 +30,7 @@ impl Wire {
 /// Where and how a request runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    /// The prefill node alone (the laptop; `transport: local`).
+    /// The prefill node alone (`transport: local`).
     Local,
     /// The prefill node with its layer split (`transport: layers`).
     Layers,

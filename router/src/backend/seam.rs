@@ -50,7 +50,7 @@ pub trait PrefillCalls: Send + Sync {
 pub trait DecodeCalls: Send + Sync {
     /// The rest of a split answer, from the state the prefill node handed over.
     fn generate(&self, req: pb::GenerateRequest) -> Call<'_, Events<pb::TokenEvent>>;
-    /// A whole answer on this node (the phone alone, a conversation's next turn).
+    /// A whole answer on this node (the decode node alone, a conversation's next turn).
     fn local(&self, req: pb::PrefillRequest) -> Call<'_, Events<pb::TokenEvent>>;
     /// The node's identity, settings, handoff addresses and KV budget.
     fn info(&self) -> Call<'_, pb::NodeInfo>;

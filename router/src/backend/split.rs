@@ -33,30 +33,23 @@ enum Split {
 /// in a task of its own.
 type HandoffReport = tokio::task::JoinHandle<Result<Option<pb::PrefillEvent>, tonic::Status>>;
 
-/// One split answer after its first token: it forwards that token, then the decode node's
-/// tokens, while the handoff report comes in; when the handoff or the decode node fails it
-/// finishes on the prefill node (`fallback`) or ends with the error.
-pub(super) struct SplitAnswer {
-    /// Kept while the answer may end on the decode node (which then holds it).
-    pub(super) transcript: Option<Transcript>,
-    pub(super) learned: Arc<std::sync::Mutex<Learned>>,
-    pub(super) first: pb::FirstToken,
-    pub(super) decode: Arc<dyn DecodeCalls>,
-    pub(super) generate: pb::GenerateRequest,
-    pub(super) tx: mpsc::Sender<Event>,
-    /// Every token the client has been sent, the first included.
-    pub(super) sent: Vec<i32>,
+/// The waits of a split answer (the router's flags).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Waits {
+    /// Longest silence of a node's stream between two tokens (`--token-idle-timeout`).
     pub(super) idle: Duration,
+    /// How long a failed decode node's stream waits for the handoff's own report, which
+    /// names the cause better.
     pub(super) handoff_error_grace: Duration,
+    /// How long the end of an answer waits for the handoff's figures.
     pub(super) handoff_report_wait: Duration,
-    /// The request field an upstream refusal names (`messages` or `prompt`).
-    pub(super) param: &'static str,
-    pub(super) mode: HandoffMode,
-    /// A live answer that ends on the prefill node is handed over after it
-    /// ([`SplitAnswer::keep_on_decode_node`]).
-    pub(super) keep: bool,
-    /// The answer counted on the node writing it: the prefill node until the decode node
-    /// takes over (`hand_to_decode_node`), the decode node after.
+}
+
+/// Where a split answer counts as work while it runs (`load.rs`): on the prefill node until
+/// the decode node takes over, on the decode node after, on the prefill node again after a
+/// fallback; and the decode speed measured on the node that wrote its tokens.
+pub(super) struct Counted {
+    pub(super) learned: Arc<std::sync::Mutex<Learned>>,
     pub(super) load: Arc<Load>,
     pub(super) prefill_busy: Option<Busy>,
     pub(super) decode_busy: Option<Busy>,
@@ -68,15 +61,17 @@ pub(super) struct SplitAnswer {
     pub(super) first_sent: std::time::Instant,
 }
 
-/// Longest wait for a live answer's state to be kept on the decode node after the answer
-/// ended (the prefill node's own handoff deadlines end a stalled one sooner).
-const KEEP_WAIT: Duration = Duration::from_secs(600);
+impl Counted {
+    /// The answer tokens expected still, `sent` of them sent.
+    fn tokens_left(&self, sent: usize) -> f64 {
+        (self.answer_tokens - sent as f64).max(0.0)
+    }
 
-impl SplitAnswer {
-    /// The prefill node wrote the live answer's tokens after the first since `first_sent`.
-    fn prefill_node_decoded(&self) {
+    /// The prefill node wrote the live answer's tokens after the first (`sent` in all)
+    /// since `first_sent`.
+    fn prefill_node_decoded(&self, sent: usize) {
         if let Some(busy) = &self.prefill_busy {
-            let tokens = u32::try_from(self.sent.len().saturating_sub(1)).unwrap_or(u32::MAX);
+            let tokens = u32::try_from(sent.saturating_sub(1)).unwrap_or(u32::MAX);
             let ms = self.first_sent.elapsed().as_secs_f64() * 1000.0;
             busy.record(&self.learned, tokens, ms);
         }
@@ -84,17 +79,56 @@ impl SplitAnswer {
 
     /// The decode node writes the rest of the answer: it counts there, not on the prefill
     /// node.
-    fn hand_to_decode_node(&mut self) {
+    fn hand_to_decode_node(&mut self, sent: usize) {
         self.prefill_busy = None;
-        let left = Work::answer(self.tokens_left());
+        let left = Work::answer(self.tokens_left(sent));
         self.decode_busy = Some(self.load.take_work(&self.learned, true, left));
     }
 
-    /// The answer tokens expected still.
-    fn tokens_left(&self) -> f64 {
-        (self.answer_tokens - self.sent.len() as f64).max(0.0)
+    /// The prefill node finishes the answer (the fallback): it counts there again.
+    fn back_to_prefill_node(&mut self, sent: usize) {
+        self.decode_busy = None;
+        if self.prefill_busy.is_none() {
+            let left = Work::answer(self.tokens_left(sent));
+            self.prefill_busy = Some(self.load.take_work(&self.learned, false, left));
+        }
     }
 
+    /// An event of the decode node's stream: its tokens measure its decode speed.
+    fn decode_node_event(&self, ev: &Event) {
+        if let Some(busy) = &self.decode_busy {
+            decoded(&self.learned, busy, ev);
+        }
+    }
+}
+
+/// One split answer after its first token: it forwards that token, then the decode node's
+/// tokens, while the handoff report comes in; when the handoff or the decode node fails it
+/// finishes on the prefill node (`fallback`) or ends with the error.
+pub(super) struct SplitAnswer {
+    /// Kept while the answer may end on the decode node (which then holds it).
+    pub(super) transcript: Option<Transcript>,
+    pub(super) first: pb::FirstToken,
+    pub(super) decode: Arc<dyn DecodeCalls>,
+    pub(super) generate: pb::GenerateRequest,
+    pub(super) tx: mpsc::Sender<Event>,
+    /// Every token the client has been sent, the first included.
+    pub(super) sent: Vec<i32>,
+    pub(super) waits: Waits,
+    /// The request field an upstream refusal names (`messages` or `prompt`).
+    pub(super) param: &'static str,
+    pub(super) mode: HandoffMode,
+    /// A live answer that ends on the prefill node is handed over after it
+    /// ([`SplitAnswer::keep_on_decode_node`]).
+    pub(super) keep: bool,
+    pub(super) counted: Counted,
+}
+
+/// Longest wait for a live answer's state to be kept on the decode node after the answer
+/// ended (the prefill node's own handoff deadlines end a stalled one sooner).
+const KEEP_WAIT: Duration = Duration::from_secs(600);
+
+impl SplitAnswer {
     pub(super) async fn run(
         mut self,
         pstream: Events<pb::PrefillEvent>,
@@ -106,12 +140,8 @@ impl SplitAnswer {
         };
         match fallback {
             Some(fb) => {
-                self.decode_busy = None;
-                if self.prefill_busy.is_none() {
-                    let left = Work::answer(self.tokens_left());
-                    self.prefill_busy = Some(self.load.take_work(&self.learned, false, left));
-                }
-                fb.resume(e, self.sent, total, &self.tx, self.idle, self.param)
+                self.counted.back_to_prefill_node(self.sent.len());
+                fb.resume(e, self.sent, total, &self.tx, self.waits.idle, self.param)
                     .await
             }
             None => {
@@ -153,7 +183,7 @@ impl SplitAnswer {
             Ok(s) => s,
             Err(split) => return split,
         };
-        self.hand_to_decode_node();
+        self.counted.hand_to_decode_node(self.sent.len());
         self.forward_decode(stream, &mut handoff, &mut handoff_pending)
             .await
     }
@@ -162,7 +192,7 @@ impl SplitAnswer {
     /// reports the switch, then the decode node's.
     async fn live_part(&mut self, mut pstream: Events<pb::PrefillEvent>) -> Split {
         use pb::prefill_event::Event as P;
-        let idle = self.idle;
+        let idle = self.waits.idle;
         loop {
             let event = match tokio::time::timeout(idle, message(&mut pstream)).await {
                 Ok(Ok(Some(m))) => m.event,
@@ -194,7 +224,7 @@ impl SplitAnswer {
                     }
                 }
                 Some(P::Finished(f)) => {
-                    self.prefill_node_decoded();
+                    self.counted.prefill_node_decoded(self.sent.len());
                     // Every token was written on the prefill node: none by a decode node.
                     let mut ev = token_event(
                         pb::TokenEvent {
@@ -252,7 +282,11 @@ impl SplitAnswer {
         // The answer was written on the prefill node, which holds it already.
         transcript.replay = None;
         transcript.written_on_prefill_node = true;
-        let (decode, learned, idle) = (self.decode.clone(), self.learned.clone(), self.idle);
+        let (decode, learned, idle) = (
+            self.decode.clone(),
+            self.counted.learned.clone(),
+            self.waits.idle,
+        );
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         let mut generate = pb::GenerateRequest {
             first_token: self.sent.last().copied(),
@@ -298,7 +332,7 @@ impl SplitAnswer {
 
     /// The decode node holds the state up to the last token sent: it writes the rest.
     async fn switch(&mut self, sw: pb::Switched) -> Split {
-        self.prefill_node_decoded();
+        self.counted.prefill_node_decoded(self.sent.len());
         let answered = u32::try_from(self.sent.len()).unwrap_or(u32::MAX);
         if sw.answered != answered {
             return Split::Failed(Failure::upstream(
@@ -316,7 +350,7 @@ impl SplitAnswer {
             bytes = sw.bytes,
             "live handoff: the decode node takes over"
         );
-        lock(&self.learned)
+        lock(&self.counted.learned)
             .rates
             .handed_off(sw.bytes, sw.transfer_ms);
         let handoff = Event::Handoff {
@@ -337,7 +371,7 @@ impl SplitAnswer {
         self.generate.base_tokens = sw.base_tokens;
         self.generate.base_digest = sw.base_digest;
         self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
-        let idle = self.idle;
+        let idle = self.waits.idle;
         let stream =
             match tokio::time::timeout(idle, self.decode.generate(self.generate.clone())).await {
                 Ok(Ok(s)) => s,
@@ -349,7 +383,7 @@ impl SplitAnswer {
                     ))
                 }
             };
-        self.hand_to_decode_node();
+        self.counted.hand_to_decode_node(self.sent.len());
         // The handoff is reported; nothing is pending.
         let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
         self.forward_decode(stream, &mut done, &mut false).await
@@ -364,7 +398,9 @@ impl SplitAnswer {
             Ok(Ok(Some(pb::PrefillEvent {
                 event: Some(pb::prefill_event::Event::Handoff(h)),
             }))) => Ok({
-                lock(&self.learned).rates.handed_off(h.bytes, h.transfer_ms);
+                lock(&self.counted.learned)
+                    .rates
+                    .handed_off(h.bytes, h.transfer_ms);
                 Event::Handoff {
                     bytes: h.bytes,
                     export_ms: h.export_ms,
@@ -393,7 +429,7 @@ impl SplitAnswer {
         let decode = self.decode.clone();
         let call = decode.generate(self.generate.clone());
         tokio::pin!(call);
-        let idle = self.idle;
+        let idle = self.waits.idle;
         let mut answer_by: Option<tokio::time::Instant> = None;
         loop {
             let not_taken_in_time = async {
@@ -414,7 +450,7 @@ impl SplitAnswer {
                     Err(st) => {
                         if *handoff_pending {
                             // A handoff error explains a decode failure better than the decode does.
-                            let report = tokio::time::timeout(self.handoff_error_grace, &mut *handoff).await;
+                            let report = tokio::time::timeout(self.waits.handoff_error_grace, &mut *handoff).await;
                             if let Ok(Err(e)) = report.map(|r| self.on_handoff(r)) {
                                 return Err(Split::Failed(e));
                             }
@@ -441,7 +477,7 @@ impl SplitAnswer {
         handoff: &mut HandoffReport,
         handoff_pending: &mut bool,
     ) -> Split {
-        let idle = self.idle;
+        let idle = self.waits.idle;
         loop {
             tokio::select! {
                 ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
@@ -449,12 +485,10 @@ impl SplitAnswer {
                         return Split::Failed(e);
                     }
                     let end = matches!(ev, Event::Finished { .. });
-                    if let Some(busy) = &self.decode_busy {
-                        decoded(&self.learned, busy, &ev);
-                    }
+                    self.counted.decode_node_event(&ev);
                     if end && *handoff_pending {
                         // Report the handoff figures before the end of the answer.
-                        let report = tokio::time::timeout(self.handoff_report_wait, &mut *handoff).await;
+                        let report = tokio::time::timeout(self.waits.handoff_report_wait, &mut *handoff).await;
                         if let Ok(Ok(hev)) = report.map(|r| self.on_handoff(r)) {
                             let _ = self.tx.send(hev).await;
                         }
@@ -497,23 +531,27 @@ mod tests {
         let (tx, _) = mpsc::channel(1);
         SplitAnswer {
             transcript: None,
-            learned: Arc::default(),
             first: pb::FirstToken::default(),
             decode: Arc::new(crate::backend::fake::FakeDecode::default()),
             generate: pb::GenerateRequest::default(),
             tx,
             sent: Vec::new(),
-            idle: Duration::from_secs(1),
-            handoff_error_grace: Duration::from_secs(1),
-            handoff_report_wait: Duration::from_secs(1),
+            waits: Waits {
+                idle: Duration::from_secs(1),
+                handoff_error_grace: Duration::from_secs(1),
+                handoff_report_wait: Duration::from_secs(1),
+            },
             param,
             mode: HandoffMode::After,
             keep: false,
-            load: Arc::default(),
-            prefill_busy: None,
-            decode_busy: None,
-            answer_tokens: 0.0,
-            first_sent: std::time::Instant::now(),
+            counted: Counted {
+                learned: Arc::default(),
+                load: Arc::default(),
+                prefill_busy: None,
+                decode_busy: None,
+                answer_tokens: 0.0,
+                first_sent: std::time::Instant::now(),
+            },
         }
     }
 

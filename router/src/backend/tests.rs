@@ -1,5 +1,5 @@
 //! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
-//! the fallback when the decode node dies before and after the switch, a phone asked for
+//! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
@@ -276,8 +276,8 @@ async fn a_frozen_decode_node_is_found_by_the_idle_bound() {
     assert_eq!(cause.as_deref(), Some("timeout"));
 }
 
-/// The phone asked for by name but gone: a named transport is not moved, the client gets
-/// the decode node's unavailability; under `auto`'s choice of the phone, the prefill node
+/// The decode node asked for by name but gone: a named transport is not moved, the client gets
+/// the decode node's unavailability; under `auto`'s choice of the decode node, the prefill node
 /// answers instead and says so.
 #[tokio::test]
 async fn a_phone_asked_for_but_gone_is_refused_and_auto_answers_on_the_prefill_node() {
@@ -292,7 +292,7 @@ async fn a_phone_asked_for_but_gone_is_refused_and_auto_answers_on_the_prefill_n
     assert!(e.is(RouterCode::DecodeUnavailable), "{e:?}");
     assert!(n.prefill.generate.requests().is_empty());
 
-    // `auto` chose the phone (the route it runs), which is gone.
+    // `auto` chose the decode node (the route it runs), which is gone.
     n.decode.local.then(Err(unavailable()));
     n.prefill
         .generate
@@ -314,8 +314,8 @@ async fn a_phone_asked_for_but_gone_is_refused_and_auto_answers_on_the_prefill_n
 }
 
 /// A conversation the decode node ended goes on there (only the new part prefilled on the
-/// phone); once the phone has evicted it, the next turn is split whole and the router
-/// forgets it, so the turn after does not ask the phone first.
+/// decode node); once the decode node has evicted it, the next turn is split whole and the router
+/// forgets it, so the turn after does not ask the decode node first.
 #[tokio::test]
 async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole() {
     let n = pair(true);
@@ -354,8 +354,8 @@ async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole
     assert!(asked.max_uncached.is_some(), "bounded by what pays");
     assert_eq!(n.prefill.prefill.requests().len(), 1, "nothing split");
 
-    // Turn 3 (live, which would ship only a tail after a prefix the phone holds): the
-    // phone evicted it meanwhile; split whole, the conversation forgotten.
+    // Turn 3 (live, which would ship only a tail after a prefix the decode node holds): the
+    // decode node evicted it meanwhile; split whole, the conversation forgotten.
     let turn3 = request(&format!("{turn2_prompt} t30 t31 Again?"), "");
     assert_eq!(n.backend.held(&turn3), Some(13), "turn 2's 12 + 2 - 1");
     n.decode.local.then(Err(status(
