@@ -18,7 +18,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use crate::backend::NodeState;
-use crate::error::ApiError;
+use crate::error::{ApiError, HttpCode};
 use crate::state::AppState;
 
 /// Longest node URL taken.
@@ -38,7 +38,7 @@ fn joins(s: &AppState) -> Result<Arc<crate::join::Joins>, ApiError> {
             None,
             "joining is off: start the router with --join-listen (and a shared secret)",
         )
-        .with_code("joining_off")
+        .with_code(HttpCode::JoiningOff)
     })
 }
 

@@ -9,13 +9,77 @@ use edgesplit_proto::error::ErrorCode;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
+/// OpenAI's error `type`: the client's request, or the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorType {
+    /// `invalid_request_error`: the request (its body, its key, its URL) is at fault.
+    InvalidRequest,
+    /// `server_error`: a node or the router could not answer it.
+    Server,
+}
+
+impl ErrorType {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorType::InvalidRequest => "invalid_request_error",
+            ErrorType::Server => "server_error",
+        }
+    }
+}
+
+/// The codes of the router's HTTP layer: the request's shape, its key and URL, and the
+/// router's own state. A backend failure's code comes from its `Code` (`backend/failure.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpCode {
+    /// The body is not JSON.
+    InvalidJson,
+    /// The body could not be read (too large, not sent as JSON...).
+    InvalidBody,
+    InvalidApiKey,
+    UnknownUrl,
+    ModelNotFound,
+    /// Tools on a model whose template writes calls in a format not read.
+    ToolsUnsupported,
+    /// `/admin/pairing` or `/admin/devices` on a router without `--join-listen`.
+    JoiningOff,
+    /// More requests waiting than `--max-queue`.
+    QueueFull,
+    /// No capacity within `--queue-timeout`.
+    QueueTimeout,
+    ShuttingDown,
+    /// An answer's events ended before its end.
+    StreamEnded,
+    Internal,
+}
+
+impl HttpCode {
+    /// The code's name in error objects and metrics.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HttpCode::InvalidJson => "invalid_json",
+            HttpCode::InvalidBody => "invalid_body",
+            HttpCode::InvalidApiKey => "invalid_api_key",
+            HttpCode::UnknownUrl => "unknown_url",
+            HttpCode::ModelNotFound => "model_not_found",
+            HttpCode::ToolsUnsupported => "tools_unsupported",
+            HttpCode::JoiningOff => "joining_off",
+            HttpCode::QueueFull => "queue_full",
+            HttpCode::QueueTimeout => "queue_timeout",
+            HttpCode::ShuttingDown => "shutting_down",
+            HttpCode::StreamEnded => "stream_ended",
+            HttpCode::Internal => "internal_error",
+        }
+    }
+}
+
 /// An error as the client sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
-    /// OpenAI `type`: invalid_request_error, authentication_error, server_error...
-    pub kind: &'static str,
+    pub kind: ErrorType,
     pub param: Option<String>,
     pub code: Option<String>,
     /// The node's code this error maps, when a node named its failure.
@@ -30,7 +94,7 @@ impl ApiError {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
-            kind: "invalid_request_error",
+            kind: ErrorType::InvalidRequest,
             param: param.into(),
             code: None,
             cause: None,
@@ -40,8 +104,8 @@ impl ApiError {
 
     /// Sets the machine-readable code.
     #[must_use]
-    pub fn with_code(mut self, code: &str) -> Self {
-        self.code = Some(code.to_string());
+    pub fn with_code(mut self, code: HttpCode) -> Self {
+        self.code = Some(code.as_str().to_string());
         self
     }
 
@@ -49,33 +113,33 @@ impl ApiError {
         Self {
             status: StatusCode::NOT_FOUND,
             message: format!("The model `{model}` does not exist"),
-            kind: "invalid_request_error",
+            kind: ErrorType::InvalidRequest,
             param: Some("model".into()),
-            code: Some("model_not_found".into()),
+            code: Some(HttpCode::ModelNotFound.as_str().into()),
             cause: None,
             retry_after: None,
         }
     }
 
-    pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
+    pub fn unavailable(code: HttpCode, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::SERVICE_UNAVAILABLE,
             message: message.into(),
-            kind: "server_error",
+            kind: ErrorType::Server,
             param: None,
-            code: Some(code.into()),
+            code: Some(code.as_str().into()),
             cause: None,
             retry_after: Some(1),
         }
     }
 
-    pub fn upstream(code: &str, message: impl Into<String>) -> Self {
+    pub fn upstream(code: HttpCode, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_GATEWAY,
             message: message.into(),
-            kind: "server_error",
+            kind: ErrorType::Server,
             param: None,
-            code: Some(code.into()),
+            code: Some(code.as_str().into()),
             cause: None,
             retry_after: None,
         }
@@ -85,9 +149,9 @@ impl ApiError {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: message.into(),
-            kind: "server_error",
+            kind: ErrorType::Server,
             param: None,
-            code: Some("internal_error".into()),
+            code: Some(HttpCode::Internal.as_str().into()),
             cause: None,
             retry_after: None,
         }
@@ -98,7 +162,7 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {
             "message": self.message,
-            "type": self.kind,
+            "type": self.kind.as_str(),
             "param": self.param,
             "code": self.code,
         }})

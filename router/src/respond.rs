@@ -192,7 +192,7 @@ impl Answer {
             request_id: Some(self.meta.request_id.clone()),
             transport: Some(self.meta.transport.as_str()),
             finish_reason: error.is_none().then(|| self.finish_str()),
-            code: error.map(|e| e.code.as_deref().unwrap_or(e.kind).to_string()),
+            code: error.map(|e| e.code.as_deref().unwrap_or(e.kind.as_str()).to_string()),
             message: error.map(|e| e.message.clone()),
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,

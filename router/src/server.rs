@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, Endpoint, Transport};
 use crate::backend::{Class, Failure};
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorType, HttpCode};
 use crate::node_json;
 use crate::recent::RecentAnswer;
 use crate::respond::{Answer, Meta, Step};
@@ -86,13 +86,13 @@ async fn require_api_key(
     } else {
         "You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
     };
-    s.metrics.failed("invalid_api_key");
+    s.metrics.failed(HttpCode::InvalidApiKey.as_str());
     ApiError {
         status: StatusCode::UNAUTHORIZED,
         message: message.into(),
-        kind: "invalid_request_error",
+        kind: ErrorType::InvalidRequest,
         param: None,
-        code: Some("invalid_api_key".into()),
+        code: Some(HttpCode::InvalidApiKey.as_str().into()),
         cause: None,
         retry_after: None,
     }
@@ -103,9 +103,9 @@ async fn not_found() -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: "no such endpoint".into(),
-        kind: "invalid_request_error",
+        kind: ErrorType::InvalidRequest,
         param: None,
-        code: Some("unknown_url".into()),
+        code: Some(HttpCode::UnknownUrl.as_str().into()),
         cause: None,
         retry_after: None,
     }
@@ -137,16 +137,16 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
     let body = match body {
         Ok(b) => b,
         Err(rej) => {
-            let mut e = ApiError::invalid(None, rej.body_text()).with_code("invalid_body");
+            let mut e = ApiError::invalid(None, rej.body_text()).with_code(HttpCode::InvalidBody);
             e.status = rej.status();
             return e.into_response();
         }
     };
     let metrics = s.metrics.clone();
     if s.draining.load(std::sync::atomic::Ordering::SeqCst) {
-        metrics.failed("shutting_down");
+        metrics.failed(HttpCode::ShuttingDown.as_str());
         return ApiError::unavailable(
-            "shutting_down",
+            HttpCode::ShuttingDown,
             "the router is shutting down; retry on another instance or after it restarts",
         )
         .into_response();
@@ -157,7 +157,7 @@ async fn serve(s: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: 
             // Failures before the first token; later ones are counted by the answer.
             metrics.record(RecentAnswer::refused(
                 unix_now(),
-                e.code.as_deref().unwrap_or(e.kind),
+                e.code.as_deref().unwrap_or(e.kind.as_str()),
                 &e.message,
             ));
             e.into_response()
@@ -272,7 +272,7 @@ fn tools_supported(format: &str) -> Result<(), ApiError> {
               read (it reads JSON in <tool_call> tags, as Hermes and Qwen 2.5 templates write)"
         }
     };
-    Err(ApiError::invalid(Some("tools".into()), why).with_code("tools_unsupported"))
+    Err(ApiError::invalid(Some("tools".into()), why).with_code(HttpCode::ToolsUnsupported))
 }
 
 async fn whole_response(
@@ -292,7 +292,7 @@ async fn whole_response(
         }
     }
     Err(ApiError::upstream(
-        "stream_ended",
+        HttpCode::StreamEnded,
         "the generation ended without finishing",
     ))
 }
@@ -317,7 +317,7 @@ fn stream_response(
             let step = match events.recv().await {
                 Some(ev) => answer.on_event(ev),
                 None => Step::Failed(ApiError::upstream(
-                    "stream_ended",
+                    HttpCode::StreamEnded,
                     "the generation ended without finishing",
                 )),
             };
@@ -433,10 +433,10 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
 impl From<Failure> for ApiError {
     fn from(f: Failure) -> Self {
         let (status, kind, retry_after) = match f.class {
-            Class::Input => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
-            Class::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "server_error", Some(1)),
-            Class::Upstream => (StatusCode::BAD_GATEWAY, "server_error", None),
-            Class::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+            Class::Input => (StatusCode::BAD_REQUEST, ErrorType::InvalidRequest, None),
+            Class::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, ErrorType::Server, Some(1)),
+            Class::Upstream => (StatusCode::BAD_GATEWAY, ErrorType::Server, None),
+            Class::Internal => (StatusCode::INTERNAL_SERVER_ERROR, ErrorType::Server, None),
         };
         Self {
             status,
@@ -467,11 +467,17 @@ mod failure_tests {
             ),
             (
                 Failure::unavailable(RouterCode::DecodeUnavailable, "m"),
-                ApiError::unavailable("decode_unavailable", "m"),
+                ApiError {
+                    code: Some("decode_unavailable".into()),
+                    ..ApiError::unavailable(HttpCode::Internal, "m")
+                },
             ),
             (
                 Failure::upstream(RouterCode::Timeout, "m"),
-                ApiError::upstream("timeout", "m"),
+                ApiError {
+                    code: Some("timeout".into()),
+                    ..ApiError::upstream(HttpCode::Internal, "m")
+                },
             ),
             (Failure::internal("m"), ApiError::internal("m")),
         ] {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::api::Transport;
 use crate::backend::Pool;
-use crate::error::ApiError;
+use crate::error::{ApiError, HttpCode};
 
 /// Shared state of the handlers.
 pub struct AppState {
@@ -111,7 +111,7 @@ impl Admission {
         if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::unavailable(
-                "queue_full",
+                HttpCode::QueueFull,
                 format!(
                     "the router is at capacity ({} requests waiting); retry shortly",
                     self.max_queue
@@ -123,7 +123,7 @@ impl Admission {
         match got {
             Ok(Ok(p)) => Ok(Some(p)),
             _ => Err(ApiError::unavailable(
-                "queue_timeout",
+                HttpCode::QueueTimeout,
                 format!("no capacity within {:?}; retry shortly", self.timeout),
             )),
         }

@@ -21,7 +21,7 @@ use sampling::{int, logprobs, num, response_format, stop};
 
 use serde_json::Value;
 
-use crate::error::{typed, ApiError};
+use crate::error::{typed, ApiError, HttpCode};
 use crate::tools::{self, Call, ToolFields, Tools};
 
 /// Which endpoint a request came through.
@@ -249,7 +249,7 @@ pub fn parse(
     random_seed: impl FnOnce() -> u32,
 ) -> Result<ValidRequest, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid(None, format!("invalid JSON body: {e}")).with_code("invalid_json")
+        ApiError::invalid(None, format!("invalid JSON body: {e}")).with_code(HttpCode::InvalidJson)
     })?;
     if !value.is_object() {
         return Err(ApiError::invalid(
@@ -462,7 +462,7 @@ mod tests {
             let e = chat(body).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
-            assert_eq!(e.kind, "invalid_request_error");
+            assert_eq!(e.kind, crate::error::ErrorType::InvalidRequest);
         }
     }
 
