@@ -414,7 +414,7 @@ mod tests {
         // A decode node that decodes as fast as the prefill node, on a fast link, and a prefill node with
         // three long answers running: the idle decode node alone is soonest (its prefill at half
         // the prefill node's speed beats a quarter of the prefill node's), then the split (its decode
-        // no longer shares the prefill node).
+        // does not share the prefill node).
         let mut m = rates();
         m.decode_node_decode = Some(0.05);
         m.link = Some(125_000.0);
