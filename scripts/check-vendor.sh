@@ -12,7 +12,8 @@ VENDOR="$ROOT/vendor/llama-cpp-sys-2"
 # ggml backends that are never compiled here (the CPU, CUDA and RPC ones are kept).
 PRUNED=(cann et hexagon metal opencl openvino sycl virtgpu vulkan webgpu)
 # Applied in this order (patches/README.md says why each exists).
-PATCHES=(llama-cpp-sys-2-aarch64-arch.patch ggml-cpu-fa-no-split-kv.patch llama-cpp-det-math.patch)
+PATCHES=(llama-cpp-sys-2-aarch64-arch.patch ggml-cpu-fa-no-split-kv.patch llama-cpp-det-math.patch
+    llama-cpp-common-slim.patch)
 fail() { echo "[vendor] FAILED: $*" >&2; exit 1; }
 
 VERSION="$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' "$ROOT/Cargo.toml")"
