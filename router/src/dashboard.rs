@@ -141,7 +141,8 @@ async fn status(State(s): State<Arc<AppState>>) -> Json<Value> {
     let nodes: Vec<Value> = d
         .into_iter()
         .map(|(url, d)| {
-            let state = crate::backend::NodeState::of(prefill_info.as_ref(), &d);
+            let state = crate::backend::NodeState::of(prefill_info.as_ref(), &d)
+                .unless_silent(pool.silent(&url));
             let mut v = node_json(d, &url);
             v["state"] = json!(state.as_str());
             if let Some(why) = state.why() {

@@ -72,17 +72,20 @@ pub(crate) fn health(r: &Result<edgesplit_proto::pb::NodeInfo, Failure>) -> Valu
 }
 
 /// Each decode node as `/health` shows it (its URL, its state in the pool with why, and its
-/// `Info`), from the nodes' answers in `--decode-url` order.
+/// `Info`), from the nodes' answers in `--decode-url` order (`silent`: why each is left out
+/// after a silence mid-answer, if it is).
 pub(crate) fn decode_nodes(
     prefill: &Result<NodeInfo, Failure>,
     decode: &[Result<NodeInfo, Failure>],
     urls: &[String],
+    silent: &[Option<String>],
 ) -> Vec<Value> {
     decode
         .iter()
         .zip(urls)
-        .map(|(d, url)| {
-            let state = NodeState::of(prefill.as_ref().ok(), d);
+        .zip(silent)
+        .map(|((d, url), silent)| {
+            let state = NodeState::of(prefill.as_ref().ok(), d).unless_silent(silent.clone());
             let mut v = health(d);
             v["url"] = json!(url);
             v["state"] = json!(state.as_str());

@@ -400,7 +400,9 @@ async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response 
             .into_response();
     }
     let (p, d) = s.pool.infos_within(HEALTH_INFO_MAX_AGE).await;
-    let nodes = node_json::decode_nodes(&p, &d, &s.pool.urls());
+    let urls = s.pool.urls();
+    let silent: Vec<Option<String>> = urls.iter().map(|u| s.pool.silent(u)).collect();
+    let nodes = node_json::decode_nodes(&p, &d, &urls, &silent);
     // Every node answers (a decode node refused by the handshake's checks answers too:
     // its `state` says so, and requests go to the others).
     let ok = p.is_ok() && d.iter().all(Result::is_ok);

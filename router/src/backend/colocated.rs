@@ -195,13 +195,21 @@ async fn forward_decode_node(
     let failure = loop {
         let ev = next_event(&mut stream, idle, Node::Decode, true, param).await;
         match ev {
-            Event::Error(e) => break e,
+            Event::Error(e) => {
+                if e.is(RouterCode::Timeout) {
+                    lock(&counted.learned)
+                        .silence
+                        .fell_silent(tokio::time::Instant::now().into_std(), &e.message);
+                }
+                break e;
+            }
             Event::Token { id, ref bytes, .. } => {
                 sent.push(id);
                 transcript.token(id, bytes);
             }
             Event::Finished { .. } => {
                 counted.seen(&ev);
+                lock(&counted.learned).silence.spoke();
                 transcript.held_by_decode_node();
                 let _ = tx.send(ev).await;
                 return;

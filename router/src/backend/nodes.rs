@@ -19,6 +19,52 @@ pub(super) struct Learned {
     pub(super) probed: [Option<std::time::Instant>; 3],
     /// When the last `auto` request came (the router is in use: `probe.rs`).
     pub(super) last_auto: Option<std::time::Instant>,
+    /// The decode node's silences mid-answer (a pool leaves it out while one holds).
+    pub(super) silence: Silence,
+}
+
+/// The first hold of a decode node that went silent mid-answer; each silence in a row
+/// doubles it, up to [`SILENCE_HOLD_MAX`].
+pub(super) const SILENCE_HOLD: std::time::Duration = std::time::Duration::from_secs(15);
+/// The longest hold.
+pub(super) const SILENCE_HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A decode node that sent nothing within the idle bound in the middle of an answer, or
+/// did not take an answer handed to it, while its `Info` may still answer (a wedged engine,
+/// a stalled link): the pool leaves it out of its choices for a hold, 15 s after the first
+/// silence in a row and twice as long after each next one (at most 5 min), and takes it
+/// again when the hold ends; an answer it ends well clears the count.
+#[derive(Debug, Default)]
+pub(super) struct Silence {
+    until: Option<std::time::Instant>,
+    in_a_row: u32,
+    why: String,
+}
+
+impl Silence {
+    /// The node went silent at `now`: why (the answer's failure).
+    pub(super) fn fell_silent(&mut self, now: std::time::Instant, why: &str) {
+        let hold = SILENCE_HOLD
+            .saturating_mul(1u32 << self.in_a_row.min(8))
+            .min(SILENCE_HOLD_MAX);
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        self.until = Some(now + hold);
+        self.why = format!(
+            "silent mid-answer ({why}); left out for {}s ({} in a row)",
+            hold.as_secs(),
+            self.in_a_row
+        );
+    }
+
+    /// The node ended an answer well.
+    pub(super) fn spoke(&mut self) {
+        *self = Silence::default();
+    }
+
+    /// Why the node is left out at `now`, while a hold lasts.
+    pub(super) fn holds(&self, now: std::time::Instant) -> Option<&str> {
+        self.until.filter(|&u| now < u).map(|_| self.why.as_str())
+    }
 }
 
 /// Both nodes' `Info` answers, prefill first.
@@ -95,6 +141,17 @@ impl Known {
 pub(super) fn lock(l: &std::sync::Mutex<Learned>) -> std::sync::MutexGuard<'_, Learned> {
     // A poisoned lock holds nothing an invariant depends on.
     l.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Backend {
+    /// Why the decode node is left out after a silence mid-answer, while that holds.
+    #[must_use]
+    pub fn silent(&self) -> Option<String> {
+        lock(&self.learned)
+            .silence
+            .holds(tokio::time::Instant::now().into_std())
+            .map(str::to_string)
+    }
 }
 
 impl Backend {
@@ -324,5 +381,41 @@ impl Backend {
                  --rpc-peer and --rpc-layers)",
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::Silence;
+
+    /// Each silence in a row doubles the hold (15 s, 30 s, 60 s ... at most 5 min); an
+    /// answer ended well clears the count.
+    #[test]
+    fn a_silence_holds_a_node_out_longer_each_time_in_a_row() {
+        let t0 = Instant::now();
+        let mut s = Silence::default();
+        assert!(s.holds(t0).is_none());
+        s.fell_silent(t0, "no token within 5s");
+        assert!(s.holds(t0 + Duration::from_secs(14)).is_some());
+        assert!(s.holds(t0 + Duration::from_secs(15)).is_none());
+        let why = s.holds(t0).unwrap();
+        assert!(
+            why.contains("no token within 5s") && why.contains("15s"),
+            "{why}"
+        );
+        s.fell_silent(t0, "again");
+        assert!(s.holds(t0 + Duration::from_secs(29)).is_some());
+        assert!(s.holds(t0 + Duration::from_secs(30)).is_none());
+        for _ in 0..10 {
+            s.fell_silent(t0, "again");
+        }
+        assert!(s.holds(t0 + Duration::from_secs(299)).is_some());
+        assert!(s.holds(t0 + Duration::from_secs(300)).is_none());
+        s.spoke();
+        assert!(s.holds(t0).is_none());
+        s.fell_silent(t0, "after an answer");
+        assert!(s.holds(t0 + Duration::from_secs(15)).is_none());
     }
 }

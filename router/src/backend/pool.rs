@@ -45,6 +45,9 @@ pub enum NodeState {
     Down(String),
     /// It answered, but the handoff's handshake would refuse it: why.
     Refused(String),
+    /// It answers `Info`, but went silent in the middle of an answer and is left out
+    /// until its hold ends (`nodes::Silence`): why.
+    Silent(String),
 }
 
 impl NodeState {
@@ -69,6 +72,17 @@ impl NodeState {
             NodeState::Ready => "ready",
             NodeState::Down(_) => "down",
             NodeState::Refused(_) => "refused",
+            NodeState::Silent(_) => "silent",
+        }
+    }
+
+    /// This state, or [`NodeState::Silent`] for a ready node while a silence holds it out
+    /// (`silent`: why).
+    #[must_use]
+    pub fn unless_silent(self, silent: Option<String>) -> Self {
+        match (self, silent) {
+            (NodeState::Ready, Some(why)) => NodeState::Silent(why),
+            (state, _) => state,
         }
     }
 
@@ -76,7 +90,7 @@ impl NodeState {
     #[must_use]
     pub fn why(&self) -> Option<&str> {
         match self {
-            NodeState::Down(w) | NodeState::Refused(w) => Some(w),
+            NodeState::Down(w) | NodeState::Refused(w) | NodeState::Silent(w) => Some(w),
             NodeState::Unknown | NodeState::Ready => None,
         }
     }
@@ -398,6 +412,16 @@ impl Pool {
             .collect()
     }
 
+    /// Why the decode node at `url` is left out after a silence, while that holds
+    /// (`nodes::Silence`).
+    #[must_use]
+    pub fn silent(&self, url: &str) -> Option<String> {
+        self.members()
+            .iter()
+            .find(|m| m.backend.decode_url() == url)
+            .and_then(|m| m.backend.silent())
+    }
+
     /// Asks every decode node's `Info` (at once) and sets each one's state from it.
     pub async fn watch(&self) {
         let prefill = match self.first().known.prefill() {
@@ -622,6 +646,7 @@ fn state_of(m: &Member) -> NodeState {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
+        .unless_silent(m.backend.silent())
 }
 
 /// The pairs a request may go to, as indices into `members`: the ready ones; when none is,

@@ -154,6 +154,52 @@ async fn a_node_whose_info_fails_or_shows_another_model_is_left_out_until_it_ans
     );
 }
 
+/// A node that still answers `Info` but goes silent mid-answer (a wedged engine) is found
+/// by the answer's idle bound, left out for its hold (`/health`'s `silent`, with why), and
+/// taken again when the hold ends.
+#[tokio::test(start_paused = true)]
+async fn a_node_silent_mid_answer_is_left_out_for_its_hold_though_it_answers_info() {
+    let h = household(2);
+    h.pool.watch().await;
+    h.decode[0].local.then(Ok(vec![
+        prefilled(5, 0),
+        token(10),
+        super::fake::Step::Hang,
+    ]));
+    h.prefill
+        .generate
+        .then(Ok(vec![prefilled(7, 7), token(11), finished(1)]));
+    let evs = events(phone_on(&h.pool, "r1", 0).await).await;
+    assert_eq!(tokens(&evs), [(10, Node::Decode), (11, Node::Prefill)]);
+    assert!(
+        evs.iter().any(|e| matches!(
+            e,
+            super::Event::Fallback { cause } if cause == "timeout"
+        )),
+        "{evs:?}"
+    );
+
+    // Its Info still answers, but it is left out: the other node serves.
+    h.pool.watch().await;
+    let states = h.pool.states();
+    assert!(
+        matches!(&states[0].1, NodeState::Silent(why) if why.contains("left out for 15s")),
+        "{states:?}"
+    );
+    assert_eq!(states[0].1.as_str(), "silent");
+    assert!(h.pool.silent(&url(0)).is_some());
+    phone_answers(&h, 1, 12);
+    let _ = phone_on(&h.pool, "r2", 1).await;
+
+    // The hold over, it is ready and served first again (the equally idle nodes' first).
+    tokio::time::advance(std::time::Duration::from_secs(16)).await;
+    h.pool.watch().await;
+    assert_eq!(h.pool.states()[0].1, NodeState::Ready);
+    phone_answers(&h, 0, 13);
+    let evs = events(phone_on(&h.pool, "r3", 0).await).await;
+    assert_eq!(tokens(&evs), [(13, Node::Decode)]);
+}
+
 #[test]
 fn another_model_build_cache_type_or_attention_is_refused_and_the_same_is_not() {
     let prefill = pb::NodeInfo {

@@ -377,7 +377,7 @@ impl SplitAnswer {
                 Ok(Ok(s)) => s,
                 Ok(Err(st)) => return Split::Failed(Failure::from_status(&st, self.param)),
                 Err(_) => {
-                    return Split::Failed(Failure::upstream(
+                    return self.decode_node_silent(Failure::upstream(
                         RouterCode::Timeout,
                         format!("the decode node did not take the answer within {idle:?}"),
                     ))
@@ -387,6 +387,15 @@ impl SplitAnswer {
         // The handoff is reported; nothing is pending.
         let mut done: HandoffReport = tokio::spawn(async { Ok(None) });
         self.forward_decode(stream, &mut done, &mut false).await
+    }
+
+    /// The decode node went silent (`e`, a timeout): the pool leaves it out for a while
+    /// (`nodes::Silence`); the answer fails over as any failure does.
+    fn decode_node_silent(&self, e: Failure) -> Split {
+        lock(&self.counted.learned)
+            .silence
+            .fell_silent(tokio::time::Instant::now().into_std(), &e.message);
+        Split::Failed(e)
     }
 
     /// The handoff's outcome: its figures, or why it failed.
@@ -440,7 +449,7 @@ impl SplitAnswer {
             };
             tokio::select! {
                 () = not_taken_in_time => {
-                    return Err(Split::Failed(Failure::upstream(
+                    return Err(self.decode_node_silent(Failure::upstream(
                         RouterCode::Timeout,
                         format!("the decode node did not take the answer within {idle:?} of the handoff"),
                     )));
@@ -482,9 +491,15 @@ impl SplitAnswer {
             tokio::select! {
                 ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
                     if let Event::Error(e) = ev {
+                        if e.is(RouterCode::Timeout) {
+                            return self.decode_node_silent(e);
+                        }
                         return Split::Failed(e);
                     }
                     let end = matches!(ev, Event::Finished { .. });
+                    if end {
+                        lock(&self.counted.learned).silence.spoke();
+                    }
                     self.counted.decode_node_event(&ev);
                     if end && *handoff_pending {
                         // Report the handoff figures before the end of the answer.
