@@ -170,22 +170,33 @@ pub const DEFAULT_MAX_UNCACHED: u32 = 2048;
 const MIN_MEASURED_TOKENS: u32 = 32;
 
 /// What the router has measured of the nodes and the link: one [`Estimate`] per device
-/// and quantity, fed by every answer (and probe) that measures it.
-#[derive(Debug, Clone, Default)]
+/// and quantity, fed by every answer (and probe) that measures it. In a pool of decode
+/// nodes each pair has its own `Rates`, and they share one [`PrefillSide`]
+/// ([`Rates::beside`]): the prefill node is one device, whichever pair's answer measured it.
+#[derive(Debug, Default)]
 pub struct Rates {
-    /// Prefill speeds in tokens per millisecond: the prefill node's (split prefills,
-    /// colocated answers, its probes), the decode node's (prompts it continued or answered
-    /// itself, its probes).
-    prefill_node: Estimate,
+    /// The prefill node's figures and the workload's, shared by the pairs of a pool.
+    shared: std::sync::Arc<std::sync::Mutex<PrefillSide>>,
+    /// The decode node's prefill speed in tokens per millisecond (prompts it continued or
+    /// answered itself, its probes).
     decode_node: Estimate,
     /// Handoff goodput, bytes per millisecond.
     link: Estimate,
-    /// Decode speeds in tokens per millisecond: the prefill node's (its colocated answers,
-    /// a live answer's tokens before the switch), the decode node's (the answers it wrote).
-    prefill_node_decode: Estimate,
+    /// The decode node's decode speed in tokens per millisecond (the answers it wrote).
     decode_node_decode: Estimate,
     /// The round trip of an `Info` call to the decode node, milliseconds.
     decode_node_rtt: Estimate,
+}
+
+/// What every pair of a pool measures alike: the prefill node's speeds and the requests'
+/// sizes.
+#[derive(Debug, Default)]
+pub struct PrefillSide {
+    /// Prefill speed in tokens per millisecond (split prefills, colocated answers, probes).
+    prefill: Estimate,
+    /// Decode speed in tokens per millisecond (colocated answers, a live answer's tokens
+    /// before the switch).
+    decode: Estimate,
     /// Input characters per prompt token (chat template included), as tokenized.
     chars_per_token: Ewma,
     /// The length in tokens of the answers whose request set no `max_tokens` (each ended
@@ -226,47 +237,75 @@ pub struct Measured {
 const MIN_MEASURED_STEPS: u32 = 8;
 
 impl Rates {
+    /// The rates of another decode node's pair: the same prefill side, the decode node's
+    /// and the link's figures its own (none yet).
+    #[must_use]
+    pub fn beside(&self) -> Rates {
+        Rates {
+            shared: self.shared.clone(),
+            ..Rates::default()
+        }
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, PrefillSide> {
+        self.shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The prefill node's prefill speed.
+    fn prefill_node(&self) -> Option<f64> {
+        self.shared().prefill.value()
+    }
+
     /// A prefill computed `tokens` (the uncached part of its prompt) in `ms`, on the decode
     /// node or the prefill node (a split's or a colocated answer's alike).
     pub fn prefilled(&mut self, on_decode_node: bool, tokens: u32, ms: f64) {
         if tokens >= MIN_MEASURED_TOKENS && ms > 0.0 {
-            let r = if on_decode_node {
-                &mut self.decode_node
+            let v = f64::from(tokens) / ms;
+            if on_decode_node {
+                self.decode_node.add(v);
             } else {
-                &mut self.prefill_node
-            };
-            r.add(f64::from(tokens) / ms);
+                self.shared().prefill.add(v);
+            }
         }
     }
 
     /// A node wrote `tokens` answer tokens in `ms` of decoding.
     pub fn decoded(&mut self, on_decode_node: bool, tokens: u32, ms: f64) {
         if tokens >= MIN_MEASURED_STEPS && ms > 0.0 {
-            let r = if on_decode_node {
-                &mut self.decode_node_decode
+            let v = f64::from(tokens) / ms;
+            if on_decode_node {
+                self.decode_node_decode.add(v);
             } else {
-                &mut self.prefill_node_decode
-            };
-            r.add(f64::from(tokens) / ms);
+                self.shared().decode.add(v);
+            }
         }
     }
 
     /// A prompt of `chars` input characters was `tokens` tokens.
     pub fn prompt_seen(&mut self, chars: usize, tokens: u32) {
         if tokens >= MIN_MEASURED_TOKENS {
-            self.chars_per_token.add(chars as f64 / f64::from(tokens));
+            self.shared()
+                .chars_per_token
+                .add(chars as f64 / f64::from(tokens));
         }
     }
 
     /// The prompt tokens expected of `chars` input characters.
     #[must_use]
     pub fn tokens_of(&self, chars: usize) -> f64 {
-        chars as f64 / self.chars_per_token.0.unwrap_or(DEFAULT_CHARS_PER_TOKEN)
+        chars as f64
+            / self
+                .shared()
+                .chars_per_token
+                .0
+                .unwrap_or(DEFAULT_CHARS_PER_TOKEN)
     }
 
     /// An answer whose request set no `max_tokens` ended after `tokens` tokens.
     pub fn answered(&mut self, tokens: u32) {
-        self.answer_tokens.add(f64::from(tokens));
+        self.shared().answer_tokens.add(f64::from(tokens));
     }
 
     /// The answer tokens a request with `max_tokens` (0: none set) is expected to write:
@@ -277,7 +316,10 @@ impl Rates {
         if max_tokens > 0 {
             f64::from(max_tokens)
         } else {
-            self.answer_tokens.0.unwrap_or(DEFAULT_ANSWER_TOKENS)
+            self.shared()
+                .answer_tokens
+                .0
+                .unwrap_or(DEFAULT_ANSWER_TOKENS)
         }
     }
 
@@ -290,8 +332,8 @@ impl Rates {
     #[must_use]
     pub fn measured(&self) -> Measured {
         Measured {
-            prefill_node_prefill: self.prefill_node.value(),
-            prefill_node_decode: self.prefill_node_decode.value(),
+            prefill_node_prefill: self.prefill_node(),
+            prefill_node_decode: self.shared().decode.value(),
             decode_node_prefill: self.decode_node.value(),
             decode_node_decode: self.decode_node_decode.value(),
             link: self.link.value(),
@@ -304,7 +346,10 @@ impl Rates {
     #[must_use]
     pub fn stale(&self, now: Instant) -> Stale {
         Stale {
-            prefill_node: self.prefill_node.stale(now) || self.prefill_node_decode.stale(now),
+            prefill_node: {
+                let shared = self.shared();
+                shared.prefill.stale(now) || shared.decode.stale(now)
+            },
             decode_node: self.decode_node.stale(now) || self.decode_node_decode.stale(now),
             link: self.link.stale(now),
         }
@@ -324,7 +369,7 @@ impl Rates {
     /// replaying there.
     #[must_use]
     pub fn prefill_node_sooner(&self, kv_bytes_per_token: u64) -> bool {
-        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node.value()) else {
+        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node()) else {
             return false;
         };
         let cross = self
@@ -345,7 +390,7 @@ impl Rates {
     /// tokens and at most 70% of the prompt).
     #[must_use]
     pub fn max_uncached(&self, held: u32, kv_bytes_per_token: u64) -> u32 {
-        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node.value()) else {
+        let (Some(d), Some(p)) = (self.decode_node.value(), self.prefill_node()) else {
             // u <= 0.7 (held + u)  <=>  u <= held x 7 / 3
             let share = u64::from(held) * 7 / 3;
             return DEFAULT_MAX_UNCACHED.min(u32::try_from(share).unwrap_or(u32::MAX));
@@ -366,6 +411,34 @@ impl Rates {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two pairs of a pool: what either measures of the prefill node (speeds, prompt
+    /// sizes, answer lengths) is one estimate; each decode node's and link's figures are
+    /// its pair's own.
+    #[test]
+    fn pairs_beside_each_other_share_the_prefill_node_and_not_the_decode_node() {
+        let mut first = Rates::default();
+        let mut second = first.beside();
+        first.prefilled(false, 100, 50.0);
+        second.prefilled(false, 100, 50.0);
+        second.prefilled(false, 100, 25.0);
+        second.decoded(false, 10, 100.0);
+        first.prompt_seen(400, 100);
+        second.answered(40);
+        first.prefilled(true, 100, 100.0);
+        second.handed_off(1000, 10.0);
+        for r in [&first, &second] {
+            let m = r.measured();
+            assert_eq!(m.prefill_node_prefill, Some(2.0));
+            assert_eq!(m.prefill_node_decode, Some(0.1));
+            assert_eq!(r.tokens_of(400), 100.0);
+            assert_eq!(r.expected_answer(0), 40.0);
+        }
+        assert_eq!(first.measured().decode_node_prefill, Some(1.0));
+        assert_eq!(second.measured().decode_node_prefill, None);
+        assert_eq!(first.measured().link, None);
+        assert_eq!(second.measured().link, Some(100.0));
+    }
 
     fn chat(msgs: &[(&str, &str)]) -> Input {
         Input::Chat(msgs.iter().map(|(r, c)| Message::text(*r, *c)).collect())

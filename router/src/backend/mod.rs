@@ -234,7 +234,7 @@ impl Backend {
             config,
             known: Arc::new(Known::beside(&self.known)),
             health_infos: Arc::default(),
-            learned: Arc::default(),
+            learned: Arc::new(std::sync::Mutex::new(nodes::lock(&self.learned).beside())),
             load: Arc::new(Load::beside(&self.load)),
             decode_key: String::new(),
         }

@@ -23,6 +23,17 @@ pub(super) struct Learned {
     pub(super) silence: Silence,
 }
 
+impl Learned {
+    /// What another decode node's pair knows at first: the prefill node's rates (shared,
+    /// `Rates::beside`) and nothing of its own decode node.
+    pub(super) fn beside(&self) -> Learned {
+        Learned {
+            rates: self.rates.beside(),
+            ..Learned::default()
+        }
+    }
+}
+
 /// The first hold of a decode node that went silent mid-answer; each silence in a row
 /// doubles it, up to [`SILENCE_HOLD_MAX`].
 pub(super) const SILENCE_HOLD: std::time::Duration = std::time::Duration::from_secs(15);

@@ -200,6 +200,36 @@ async fn a_node_silent_mid_answer_is_left_out_for_its_hold_though_it_answers_inf
     assert_eq!(tokens(&evs), [(13, Node::Decode)]);
 }
 
+/// The pairs of a pool share the prefill node's figures: a pair calibrated after another
+/// has measured the prefill node does not probe it again (a probe beside the answers
+/// already served would add figures they slowed), and one that finds them unknown does.
+#[tokio::test(start_paused = true)]
+async fn a_pair_calibrated_beside_a_measured_prefill_node_does_not_probe_it_again() {
+    let prefill = Arc::new(FakePrefill::default());
+    let first = Backend::with_nodes(
+        super::BackendConfig {
+            decode_url: url(0),
+            ..config(true)
+        },
+        prefill.clone(),
+        Arc::new(FakeDecode::default()),
+    );
+    let second = first.beside(url(1), Arc::new(FakeDecode::default()));
+    // Unknown: the calibration asks the prefill node (its probe is a colocated answer).
+    second.calibrate().await;
+    assert_eq!(prefill.generate.requests().len(), 1);
+    // The first pair measures it; the second sees those figures and leaves it alone.
+    {
+        let mut l = super::nodes::lock(&first.learned);
+        l.rates.prefilled(false, 100, 50.0);
+        l.rates.decoded(false, 10, 100.0);
+    }
+    let m = super::nodes::lock(&second.learned).rates.measured();
+    assert_eq!(m.prefill_node_prefill, Some(2.0));
+    second.calibrate().await;
+    assert_eq!(prefill.generate.requests().len(), 1, "probed again");
+}
+
 #[test]
 fn another_model_build_cache_type_or_attention_is_refused_and_the_same_is_not() {
     let prefill = pb::NodeInfo {

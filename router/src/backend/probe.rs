@@ -160,14 +160,23 @@ impl Backend {
         }
     }
 
-    /// The calibration at start: the prefill node and the decode node at once, then the link, each
-    /// tried again while its nodes are not up (until [`CALIBRATION_WAIT`]); then the
-    /// `auto` requests waiting for it go on.
+    /// The calibration at start: the prefill node (unless another pair of the pool has just
+    /// measured it) and the decode node at once, then the link, each tried again while its
+    /// nodes are not up (until [`CALIBRATION_WAIT`]); then the `auto` requests waiting for
+    /// it go on.
     pub async fn calibrate(&self) {
         let t0 = Instant::now();
         let deadline = t0 + CALIBRATION_WAIT;
+        // In a pool the pairs share the prefill node's figures (`Rates::beside`): the
+        // pair calibrated first measured it, and a probe run again beside the answers the
+        // router already serves would add figures slowed by them.
+        let prefill_node_known = !lock(&self.learned).rates.stale(t0).prefill_node;
         tokio::join!(
-            self.probe_until(Probe::PrefillNode, deadline),
+            async {
+                if !prefill_node_known {
+                    self.probe_until(Probe::PrefillNode, deadline).await;
+                }
+            },
             self.probe_until(Probe::DecodeNode, deadline)
         );
         self.probe_until(Probe::Link, deadline).await;
