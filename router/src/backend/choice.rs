@@ -1,6 +1,8 @@
 //! Where a request runs: the split's handoff mode, and for a conversation the decode node
 //! holds, whether it goes on there (`--continue-on`, the measured rule of `placement.rs`).
 
+use std::fmt::Write as _;
+
 use edgesplit_proto::error::ErrorCode;
 
 use super::cost::{self, Choice};
@@ -217,4 +219,21 @@ pub(super) struct AutoPlan {
     /// The split the request takes when nothing is measured (its handoff mode).
     pub(super) default: Route,
     pub(super) choice: Choice,
+}
+
+/// For an `auto` answer's reason: the decode node chosen (`plans[chosen]`, whose pairs'
+/// URLs are `urls`) and what the others' pairs predicted.
+pub(super) fn others_said(plans: &[(usize, AutoPlan)], urls: &[String], chosen: usize) -> String {
+    let mut s = format!("; decode node {} of {}", urls[chosen], plans.len());
+    for (k, (_, p)) in plans.iter().enumerate() {
+        if k == chosen {
+            continue;
+        }
+        let url = &urls[k];
+        let _ = match p.choice.predicted {
+            Some(c) => write!(s, "; {url}: {} {:.0} ms", c.mode.as_str(), c.e2e_ms),
+            None => write!(s, "; {url}: not yet measured"),
+        };
+    }
+    s
 }

@@ -19,13 +19,12 @@
 //! pair's fallback), as with one decode node. A pool of one uses its node whatever its
 //! state: its own failures explain themselves.
 
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use edgesplit_proto::pb;
 
-use super::choice::AutoPlan;
+use super::choice::{others_said, AutoPlan};
 use super::cost::{Choice, OFFLOAD_BOUND};
 use super::route::Route;
 use super::{Backend, Failure, RouterCode, Started};
@@ -685,21 +684,4 @@ fn named(members: &[Arc<Member>], node: &str) -> Result<usize, Failure> {
                 format!("no decode node {node:?}; the router's: {}", urls.join(", ")),
             )
         })
-}
-
-/// For an `auto` answer's reason: the decode node chosen (`plans[chosen]`, whose pairs'
-/// URLs are `urls`) and what the others' pairs predicted.
-fn others_said(plans: &[(usize, AutoPlan)], urls: &[String], chosen: usize) -> String {
-    let mut s = format!("; decode node {} of {}", urls[chosen], plans.len());
-    for (k, (_, p)) in plans.iter().enumerate() {
-        if k == chosen {
-            continue;
-        }
-        let url = &urls[k];
-        let _ = match p.choice.predicted {
-            Some(c) => write!(s, "; {url}: {} {:.0} ms", c.mode.as_str(), c.e2e_ms),
-            None => write!(s, "; {url}: not yet measured"),
-        };
-    }
-    s
 }
