@@ -197,9 +197,7 @@ async fn forward_decode_node(
         match ev {
             Event::Error(e) => {
                 if e.is(RouterCode::Timeout) {
-                    lock(&counted.learned)
-                        .silence
-                        .fell_silent(tokio::time::Instant::now().into_std(), &e.message);
+                    lock(&counted.learned).decode_node_silent(&e.message);
                 }
                 break e;
             }

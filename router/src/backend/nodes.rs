@@ -32,6 +32,13 @@ impl Learned {
             ..Learned::default()
         }
     }
+
+    /// The decode node went silent mid-answer now (the router's clock, which tests may
+    /// pause): why, the answer's failure.
+    pub(super) fn decode_node_silent(&mut self, why: &str) {
+        self.silence
+            .fell_silent(tokio::time::Instant::now().into_std(), why);
+    }
 }
 
 /// The first hold of a decode node that went silent mid-answer; each silence in a row

@@ -392,9 +392,7 @@ impl SplitAnswer {
     /// The decode node went silent (`e`, a timeout): the pool leaves it out for a while
     /// (`nodes::Silence`); the answer fails over as any failure does.
     fn decode_node_silent(&self, e: Failure) -> Split {
-        lock(&self.counted.learned)
-            .silence
-            .fell_silent(tokio::time::Instant::now().into_std(), &e.message);
+        lock(&self.counted.learned).decode_node_silent(&e.message);
         Split::Failed(e)
     }
 
