@@ -90,7 +90,7 @@ struct TurnSample {
 }
 
 /// The prefill node's `v2-kept` handoff bytes so far.
-async fn kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64> {
+pub(crate) async fn kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64> {
     let text = http
         .get(&stack.prefill_metrics)
         .send()
@@ -106,7 +106,10 @@ async fn kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64
 
 /// The `v2-kept` bytes once no state has crossed for 2 s (at most 60 s): what the last
 /// turn left crossing in the background.
-async fn settled_kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Result<u64> {
+pub(crate) async fn settled_kept_bytes(
+    http: &reqwest::Client,
+    stack: &Stack,
+) -> anyhow::Result<u64> {
     let t0 = std::time::Instant::now();
     let mut last = kept_bytes(http, stack).await?;
     loop {
@@ -122,7 +125,12 @@ async fn settled_kept_bytes(http: &reqwest::Client, stack: &Stack) -> anyhow::Re
 /// The user's message of turn `turn` (1-based) of conversation `round`: readings of a
 /// weather log, then a question (each round's first message its own, so nothing of it is
 /// cached from the round before).
-fn user_message(round: usize, turn: usize, first_tokens: usize, tokens: usize) -> String {
+pub(crate) fn user_message(
+    round: usize,
+    turn: usize,
+    first_tokens: usize,
+    tokens: usize,
+) -> String {
     if turn == 1 {
         return format!("Station {round}. {}", client::prompt(first_tokens));
     }

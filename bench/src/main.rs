@@ -43,6 +43,7 @@ mod report;
 mod stats;
 mod stock;
 mod throughput;
+mod turns;
 
 use client::{Ask, Target};
 use edgesplit_bench::{devices, link, stack};

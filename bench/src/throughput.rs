@@ -94,6 +94,17 @@ pub struct ThroughputArgs {
     /// alone, beside the pool's `auto`.
     #[arg(long, value_delimiter = ',')]
     more_phones: Vec<f64>,
+    /// Turns per conversation: above 1, each client plays whole conversations (its own
+    /// answers in the history, `cache_prompt` on; [`crate::turns`]), `--requests` counts
+    /// turns, and each cell runs on a stack started for it (a node holding the reference
+    /// pass's conversations would continue them), warmed by a few of the mix's requests
+    /// in the cell's mode unless `--fresh`; each node then serves twice the most clients
+    /// at once (`--parallel`), so that it keeps every running conversation.
+    #[arg(long, default_value_t = 1)]
+    turns: usize,
+    /// With --turns: about how many tokens each later user message adds.
+    #[arg(long, default_value_t = 200)]
+    turn_tokens: usize,
 }
 
 /// `MODE@N`: the mode and the decode node it names (1-based), or the mode alone.
@@ -126,6 +137,10 @@ fn parse_speed_change(s: &str) -> Result<(usize, f64), String> {
 
 /// The first completions a cell's early rate is taken over (`Cell::first_requests_per_min`).
 const FIRST: usize = 12;
+
+/// With --turns (and without --fresh): the mix's requests a cell's own stack answers, one
+/// at a time in the cell's mode, before the cell's time starts.
+const WARM: usize = 4;
 
 /// One (link, clients, mode) of the run.
 #[derive(Debug, serde::Serialize)]
@@ -166,6 +181,8 @@ struct Cell {
     /// One client: the largest of each request's end over the same request's alone on
     /// `local` (the reference pass), from the second request on.
     e2e_over_local_max: Option<f64>,
+    /// With --turns: what crossed for the turns after the first.
+    turns: Option<crate::turns::TurnStats>,
     errors: Vec<String>,
 }
 
@@ -224,6 +241,7 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
         args.clients.iter().all(|&c| c > 0),
         "--clients must be positive"
     );
+    anyhow::ensure!(args.turns > 0, "--turns must be positive");
     let out = crate::results_dir(args.out.as_deref(), "throughput")?;
     let threads = args
         .threads
@@ -239,6 +257,7 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
         phone_speed: args.devices.phone_speed,
         more_decode: vec![Vec::new(); args.more_phones.len()],
         more_phone_speeds: args.more_phones.clone(),
+        parallel: crate::turns::parallel(args.turns, &args.clients),
         ..StackConfig::new(model_path, args.n_ctx, threads, out.join("services"))
     };
     eprintln!("[throughput] starting the stack");
@@ -260,25 +279,46 @@ pub async fn run(args: &ThroughputArgs) -> anyhow::Result<()> {
     };
     let mix = mix(&args.prompt_tokens, &args.max_tokens);
     let chat = stack.chat;
+    if args.turns > 1 {
+        anyhow::ensure!(chat, "--turns needs a model with a chat template");
+        crate::turns::check_fits(&mix, args.turns, args.turn_tokens, args.n_ctx)?;
+    }
     let ask = |i: usize| ask_for(&mix, i, chat, args.seed);
 
     // The reference: each request of the mix alone on the laptop.
     eprintln!(
         "[throughput] the reference pass: {} requests alone on local",
-        mix.len()
+        if args.turns > 1 {
+            args.requests
+        } else {
+            mix.len()
+        }
     );
     let local = Target::EdgeSplit {
         url: stack.router.clone(),
         transport: "local".into(),
     };
     let mut reference = Vec::new();
-    for i in 0..mix.len() {
-        let m = client::run(&env.http, &local, &ask(i)).await?;
-        reference.push((m.text, m.e2e_ms));
+    if args.turns > 1 {
+        reference = crate::turns::reference(
+            &env.http,
+            &local,
+            &mix,
+            args.requests,
+            args.turns,
+            args.turn_tokens,
+            args.seed,
+        )
+        .await?;
+    } else {
+        for i in 0..mix.len() {
+            let m = client::run(&env.http, &local, &ask(i)).await?;
+            reference.push((m.text, m.e2e_ms));
+        }
     }
 
     let mut stack = Some(stack);
-    if args.fresh {
+    if args.fresh || args.turns > 1 {
         stack = None;
     }
     let mut cells = Vec::new();
@@ -366,37 +406,63 @@ async fn cell(
     if !args.phone_speed_at.is_empty() {
         speed(args.devices.phone_speed.unwrap_or(1.0))?;
     }
+    if args.turns > 1 && !args.fresh {
+        // The stack is the cell's own: warm its nodes and the router's figures first.
+        for i in 0..mix.len().min(WARM) {
+            client::run(&env.http, &target, &ask_for(mix, i, stack.chat, args.seed)).await?;
+        }
+    }
+    let kept0 = crate::chat_bench::kept_bytes(&env.http, stack).await?;
     let cpu0 = stack.laptop_cpu_ms();
     let t0 = Instant::now();
+    let turns = args.turns;
     let workers = (0..clients).map(|client| {
         let (next, target) = (next.clone(), target.clone());
         async move {
             let mut mine = Vec::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= args.requests {
+            // A client takes the next conversation (one request each without --turns).
+            'conversations: loop {
+                let first = next.fetch_add(1, Ordering::Relaxed) * turns;
+                if first >= args.requests {
                     break;
                 }
-                for &(at, s) in &args.phone_speed_at {
-                    if at == i {
-                        speed(s)?;
-                        eprintln!("[throughput] request {i}: the phone at {s} of its core");
+                let mut history = Vec::new();
+                for i in first..(first + turns).min(args.requests) {
+                    for &(at, s) in &args.phone_speed_at {
+                        if at == i {
+                            speed(s)?;
+                            eprintln!("[throughput] request {i}: the phone at {s} of its core");
+                        }
+                    }
+                    let a = if turns > 1 {
+                        let text = crate::turns::message(mix, i, turns, args.turn_tokens);
+                        history.push(serde_json::json!({"role": "user", "content": text}));
+                        crate::turns::ask(&history, mix[(i / turns) % mix.len()].1, args.seed)
+                    } else {
+                        ask_for(mix, i, stack.chat, args.seed)
+                    };
+                    let slot = Slot {
+                        mode: "throughput",
+                        model,
+                        profile: &profile.name,
+                        transport: mode,
+                        target_prompt_tokens: mix[(i / turns) % mix.len()].0,
+                        max_tokens: a.max_tokens,
+                        pair: i,
+                        position: client,
+                        excluded: false,
+                    };
+                    let at = crate::attempt(env, &slot, &target, &a, clients == 1).await?;
+                    let answer = at.result.as_ref().ok().map(|m| m.text.clone());
+                    mine.push((i, at, t0.elapsed().as_secs_f64()));
+                    match answer {
+                        Some(text) => {
+                            history.push(serde_json::json!({"role": "assistant", "content": text}));
+                        }
+                        // A conversation does not go on past a failed turn.
+                        None => continue 'conversations,
                     }
                 }
-                let a = ask_for(mix, i, stack.chat, args.seed);
-                let slot = Slot {
-                    mode: "throughput",
-                    model,
-                    profile: &profile.name,
-                    transport: mode,
-                    target_prompt_tokens: mix[i % mix.len()].0,
-                    max_tokens: a.max_tokens,
-                    pair: i,
-                    position: client,
-                    excluded: false,
-                };
-                let at = crate::attempt(env, &slot, &target, &a, clients == 1).await?;
-                mine.push((i, at, t0.elapsed().as_secs_f64()));
             }
             anyhow::Ok(mine)
         }
@@ -418,6 +484,7 @@ async fn cell(
     let mut node_tokens = BTreeMap::new();
     let (mut ended, mut ratios) = (Vec::new(), Vec::new());
     let (mut order, mut over_local) = (Vec::new(), Vec::new());
+    let mut answered = Vec::new();
     for (i, a, end_s) in &done {
         match &a.result {
             Ok(m) => {
@@ -428,6 +495,7 @@ async fn cell(
                 if clients == 1 && *i > 0 {
                     over_local.push(m.e2e_ms / reference[i % reference.len()].1);
                 }
+                answered.push((*i, m));
                 if let (Some(p), Some(a)) = (m.predicted_ms.filter(|&p| p > 0.0), m.actual_ms) {
                     ratios.push(a / p);
                 }
@@ -453,7 +521,9 @@ async fn cell(
         .get(FIRST - 1)
         .filter(|&&s| s > 0.0)
         .map(|s| FIRST as f64 * 60.0 / s);
+    let turns = crate::turns::cell_stats(&env.http, stack, kept0, &answered, turns).await?;
     Ok(Cell {
+        turns,
         order,
         e2e_over_local_max: over_local.into_iter().reduce(f64::max),
         first_requests_per_min,
@@ -514,6 +584,13 @@ fn markdown(
         args.requests,
         mix.len()
     );
+    if args.turns > 1 {
+        let _ = writeln!(
+            md,
+            "{}",
+            crate::turns::header(args.turns, args.turn_tokens, args.fresh)
+        );
+    }
     let _ = writeln!(
         md,
         "| link | clients | mode | done | failed | wrong | fallbacks | req/min | vs local | first {FIRST}: req/min | vs local | TTFT p50 / p95 ms | e2e p50 / p95 ms | phone share of tokens | laptop CPU ms / request | vs local | auto's choices | actual / predicted p50 / p90 |"
@@ -591,6 +668,16 @@ fn markdown(
                 c.profile, c.clients, c.mode
             );
         }
+    }
+    for (c, t) in cells.iter().filter_map(|c| Some((c, c.turns.as_ref()?))) {
+        let _ = writeln!(
+            md,
+            "\n{} x{} {}: {}",
+            c.profile,
+            c.clients,
+            c.mode,
+            t.line()
+        );
     }
     if !args.phone_speed_at.is_empty() {
         let _ = writeln!(
