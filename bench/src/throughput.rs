@@ -95,7 +95,7 @@ pub struct ThroughputArgs {
     #[arg(long, value_delimiter = ',')]
     more_phones: Vec<f64>,
     /// Turns per conversation: above 1, each client plays whole conversations (its own
-    /// answers in the history, `cache_prompt` on; [`crate::turns`]), `--requests` counts
+    /// answers in the history, `cache_prompt` on), `--requests` counts
     /// turns, and each cell runs on a stack started for it (a node holding the reference
     /// pass's conversations would continue them), warmed by a few of the mix's requests
     /// in the cell's mode unless `--fresh`; each node then serves twice the most clients
@@ -412,7 +412,11 @@ async fn cell(
             client::run(&env.http, &target, &ask_for(mix, i, stack.chat, args.seed)).await?;
         }
     }
-    let kept0 = crate::chat_bench::kept_bytes(&env.http, stack).await?;
+    // The prefill node's `v2-kept` bytes at the start, for a conversation cell's count.
+    let kept0 = match args.turns {
+        1 => 0,
+        _ => crate::chat_bench::kept_bytes(&env.http, stack).await?,
+    };
     let cpu0 = stack.laptop_cpu_ms();
     let t0 = Instant::now();
     let turns = args.turns;
@@ -435,9 +439,7 @@ async fn cell(
                         }
                     }
                     let a = if turns > 1 {
-                        let text = crate::turns::message(mix, i, turns, args.turn_tokens);
-                        history.push(serde_json::json!({"role": "user", "content": text}));
-                        crate::turns::ask(&history, mix[(i / turns) % mix.len()].1, args.seed)
+                        crate::turns::ask(&mut history, mix, i, turns, args.turn_tokens, args.seed)
                     } else {
                         ask_for(mix, i, stack.chat, args.seed)
                     };
@@ -457,7 +459,7 @@ async fn cell(
                     mine.push((i, at, t0.elapsed().as_secs_f64()));
                     match answer {
                         Some(text) => {
-                            history.push(serde_json::json!({"role": "assistant", "content": text}));
+                            crate::turns::answered(&mut history, &text);
                         }
                         // A conversation does not go on past a failed turn.
                         None => continue 'conversations,

@@ -28,16 +28,31 @@ pub fn message(mix: &[(usize, u32)], i: usize, turns: usize, turn_tokens: usize)
     chat_bench::user_message(c, t + 1, mix[c % mix.len()].0, turn_tokens)
 }
 
-/// The request of a turn: the conversation so far, its last message the user's.
-pub fn ask(history: &[Value], max_tokens: u32, seed: u64) -> Ask {
+/// Request `i`: its user message added to its conversation's `history`, and the request
+/// of the whole conversation so far.
+pub fn ask(
+    history: &mut Vec<Value>,
+    mix: &[(usize, u32)],
+    i: usize,
+    turns: usize,
+    turn_tokens: usize,
+    seed: u64,
+) -> Ask {
+    let (c, _) = place(i, turns);
+    history.push(json!({"role": "user", "content": message(mix, i, turns, turn_tokens)}));
     Ask {
         prompt: String::new(),
-        max_tokens,
+        max_tokens: mix[c % mix.len()].1,
         chat: true,
         seed,
-        messages: Some(Value::Array(history.to_vec())),
+        messages: Some(Value::Array(history.clone())),
         cache_prompt: true,
     }
+}
+
+/// A turn's answer added to its conversation's `history`, as the assistant's message.
+pub fn answered(history: &mut Vec<Value>, text: &str) {
+    history.push(json!({"role": "assistant", "content": text}));
 }
 
 /// The longest conversation of the mix fits the nodes' context: its first message, every
@@ -87,13 +102,12 @@ pub async fn reference(
     let mut out = Vec::with_capacity(requests);
     let mut history = Vec::new();
     for i in 0..requests {
-        let (c, t) = place(i, turns);
-        if t == 0 {
+        if place(i, turns).1 == 0 {
             history.clear();
         }
-        history.push(json!({"role": "user", "content": message(mix, i, turns, turn_tokens)}));
-        let m = client::run(http, target, &ask(&history, mix[c % mix.len()].1, seed)).await?;
-        history.push(json!({"role": "assistant", "content": m.text}));
+        let a = ask(&mut history, mix, i, turns, turn_tokens, seed);
+        let m = client::run(http, target, &a).await?;
+        answered(&mut history, &m.text);
         out.push((m.text, m.e2e_ms));
     }
     Ok(out)
