@@ -83,12 +83,24 @@ fn message_chars(m: &Message) -> usize {
             .sum::<usize>()
 }
 
+/// Which node holds a remembered conversation as one device continuing it would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Copies {
+    /// The decode node alone (it wrote the last answer).
+    DecodeNode,
+    /// Both alike: the prefill node replayed the decode node's last answer.
+    Both,
+    /// The prefill node answered a later turn itself ([`Conversations::went_on_on_prefill_node`]):
+    /// the decode node's copy ends before that turn's answer, which it could only prefill
+    /// (not the decode steps that wrote it), so only a tail onto its copy continues there.
+    PrefillNodeAhead,
+}
+
 /// The conversations whose last answer the decode node wrote, most recent last.
 #[derive(Debug, Default)]
 pub struct Conversations {
-    /// Each with the tokens the decode node holds, and whether the prefill node holds
-    /// the same (the answer replayed there, [`Conversations::replayed`]).
-    entries: VecDeque<(Key, u32, bool)>,
+    /// Each with the tokens the decode node holds and which nodes hold it.
+    entries: VecDeque<(Key, u32, Copies)>,
 }
 
 impl Conversations {
@@ -98,7 +110,7 @@ impl Conversations {
         // Another client may hold the same conversation so far and still go on from the
         // turn this one continued: entries go by age and size, not superseded.
         self.entries.retain(|(k, _, _)| *k != key);
-        self.entries.push_back((key, held, false));
+        self.entries.push_back((key, held, Copies::DecodeNode));
         let mut chars: usize = self.entries.iter().map(|(k, _, _)| k.chars()).sum();
         while self.entries.len() > MAX_CONVERSATIONS
             || (chars > MAX_CHARS && self.entries.len() > 1)
@@ -113,33 +125,61 @@ impl Conversations {
     /// as the decode node does (the answer replayed there step by step).
     pub fn replayed(&mut self, input: &Input, answer: &str) {
         let key = Key::of(input, answer);
-        for (k, _, r) in &mut self.entries {
-            if *k == key {
-                *r = true;
+        for (k, _, c) in &mut self.entries {
+            if *k == key && *c == Copies::DecodeNode {
+                *c = Copies::Both;
             }
         }
     }
 
+    /// The characters of the longest remembered conversation that `input` continues (its
+    /// messages and answer, as [`input_chars`] counts them): the rest of `input` is new.
+    #[must_use]
+    pub fn held_chars(&self, input: &Input) -> Option<usize> {
+        self.longest(input).map(|(k, _, _)| k.chars())
+    }
+
+    /// Which nodes hold the longest remembered conversation that `input` continues.
+    #[must_use]
+    pub fn copies(&self, input: &Input) -> Option<Copies> {
+        self.longest(input).map(|(_, _, c)| *c)
+    }
+
     /// Whether the prefill node holds the longest remembered conversation that `input`
-    /// continues as the decode node does ([`Conversations::replayed`]).
+    /// continues, at least as far as the decode node does ([`Conversations::replayed`]).
     #[must_use]
     pub fn replayed_for(&self, input: &Input) -> bool {
+        matches!(
+            self.copies(input),
+            Some(Copies::Both | Copies::PrefillNodeAhead)
+        )
+    }
+
+    /// The prefill node answers `input`, a turn of a conversation both nodes hold,
+    /// itself: from then on only a tail continues it on the decode node.
+    pub fn went_on_on_prefill_node(&mut self, input: &Input) {
+        let longest = self
+            .entries
+            .iter_mut()
+            .filter(|(k, _, _)| k.continued_by(input))
+            .max_by_key(|(_, held, _)| *held);
+        if let Some((_, _, c @ Copies::Both)) = longest {
+            *c = Copies::PrefillNodeAhead;
+        }
+    }
+
+    fn longest(&self, input: &Input) -> Option<&(Key, u32, Copies)> {
         self.entries
             .iter()
             .filter(|(k, _, _)| k.continued_by(input))
             .max_by_key(|(_, held, _)| *held)
-            .is_some_and(|(_, _, r)| *r)
     }
 
     /// Tokens the decode node holds of the longest remembered conversation that `input`
     /// continues.
     #[must_use]
     pub fn find(&self, input: &Input) -> Option<u32> {
-        self.entries
-            .iter()
-            .filter(|(k, _, _)| k.continued_by(input))
-            .map(|(_, held, _)| *held)
-            .max()
+        self.longest(input).map(|(_, held, _)| *held)
     }
 
     /// The decode node did not hold what `input` continues: forget it.
@@ -522,6 +562,41 @@ mod tests {
         // The same turn answered again (the decode node wrote it anew): not replayed.
         c.record(&turn1, " 4, 5", 9);
         assert!(!c.replayed_for(&next));
+    }
+
+    /// A turn the prefill node answers on its replayed copy leaves the decode node's copy
+    /// behind (a tail continues it there, no longer the decode node alone); a conversation
+    /// only the decode node holds is not marked, and a turn the decode node writes again
+    /// makes its copy the one to go on from.
+    #[test]
+    fn a_turn_answered_on_the_prefill_node_leaves_the_decode_nodes_copy_behind() {
+        let mut c = Conversations::default();
+        let turn1 = Input::Prompt("1, 2, 3,".into());
+        let turn2 = Input::Prompt("1, 2, 3, 4, 5, 6,".into());
+        let turn3 = Input::Prompt("1, 2, 3, 4, 5, 6, 7, 8, 9".into());
+        c.record(&turn1, " 4, 5", 9);
+        c.went_on_on_prefill_node(&turn2);
+        assert_eq!(c.copies(&turn2), Some(Copies::DecodeNode), "not replayed");
+        c.replayed(&turn1, " 4, 5");
+        assert_eq!(c.copies(&turn2), Some(Copies::Both));
+        c.went_on_on_prefill_node(&turn2);
+        assert_eq!(c.copies(&turn3), Some(Copies::PrefillNodeAhead));
+        assert!(c.replayed_for(&turn3), "the prefill node holds more");
+        assert_eq!(
+            c.find(&turn3),
+            Some(9),
+            "the decode node's copy, for a tail"
+        );
+        assert_eq!(c.held_chars(&turn3), Some("1, 2, 3, 4, 5".len()));
+        c.replayed(&turn1, " 4, 5");
+        assert_eq!(
+            c.copies(&turn3),
+            Some(Copies::PrefillNodeAhead),
+            "a late replay"
+        );
+        c.record(&turn2, " 7, 8", 15);
+        assert_eq!(c.copies(&turn3), Some(Copies::DecodeNode));
+        assert_eq!(c.find(&turn3), Some(15));
     }
 
     /// A split's prefill and a colocated answer's are one figure of the prefill node, and each

@@ -11,7 +11,7 @@ use super::route::{Route, Wire};
 use super::Failure;
 use super::{Backend, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
-use crate::placement::input_chars;
+use crate::placement::{input_chars, Copies};
 
 /// Where a new turn of a conversation the decode node holds is prefilled (`--continue-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -22,6 +22,17 @@ pub enum ContinueOn {
     #[default]
     Measured,
     /// Always on the prefill node, shipping only the new part's KV (a tail) when it can.
+    PrefillNode,
+}
+
+/// Where a held conversation's next turn goes first ([`Backend::held_turn`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HeldFirst {
+    /// By `--continue-on`.
+    ByRule,
+    /// The decode node prefills the new part (`auto` chose `phone` for it).
+    DecodeNode,
+    /// The prefill node prefills the new part and ships its KV (`auto` chose a split).
     PrefillNode,
 }
 
@@ -60,7 +71,7 @@ impl Backend {
     }
 
     /// A new turn of a conversation the decode node holds goes on there when the choice
-    /// says so and the node still holds it ([`Backend::continue_on_decode_node`]): `Ok`
+    /// (`first`) says so and the node still holds it ([`Backend::continue_on_decode_node`]): `Ok`
     /// with its answer started. Else `Err` with how many tokens of the conversation the
     /// decode node holds for a split to ship only the new part's KV after (0: none).
     pub(super) async fn held_turn(
@@ -68,19 +79,26 @@ impl Backend {
         req: &ValidRequest,
         transport: Transport,
         request_id: &str,
+        first: HeldFirst,
     ) -> Result<Started, u32> {
         let mut held = self.held(req);
-        // The prefill node goes first when told to, or when it holds the conversation too
-        // and is measured sooner per token: only the new part's KV then crosses.
-        let prefill_node_first = held.is_some()
-            && match self.config.continue_on {
-                ContinueOn::PrefillNode => true,
-                ContinueOn::Measured => {
-                    let kv = self.known.decode_kv_bytes_per_token();
-                    let l = lock(&self.learned);
-                    l.conversations.replayed_for(&req.input) && l.rates.prefill_node_sooner(kv)
-                }
-            };
+        // The prefill node goes first when told to, when it holds the conversation further
+        // than the decode node, or when it holds it too and is measured sooner per token:
+        // only the new part's KV then crosses.
+        let prefill_node_first = held.is_some() && {
+            let kv = self.known.decode_kv_bytes_per_token();
+            let l = lock(&self.learned);
+            match (first, l.conversations.copies(&req.input)) {
+                (_, Some(Copies::PrefillNodeAhead)) | (HeldFirst::PrefillNode, _) => true,
+                (HeldFirst::DecodeNode, _) => false,
+                (HeldFirst::ByRule, copies) => match self.config.continue_on {
+                    ContinueOn::PrefillNode => true,
+                    ContinueOn::Measured => {
+                        copies == Some(Copies::Both) && l.rates.prefill_node_sooner(kv)
+                    }
+                },
+            }
+        };
         if let (Some(h), false) = (held, prefill_node_first) {
             match self
                 .continue_on_decode_node(req, transport, request_id, h)
@@ -133,50 +151,95 @@ impl Backend {
         self.run_auto(req, plan, request_id).await
     }
 
-    /// What `auto` chooses for `req` on this pair, before anything runs. A conversation
-    /// the decode node holds keeps the placement rule (`held_turn`, `--continue-on`); a
-    /// request that names its handoff mode is split in that mode.
+    /// What `auto` chooses for `req` on this pair, before anything runs. A request that
+    /// names its handoff mode is split in that mode. A conversation the decode node holds
+    /// goes on by the cost model when the prefill node holds it too (replayed: the same
+    /// answer either way), among going on on the decode node (`phone`, only the new part
+    /// prefilled there), on the prefill node alone (`local`, only the new part prefilled)
+    /// and a split shipping only the new part's KV; else by the placement rule
+    /// (`held_turn`, `--continue-on`).
     pub(super) async fn plan_auto(&self, req: &ValidRequest) -> Result<AutoPlan, Failure> {
         lock(&self.learned).last_auto = Some(std::time::Instant::now());
         self.calibrated().await;
         let objective = req.objective.unwrap_or(self.config.objective);
-        let held = self.held(req).is_some();
+        let held = self.held(req);
         let chars = input_chars(&req.input);
         let default = Route::split(Wire::V2, req.handoff.unwrap_or(self.config.handoff))?;
-        let choice = if held {
-            Choice {
+        let (measured, prompt_tokens, answer_tokens, copies, new_part) = {
+            let l = lock(&self.learned);
+            let prompt_tokens = l.rates.tokens_of(chars);
+            // The held tokens are counted; the new part's are estimated from its characters
+            // too (the whole prompt's estimate misses the template's tokens of the held part).
+            let new_part = match (held, l.conversations.held_chars(&req.input)) {
+                (Some(h), Some(c)) => (prompt_tokens - f64::from(h))
+                    .max(l.rates.tokens_of(chars.saturating_sub(c)))
+                    .max(1.0),
+                _ => prompt_tokens,
+            };
+            (
+                l.rates.measured(),
+                prompt_tokens,
+                l.rates.expected_answer(req.max_tokens),
+                l.conversations.copies(&req.input),
+                new_part,
+            )
+        };
+        let request = |prompt_tokens: f64| cost::Request {
+            prompt_tokens,
+            answer_tokens,
+            kv_bytes_per_token: self.kv_bytes_per_token(),
+            backlog: self.load.backlog(),
+        };
+        // A split ships only the new part's KV (a tail) live and without a sliding window;
+        // a whole state would cross otherwise, which the prefill node alone beats.
+        let tail = default == Route::Live && self.known.decode().is_some_and(|i| !i.sliding_window);
+        let mut held_modes = vec![Route::Local];
+        if tail {
+            held_modes.push(default);
+        }
+        if copies == Some(Copies::Both) {
+            held_modes.push(Route::Phone);
+        }
+        let choice = match (held, copies) {
+            (Some(_), Some(Copies::Both | Copies::PrefillNodeAhead)) if req.handoff.is_none() => {
+                let mut c = cost::choose(
+                    &measured,
+                    &request(new_part),
+                    objective,
+                    &held_modes,
+                    default,
+                );
+                let _ = write!(
+                    c.reason,
+                    "; a conversation both nodes hold, ~{new_part:.0} new tokens"
+                );
+                c
+            }
+            (Some(_), _) => Choice {
                 mode: default,
                 reason: "a conversation the decode node holds: the placement rule \
                          (--continue-on)"
                     .into(),
                 predicted: None,
                 answer_tokens: None,
-            }
-        } else {
-            let forced = req.handoff.map(|_| default);
-            let allowed: &[Route] = match &forced {
-                Some(m) => std::slice::from_ref(m),
-                None => &Route::CHOSEN,
-            };
-            let (measured, prompt_tokens, answer_tokens) = {
-                let l = lock(&self.learned);
-                (
-                    l.rates.measured(),
-                    l.rates.tokens_of(chars),
-                    l.rates.expected_answer(req.max_tokens),
+            },
+            (None, _) => {
+                let forced = req.handoff.map(|_| default);
+                let allowed: &[Route] = match &forced {
+                    Some(m) => std::slice::from_ref(m),
+                    None => &Route::CHOSEN,
+                };
+                cost::choose(
+                    &measured,
+                    &request(prompt_tokens),
+                    objective,
+                    allowed,
+                    default,
                 )
-            };
-            let kv_bytes_per_token = self.kv_bytes_per_token();
-            let request = cost::Request {
-                prompt_tokens,
-                answer_tokens,
-                kv_bytes_per_token,
-                backlog: self.load.backlog(),
-            };
-            cost::choose(&measured, &request, objective, allowed, default)
+            }
         };
         Ok(AutoPlan {
-            held,
+            held: held.is_some(),
             default,
             choice,
         })
@@ -195,9 +258,26 @@ impl Backend {
             mut choice,
         } = plan;
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
-        // A held conversation goes the default split way, where `held_turn` decides.
-        let route = if held { default } else { choice.mode };
-        let mut started = self.run_chosen(req, route, request_id).await?;
+        let mut started = if held {
+            // A held conversation: the prefill node alone when the cost model chose it,
+            // else the default split's way, where `held_turn` goes first on the node the
+            // cost model chose, or by the placement rule.
+            let first = match (choice.predicted, choice.mode) {
+                (None, _) => HeldFirst::ByRule,
+                (Some(_), Route::Phone) => HeldFirst::DecodeNode,
+                (Some(_), _) => HeldFirst::PrefillNode,
+            };
+            if choice.predicted.is_some() && choice.mode == Route::Local {
+                lock(&self.learned)
+                    .conversations
+                    .went_on_on_prefill_node(&req.input);
+                self.run(req, Route::Local, request_id).await?
+            } else {
+                self.run_held(req, default, request_id, first).await?
+            }
+        } else {
+            self.run_chosen(req, choice.mode, request_id).await?
+        };
         if let Some(tokens) = started.prompt_tokens {
             lock(&self.learned)
                 .rates
@@ -205,6 +285,10 @@ impl Backend {
         }
         if held && started.placement == PrefilledOn::DecodeNode {
             choice.mode = Route::Phone;
+        } else if held && choice.mode == Route::Phone {
+            // The decode node refused to go on (its copy gone, or the new part too long):
+            // the split ran.
+            choice.mode = default;
         }
         started.choice = Some(choice);
         Ok(started)

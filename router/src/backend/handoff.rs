@@ -12,7 +12,7 @@ use super::nodes::lock;
 use super::seam::{message, Events};
 use super::split::{Counted, SplitAnswer, Waits};
 use super::RouterCode;
-use super::{input_param, Backend, Failure, PrefilledOn, Started};
+use super::{input_param, Backend, Failure, HeldFirst, PrefilledOn, Started};
 use crate::api::{HandoffMode, Transport, ValidRequest};
 
 /// Where a split request's state goes on the decode node `info` describes.
@@ -70,12 +70,12 @@ impl Backend {
     pub(super) async fn start_split(
         &self,
         req: &ValidRequest,
-        transport: Transport,
-        mode: HandoffMode,
+        (transport, mode): (Transport, HandoffMode),
         request_id: &str,
+        first: HeldFirst,
     ) -> Result<Started, Failure> {
         let param = input_param(&req.input);
-        let base_max = match self.held_turn(req, transport, request_id).await {
+        let base_max = match self.held_turn(req, transport, request_id, first).await {
             Ok(started) => return Ok(started),
             Err(base_max) => base_max,
         };

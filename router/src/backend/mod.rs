@@ -54,6 +54,7 @@ use edgesplit_proto::link::Link;
 use edgesplit_proto::pb;
 
 pub use choice::ContinueOn;
+use choice::HeldFirst;
 pub use event::{Event, FinishReason, Node, PrefilledOn, Started};
 pub use failure::{Class, Code, Failure, RouterCode};
 pub use fallback::Fallback;
@@ -284,6 +285,19 @@ impl Backend {
         route: Route,
         request_id: &str,
     ) -> Result<Started, Failure> {
+        self.run_held(req, route, request_id, HeldFirst::ByRule)
+            .await
+    }
+
+    /// [`Backend::run`], a split continuing a conversation the decode node holds going
+    /// first where `first` says ([`Backend::held_turn`]).
+    async fn run_held(
+        &self,
+        req: &ValidRequest,
+        route: Route,
+        request_id: &str,
+        first: HeldFirst,
+    ) -> Result<Started, Failure> {
         match route {
             Route::Local => self.start_local(req, request_id, None, true).await,
             Route::Phone => {
@@ -297,12 +311,17 @@ impl Backend {
                 Ok(started)
             }
             Route::Live => {
-                self.start_split(req, Transport::V2, HandoffMode::Live, request_id)
+                self.start_split(req, (Transport::V2, HandoffMode::Live), request_id, first)
                     .await
             }
             Route::After(wire) => {
-                self.start_split(req, wire.transport(), HandoffMode::After, request_id)
-                    .await
+                self.start_split(
+                    req,
+                    (wire.transport(), HandoffMode::After),
+                    request_id,
+                    first,
+                )
+                .await
             }
         }
     }

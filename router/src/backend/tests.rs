@@ -1,6 +1,7 @@
 //! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
-//! but gone, a conversation continued and then evicted, an `Info` that fails. What each
+//! but gone, a conversation continued and then evicted, `auto` weighing a held
+//! conversation, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -377,6 +378,86 @@ async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole
     // Turn 3's own answer is now held; what turn 2 held is not.
     let turn2_again = request(&format!("{turn2_prompt} t30 t31 Other?"), after);
     assert_eq!(n.backend.held(&turn2_again), None);
+}
+
+/// Under `auto`, a held conversation that the prefill node holds too (replayed) goes
+/// where the cost model finds it ends soonest: with the decode node measured slow, the
+/// prefill node answers the new turn alone (only its new part prefilled there, nothing
+/// asked of the decode node); the turn after, the decode node's copy lags a turn behind
+/// (the prefill node wrote the last answer), so even a forced split ships only a tail
+/// onto that copy rather than the decode node prefilling the prefill node's answer.
+#[tokio::test]
+async fn auto_weighs_a_held_conversation_and_answers_it_on_the_prefill_node_when_sooner() {
+    let n = pair(true);
+    let after = r#", "edgesplit": {"handoff": "after"}"#;
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 3), handed_off()]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(11), token(12), finished(2)]));
+    let turn1 = request("Hello", after);
+    let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
+    {
+        let mut l = super::nodes::lock(&n.backend.learned);
+        l.conversations.replayed(&turn1.input, " t10 t11 t12");
+        // The prefill node 100x the decode node's speeds; a fast link.
+        for _ in 0..3 {
+            l.rates.prefilled(false, 1000, 100.0);
+            l.rates.decoded(false, 100, 100.0);
+            l.rates.prefilled(true, 100, 1000.0);
+            l.rates.decoded(true, 10, 1000.0);
+            l.rates.round_trip(1.0);
+            l.rates.handed_off(1 << 20, 1.0);
+        }
+    }
+    let turn2_prompt = "Hello t10 t11 t12 And then?";
+    let turn2 = request(turn2_prompt, "");
+    assert_eq!(n.backend.held(&turn2), Some(7));
+    n.prefill.generate.then(Ok(vec![
+        prefilled(12, 7),
+        token(30),
+        token(31),
+        finished(2),
+    ]));
+    let started = n
+        .backend
+        .start(&turn2, Transport::Auto, "t2")
+        .await
+        .unwrap();
+    let choice = started.choice.clone().expect("auto's choice");
+    assert_eq!(choice.mode, super::Route::Local, "{}", choice.reason);
+    assert!(choice.predicted.is_some(), "{}", choice.reason);
+    assert_eq!(tokens(&events(started).await), [(30, P), (31, P)]);
+    assert!(
+        n.decode.local.requests().is_empty(),
+        "the decode node not asked"
+    );
+    assert_eq!(n.prefill.prefill.requests().len(), 1, "nothing split");
+
+    // Turn 3, a live split: the decode node holds turn 1 only, so the prefill node
+    // prefills the new part and ships its KV after what the decode node holds, though
+    // the decode node now measures the sooner prefill (which alone would continue it there).
+    {
+        let mut l = super::nodes::lock(&n.backend.learned);
+        for _ in 0..3 {
+            l.rates.prefilled(false, 100, 1000.0);
+            l.rates.prefilled(true, 1000, 100.0);
+        }
+        assert!(!l.rates.prefill_node_sooner(1));
+    }
+    let turn3 = request(&format!("{turn2_prompt} t30 t31 Again?"), "");
+    assert_eq!(n.backend.held(&turn3), Some(7), "the decode node's copy");
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(40, 20, 2), switched(1)]));
+    n.decode.generate.then(Ok(vec![token(41), finished(1)]));
+    let started = n.backend.start(&turn3, Transport::V2, "t3").await.unwrap();
+    assert_eq!(tokens(&events(started).await), [(40, P), (41, D)]);
+    assert!(n.decode.local.requests().is_empty(), "not continued there");
+    let split = n.prefill.prefill.requests();
+    assert_eq!(split[1].handoff.as_ref().unwrap().base_max, 7, "a tail");
 }
 
 /// An `Info` that fails: a split request is answered on the prefill node under the

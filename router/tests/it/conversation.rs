@@ -523,6 +523,72 @@ async fn a_new_turn_on_the_prefill_node_ships_only_its_new_part() {
     }
 }
 
+/// Under `auto`, a conversation both nodes hold (the prefill node replayed the decode
+/// node's answer) goes where the cost model finds it ends soonest: with the decode node
+/// busy writing a long answer, the prefill node answers the next turn alone, only its new
+/// part prefilled there (`local` on its replayed copy); the turn after, the decode node's
+/// copy lacks that turn's answer, so it is not continued there (which would prefill an
+/// answer one device decoded) but on the prefill node, alone or as a tail. Every turn is
+/// `local`'s on a stack of its own.
+#[tokio::test]
+async fn auto_answers_a_held_turn_on_the_prefill_node_while_its_decode_node_is_busy() {
+    let s = prefill_node_stack();
+    let reference = stack();
+    // Every rate measured, on a prompt of its own.
+    let other =
+        json!([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]);
+    let mut uncached = greedy();
+    uncached["cache_prompt"] = json!(false);
+    for t in ["local", "v2", "phone"] {
+        turn(&s, &other, &uncached, t).await;
+    }
+    let mut messages = json!([{"role": "user", "content": QUESTIONS[0]}]);
+    let (a1, e1) = turn(&s, &messages, &greedy(), "v2-live").await;
+    common::assert_split(&e1, a1.completion_tokens);
+    let (l1, _) = turn(&reference, &messages, &greedy(), "local").await;
+    assert_eq!(a1, l1, "{e1}");
+    common::wait_prefill_idle(&s).await;
+
+    // The decode node writes 400 tokens meanwhile.
+    let mut long = uncached.clone();
+    long["max_tokens"] = json!(400);
+    let busy = {
+        let (router, body) = (s.router.clone(), common::chat_body(other.clone(), long));
+        tokio::spawn(async move {
+            let mut body = body;
+            body["edgesplit"] = json!({"transport": "phone"});
+            common::post(&format!("{router}/v1/chat/completions"), &body).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    messages = next(&messages, &l1.text, QUESTIONS[1]);
+    let latency = |mut b: Value| {
+        b["edgesplit"] =
+            json!({"transport": "auto", "objective": "latency", "return_token_ids": true});
+        b
+    };
+    let body = latency(common::chat_body(messages.clone(), greedy()));
+    let (a2, e2) = common::send(&s, "/v1/chat/completions", &body, false).await;
+    let (l2, _) = turn(&reference, &messages, &greedy(), "local").await;
+    assert_eq!(a2, l2, "{e2}");
+    assert_eq!(e2["mode"], "local", "{e2}");
+    assert!(
+        e2["reason"].as_str().unwrap().contains("both nodes hold"),
+        "{e2}"
+    );
+    assert!(e2["cached_tokens"].as_u64().unwrap() > 0, "{e2}");
+    let (st, _, v) = busy.await.unwrap();
+    assert_eq!(st, 200, "{v}");
+
+    messages = next(&messages, &l2.text, QUESTIONS[2]);
+    let body = latency(common::chat_body(messages.clone(), greedy()));
+    let (a3, e3) = common::send(&s, "/v1/chat/completions", &body, false).await;
+    let (l3, _) = turn(&reference, &messages, &greedy(), "local").await;
+    assert_eq!(a3, l3, "{e3}");
+    assert_eq!(e3["placement"], "prefill_node", "{e3}");
+    assert_ne!(e3["mode"], "phone", "{e3}");
+}
+
 /// The decode node no longer holds the conversation a tail goes on from: it refuses to
 /// join it (nothing imported), and the prefill node finishes the answer from its own
 /// copy - `local`'s answer all the same, reported as a fallback.
