@@ -88,6 +88,9 @@ fn message_chars(m: &Message) -> usize {
 pub enum Copies {
     /// The decode node alone (it wrote the last answer).
     DecodeNode,
+    /// The decode node, and the prefill node is replaying its last answer
+    /// ([`Conversations::replaying`]): both alike once that ends.
+    Replaying,
     /// Both alike: the prefill node replayed the decode node's last answer.
     Both,
     /// The prefill node answered a later turn itself ([`Conversations::went_on_on_prefill_node`]):
@@ -124,10 +127,30 @@ impl Conversations {
     /// The prefill node now holds the conversation `record`ed with `input` and `answer`
     /// as the decode node does (the answer replayed there step by step).
     pub fn replayed(&mut self, input: &Input, answer: &str) {
+        self.set(
+            input,
+            answer,
+            &[Copies::DecodeNode, Copies::Replaying],
+            Copies::Both,
+        );
+    }
+
+    /// The prefill node replays the answer `answer` to `input` (`record`ed), in the
+    /// background: [`Conversations::replayed`] or [`Conversations::not_replayed`] follows.
+    pub fn replaying(&mut self, input: &Input, answer: &str) {
+        self.set(input, answer, &[Copies::DecodeNode], Copies::Replaying);
+    }
+
+    /// The prefill node's replay of `answer` to `input` ended without finishing.
+    pub fn not_replayed(&mut self, input: &Input, answer: &str) {
+        self.set(input, answer, &[Copies::Replaying], Copies::DecodeNode);
+    }
+
+    fn set(&mut self, input: &Input, answer: &str, from: &[Copies], to: Copies) {
         let key = Key::of(input, answer);
         for (k, _, c) in &mut self.entries {
-            if *k == key && *c == Copies::DecodeNode {
-                *c = Copies::Both;
+            if *k == key && from.contains(c) {
+                *c = to;
             }
         }
     }
@@ -597,6 +620,27 @@ mod tests {
         c.record(&turn2, " 7, 8", 15);
         assert_eq!(c.copies(&turn3), Some(Copies::DecodeNode));
         assert_eq!(c.find(&turn3), Some(15));
+    }
+
+    /// A replay in flight is neither copy yet: it ends held by both, or by the decode node
+    /// alone when it did not finish; an entry in another state is not touched.
+    #[test]
+    fn a_replay_in_flight_ends_held_by_both_or_by_the_decode_node() {
+        let mut c = Conversations::default();
+        let turn1 = Input::Prompt("1, 2, 3,".into());
+        let next = Input::Prompt("1, 2, 3, 4, 5, 6".into());
+        c.record(&turn1, " 4, 5", 9);
+        c.replaying(&turn1, " 4, 5");
+        assert_eq!(c.copies(&next), Some(Copies::Replaying));
+        assert!(!c.replayed_for(&next));
+        c.not_replayed(&turn1, " 4, 5");
+        assert_eq!(c.copies(&next), Some(Copies::DecodeNode));
+        c.replaying(&turn1, " 4, 5");
+        c.replayed(&turn1, " 4, 5");
+        assert_eq!(c.copies(&next), Some(Copies::Both));
+        c.not_replayed(&turn1, " 4, 5");
+        c.replaying(&turn1, " 4, 5");
+        assert_eq!(c.copies(&next), Some(Copies::Both), "already both");
     }
 
     /// A split's prefill and a colocated answer's are one figure of the prefill node, and each

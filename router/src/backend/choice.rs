@@ -84,21 +84,36 @@ impl Backend {
         let mut held = self.held(req);
         // The prefill node goes first when told to, when it holds the conversation further
         // than the decode node, or when it holds it too and is measured sooner per token:
-        // only the new part's KV then crosses.
-        let prefill_node_first = held.is_some() && {
+        // only the new part's KV then crosses. Its copy must be whole first: a replay in
+        // flight is waited for.
+        let prefill_node_first = |copies: Option<Copies>| {
             let kv = self.known.decode_kv_bytes_per_token();
-            let l = lock(&self.learned);
-            match (first, l.conversations.copies(&req.input)) {
+            match (first, copies) {
                 (_, Some(Copies::PrefillNodeAhead)) | (HeldFirst::PrefillNode, _) => true,
                 (HeldFirst::DecodeNode, _) => false,
                 (HeldFirst::ByRule, copies) => match self.config.continue_on {
                     ContinueOn::PrefillNode => true,
                     ContinueOn::Measured => {
-                        copies == Some(Copies::Both) && l.rates.prefill_node_sooner(kv)
+                        matches!(copies, Some(Copies::Both | Copies::Replaying))
+                            && lock(&self.learned).rates.prefill_node_sooner(kv)
                     }
                 },
             }
         };
+        let copies = lock(&self.learned).conversations.copies(&req.input);
+        let prefill_node_first = held.is_some()
+            && prefill_node_first(copies)
+            && match copies {
+                Some(Copies::Replaying) => {
+                    let settled = self.replay_settled(&req.input).await;
+                    // Not replayed: only the decode node continues the conversation, unless
+                    // told to split it.
+                    settled != Some(Copies::DecodeNode)
+                        || (first == HeldFirst::ByRule
+                            && self.config.continue_on == ContinueOn::PrefillNode)
+                }
+                _ => true,
+            };
         if let (Some(h), false) = (held, prefill_node_first) {
             match self
                 .continue_on_decode_node(req, transport, request_id, h)
@@ -119,6 +134,22 @@ impl Backend {
             }
         }
         Err(held.unwrap_or(0))
+    }
+
+    /// Which nodes hold the conversation `input` continues, once the prefill node's replay
+    /// of it in flight (if any) has ended, waiting at most the first-token bound.
+    async fn replay_settled(&self, input: &crate::api::Input) -> Option<Copies> {
+        let deadline = tokio::time::Instant::now() + self.config.first_token_timeout;
+        loop {
+            let replays = lock(&self.learned).replays.clone();
+            let ended = replays.notified();
+            let copies = lock(&self.learned).conversations.copies(input);
+            if copies != Some(Copies::Replaying)
+                || tokio::time::timeout_at(deadline, ended).await.is_err()
+            {
+                return copies;
+            }
+        }
     }
 
     /// Runs the route `auto` chose. The decode node it chose could not take the answer (gone,
@@ -197,11 +228,15 @@ impl Backend {
         if tail {
             held_modes.push(default);
         }
-        if copies == Some(Copies::Both) {
+        if matches!(copies, Some(Copies::Both | Copies::Replaying)) {
             held_modes.push(Route::Phone);
         }
         let choice = match (held, copies) {
-            (Some(_), Some(Copies::Both | Copies::PrefillNodeAhead)) if req.handoff.is_none() => {
+            // A replay in flight counts as the prefill node's work (the queue's): the modes
+            // on the prefill node then wait for its end.
+            (Some(_), Some(Copies::Both | Copies::Replaying | Copies::PrefillNodeAhead))
+                if req.handoff.is_none() =>
+            {
                 let mut c = cost::choose(
                     &measured,
                     &request(new_part),
@@ -209,9 +244,14 @@ impl Backend {
                     &held_modes,
                     default,
                 );
+                let copies = match copies {
+                    Some(Copies::Replaying) => "both nodes hold once its replay ends",
+                    Some(Copies::PrefillNodeAhead) => "the prefill node holds further",
+                    _ => "both nodes hold",
+                };
                 let _ = write!(
                     c.reason,
-                    "; a conversation both nodes hold, ~{new_part:.0} new tokens"
+                    "; a conversation {copies}, ~{new_part:.0} new tokens"
                 );
                 c
             }
@@ -267,7 +307,16 @@ impl Backend {
                 (Some(_), Route::Phone) => HeldFirst::DecodeNode,
                 (Some(_), _) => HeldFirst::PrefillNode,
             };
-            if choice.predicted.is_some() && choice.mode == Route::Local {
+            // The prefill node's copy is whole once its replay in flight has ended; not
+            // replayed, only the decode node continues the conversation.
+            let whole = first != HeldFirst::PrefillNode
+                || self.replay_settled(&req.input).await != Some(Copies::DecodeNode);
+            if !whole {
+                choice.mode = Route::Phone;
+                let _ = write!(choice.reason, "; not replayed: on the decode node");
+                self.run_held(req, default, request_id, HeldFirst::DecodeNode)
+                    .await?
+            } else if choice.predicted.is_some() && choice.mode == Route::Local {
                 lock(&self.learned)
                     .conversations
                     .went_on_on_prefill_node(&req.input);

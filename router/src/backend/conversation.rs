@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use edgesplit_proto::pb;
 
+use super::load::{Load, Work};
 use super::nodes::{lock, Learned};
 use super::seam::{message, Events};
 use super::{Backend, ContinueOn, PrefillCalls};
@@ -32,6 +33,8 @@ pub(super) struct Replay {
     prefill: std::sync::Arc<dyn PrefillCalls>,
     request: pb::PrefillRequest,
     bound: Duration,
+    /// Where its work is counted (the prefill node's queue).
+    load: Arc<Load>,
 }
 
 impl Transcript {
@@ -48,45 +51,55 @@ impl Transcript {
     pub(super) fn held_by_decode_node(self) {
         let held = (self.prompt_tokens + self.tokens.len() as u32).saturating_sub(1);
         let answer = String::from_utf8_lossy(&self.text).into_owned();
+        let replay = self.replay.filter(|_| !self.tokens.is_empty());
         {
             let mut l = lock(&self.learned);
             l.conversations.record(&self.input, &answer, held);
             if self.written_on_prefill_node {
                 l.conversations.replayed(&self.input, &answer);
+            } else if replay.is_some() {
+                l.conversations.replaying(&self.input, &answer);
             }
         }
         let Some(Replay {
             prefill,
             mut request,
             bound,
-        }) = self.replay
+            load,
+        }) = replay
         else {
             return;
         };
-        if self.tokens.is_empty() {
-            return;
-        }
+        // The replay's decode steps are the prefill node's work meanwhile.
+        let busy = load.take_work(&self.learned, false, Work::answer(self.tokens.len() as f64));
         request.resume_tokens = self.tokens;
         request.max_tokens = 0;
         let (learned, input) = (self.learned, self.input);
         tokio::spawn(async move {
             let request_id = request.request_id.clone();
             let replayed = async { finishes(prefill.generate(request).await?).await };
-            match tokio::time::timeout(bound, replayed).await {
+            let done = tokio::time::timeout(bound, replayed).await;
+            drop(busy);
+            let mut l = lock(&learned);
+            match done {
                 Ok(Ok(true)) => {
                     tracing::info!(%request_id, held, "the prefill node replayed the answer: it holds the conversation too");
-                    lock(&learned).conversations.replayed(&input, &answer);
+                    l.conversations.replayed(&input, &answer);
                 }
                 Ok(Ok(false)) => {
-                    tracing::warn!(%request_id, "the prefill node ended the replay without finishing it")
+                    tracing::warn!(%request_id, "the prefill node ended the replay without finishing it");
+                    l.conversations.not_replayed(&input, &answer);
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(%request_id, error = %e, "the prefill node did not replay the answer")
+                    tracing::warn!(%request_id, error = %e, "the prefill node did not replay the answer");
+                    l.conversations.not_replayed(&input, &answer);
                 }
                 Err(_) => {
-                    tracing::warn!(%request_id, "the prefill node did not replay the answer within the idle bound")
+                    tracing::warn!(%request_id, "the prefill node did not replay the answer within the idle bound");
+                    l.conversations.not_replayed(&input, &answer);
                 }
             }
+            l.replays.notify_waiters();
         });
     }
 }
@@ -121,6 +134,7 @@ impl Backend {
             prefill: self.prefill.clone(),
             request: Self::prefill_request(req, &format!("{request_id}-replay"), None, 0),
             bound: self.config.first_token_timeout,
+            load: self.load.clone(),
         })
     }
 }

@@ -21,6 +21,8 @@ pub(super) struct Learned {
     pub(super) last_auto: Option<std::time::Instant>,
     /// The decode node's silences mid-answer (a pool leaves it out while one holds).
     pub(super) silence: Silence,
+    /// Woken when a replay of a held conversation ends (`Conversations::replaying`).
+    pub(super) replays: std::sync::Arc<tokio::sync::Notify>,
 }
 
 impl Learned {

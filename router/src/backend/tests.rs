@@ -1,7 +1,7 @@
 //! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, `auto` weighing a held
-//! conversation, an `Info` that fails. What each
+//! conversation and waiting for its replay, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -399,19 +399,10 @@ async fn auto_weighs_a_held_conversation_and_answers_it_on_the_prefill_node_when
     let turn1 = request("Hello", after);
     let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
     assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
-    {
-        let mut l = super::nodes::lock(&n.backend.learned);
-        l.conversations.replayed(&turn1.input, " t10 t11 t12");
-        // The prefill node 100x the decode node's speeds; a fast link.
-        for _ in 0..3 {
-            l.rates.prefilled(false, 1000, 100.0);
-            l.rates.decoded(false, 100, 100.0);
-            l.rates.prefilled(true, 100, 1000.0);
-            l.rates.decoded(true, 10, 1000.0);
-            l.rates.round_trip(1.0);
-            l.rates.handed_off(1 << 20, 1.0);
-        }
-    }
+    super::nodes::lock(&n.backend.learned)
+        .conversations
+        .replayed(&turn1.input, " t10 t11 t12");
+    prefill_node_much_faster(&n.backend);
     let turn2_prompt = "Hello t10 t11 t12 And then?";
     let turn2 = request(turn2_prompt, "");
     assert_eq!(n.backend.held(&turn2), Some(7));
@@ -458,6 +449,82 @@ async fn auto_weighs_a_held_conversation_and_answers_it_on_the_prefill_node_when
     assert!(n.decode.local.requests().is_empty(), "not continued there");
     let split = n.prefill.prefill.requests();
     assert_eq!(split[1].handoff.as_ref().unwrap().base_max, 7, "a tail");
+}
+
+/// The prefill node 100x the decode node's speeds, a fast link: the prefill node is
+/// sooner per token, so the decode node's answers are replayed there.
+fn prefill_node_much_faster(b: &Backend) {
+    let mut l = super::nodes::lock(&b.learned);
+    for _ in 0..3 {
+        l.rates.prefilled(false, 1000, 100.0);
+        l.rates.decoded(false, 100, 100.0);
+        l.rates.prefilled(true, 100, 1000.0);
+        l.rates.decoded(true, 10, 1000.0);
+        l.rates.round_trip(1.0);
+        l.rates.handed_off(1 << 20, 1.0);
+    }
+}
+
+/// A held turn that `auto` sends to the prefill node while the prefill node still replays
+/// the answer before it waits for that replay's end (its copy is whole only then); a
+/// replay that fails leaves the turn to the decode node, the one copy that continues it.
+#[tokio::test]
+async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_node() {
+    for replay_ok in [true, false] {
+        let n = pair(true);
+        prefill_node_much_faster(&n.backend);
+        let after = r#", "edgesplit": {"handoff": "after"}"#;
+        n.prefill
+            .prefill
+            .then(Ok(vec![first(10, 5, 3), handed_off()]));
+        n.decode
+            .generate
+            .then(Ok(vec![token(11), token(12), finished(2)]));
+        let pause = Step::Wait(Duration::from_millis(300));
+        n.prefill.generate.then(Ok(if replay_ok {
+            vec![pause, prefilled(5, 5), finished(0)]
+        } else {
+            vec![pause, Step::Fail(Status::internal("gone"))]
+        }));
+        let turn1 = request("Hello", after);
+        let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
+        assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
+        let turn2 = request("Hello t10 t11 t12 And then?", "");
+        n.prefill
+            .generate
+            .then(Ok(vec![prefilled(12, 7), token(30), finished(1)]));
+        n.decode
+            .local
+            .then(Ok(vec![prefilled(12, 7), token(30), finished(1)]));
+        let t0 = std::time::Instant::now();
+        let started = n
+            .backend
+            .start(&turn2, Transport::Auto, "t2")
+            .await
+            .unwrap();
+        let choice = started.choice.clone().expect("auto's choice");
+        assert!(choice.reason.contains("replay ends"), "{}", choice.reason);
+        let evs = events(started).await;
+        let replay = &n.prefill.generate.requests()[0];
+        assert_eq!(replay.resume_tokens, [10, 11, 12], "the replay first");
+        if replay_ok {
+            assert!(t0.elapsed() >= Duration::from_millis(250), "waited for it");
+            assert_eq!(choice.mode, super::Route::Local, "{}", choice.reason);
+            assert_eq!(tokens(&evs), [(30, P)]);
+            assert!(n.decode.local.requests().is_empty());
+        } else {
+            assert_eq!(choice.mode, super::Route::Phone, "{}", choice.reason);
+            assert!(choice.reason.contains("not replayed"), "{}", choice.reason);
+            assert_eq!(tokens(&evs), [(30, D)]);
+            let replays_only = n
+                .prefill
+                .generate
+                .requests()
+                .iter()
+                .all(|r| r.max_tokens == 0);
+            assert!(replays_only, "nothing answered on the prefill node");
+        }
+    }
 }
 
 /// An `Info` that fails: a split request is answered on the prefill node under the
