@@ -110,7 +110,9 @@ pub struct Config {
     #[arg(long)]
     pub no_probes: bool,
     /// Longest wait, in milliseconds, for the next token of an answer before the node
-    /// writing it counts as failed.
+    /// writing it counts as failed, on an idle node; a node running other answers gets the
+    /// work they have queued there on top (as the router reckons it), at most eight times
+    /// this.
     #[arg(long, default_value_t = 15_000)]
     pub token_idle_timeout_ms: u64,
     /// When the decode node fails while the handoff's outcome is not known yet:

@@ -10,7 +10,7 @@ use edgesplit_proto::pb;
 
 use super::conversation::Transcript;
 use super::fallback::Fallback;
-use super::load::{Counted, Work};
+use super::load::{idle_bound, Counted, Work};
 use super::nodes::lock;
 use super::seam::{message, Events};
 use super::stream::{forward_prefill_node, next_event};
@@ -42,7 +42,7 @@ impl Backend {
             .await?;
         busy.prefilled(&self.learned, Work::answer_of(req, &self.learned));
         let (tx, rx) = mpsc::channel(64);
-        let idle = self.config.token_idle_timeout;
+        let idle = idle_bound(self.config.token_idle_timeout, busy.others_ms());
         if let Some(cause) = fallback {
             let _ = tx.send(Event::Fallback { cause }).await;
         }
@@ -141,7 +141,7 @@ impl Backend {
             written_on_prefill_node: false,
         };
         let fallback = self.fallback(req, request_id);
-        let idle = self.config.token_idle_timeout;
+        let idle = idle_bound(self.config.token_idle_timeout, busy.others_ms());
         let counted = Counted {
             learned: self.learned.clone(),
             busy,

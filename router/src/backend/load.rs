@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::cost::Backlog;
 use super::nodes::{lock, Learned};
@@ -218,6 +218,14 @@ impl Load {
         self.queue(on_decode_node).jobs.is_empty()
     }
 
+    /// The work (node ms) the answers on the decode node or the prefill node have left,
+    /// as of now.
+    pub(super) fn backlog_ms(&self, on_decode_node: bool) -> f64 {
+        let mut q = self.queue(on_decode_node);
+        q.advance(Instant::now());
+        q.jobs.iter().map(|j| j.1).sum()
+    }
+
     /// The work each node's answers have left, as of now.
     pub(super) fn backlog(&self) -> Backlog {
         let left = |on_decode_node| {
@@ -232,7 +240,23 @@ impl Load {
     }
 }
 
+/// How long a node writing an answer may send nothing before it counts as failed: `idle`
+/// (`--token-idle-timeout`) plus `others_ms`, the work its other answers have left there,
+/// at most eight times `idle`. A busy engine steps each answer in turn with long prefills
+/// between the steps, so a loaded node is slow, not wedged, for as long as that work; its
+/// figures say it is slow.
+pub(super) fn idle_bound(idle: Duration, others_ms: f64) -> Duration {
+    (idle + Duration::from_secs_f64(others_ms.max(0.0) / 1000.0)).min(idle * 8)
+}
+
 impl Busy {
+    /// The work (node ms) the node's other answers have left, as of now.
+    pub(super) fn others_ms(&self) -> f64 {
+        let mut q = self.load.queue(self.on_decode_node);
+        q.advance(Instant::now());
+        q.jobs.iter().filter(|j| j.0 != self.id).map(|j| j.1).sum()
+    }
+
     /// How many answers shared the node with this one (itself included), taken as the mean
     /// of the counts at its start and now: an engine steps its answers in turn, so one
     /// answer's decode speed is about the node's divided by this.
@@ -344,6 +368,28 @@ mod tests {
     fn counts(load: &Load) -> (usize, usize) {
         let b = load.backlog();
         (b.prefill_node.len(), b.decode_node.len())
+    }
+
+    /// A node's next token may take the idle bound plus what its other answers have left
+    /// (not the answer's own), at most eight idle bounds.
+    #[test]
+    fn a_busy_node_may_be_silent_for_its_other_answers_work() {
+        let load = Arc::new(Load::default());
+        let idle = Duration::from_secs(15);
+        let own = load.take(false, 50_000.0);
+        assert_eq!(idle_bound(idle, own.others_ms()), idle, "alone");
+        let other = load.take(false, 30_000.0);
+        let _on_decode_node = load.take(true, 90_000.0);
+        let others = own.others_ms();
+        assert!((29_000.0..=30_000.0).contains(&others), "{others}");
+        let bound = idle_bound(idle, others);
+        assert!(
+            bound > Duration::from_secs(43) && bound <= Duration::from_secs(45),
+            "{bound:?}"
+        );
+        assert_eq!(idle_bound(idle, 1e9), idle * 8);
+        drop(other);
+        assert_eq!(own.others_ms(), 0.0);
     }
 
     #[test]

@@ -62,6 +62,20 @@ pub(super) struct Counted {
 }
 
 impl Counted {
+    /// How long the node writing this answer (the decode node or the prefill node) may send
+    /// nothing before it counts as failed ([`super::load::idle_bound`]).
+    pub(super) fn idle_bound(&self, idle: Duration, on_decode_node: bool) -> Duration {
+        let busy = if on_decode_node {
+            &self.decode_busy
+        } else {
+            &self.prefill_busy
+        };
+        let others = busy
+            .as_ref()
+            .map_or_else(|| self.load.backlog_ms(on_decode_node), Busy::others_ms);
+        super::load::idle_bound(idle, others)
+    }
+
     /// The answer tokens expected still, `sent` of them sent.
     fn tokens_left(&self, sent: usize) -> f64 {
         (self.answer_tokens - sent as f64).max(0.0)
@@ -141,7 +155,8 @@ impl SplitAnswer {
         match fallback {
             Some(fb) => {
                 self.counted.back_to_prefill_node(self.sent.len());
-                fb.resume(e, self.sent, total, &self.tx, self.waits.idle, self.param)
+                let idle = self.counted.idle_bound(self.waits.idle, false);
+                fb.resume(e, self.sent, total, &self.tx, idle, self.param)
                     .await
             }
             None => {
@@ -192,7 +207,7 @@ impl SplitAnswer {
     /// reports the switch, then the decode node's.
     async fn live_part(&mut self, mut pstream: Events<pb::PrefillEvent>) -> Split {
         use pb::prefill_event::Event as P;
-        let idle = self.waits.idle;
+        let idle = self.counted.idle_bound(self.waits.idle, false);
         loop {
             let event = match tokio::time::timeout(idle, message(&mut pstream)).await {
                 Ok(Ok(Some(m))) => m.event,
@@ -371,7 +386,7 @@ impl SplitAnswer {
         self.generate.base_tokens = sw.base_tokens;
         self.generate.base_digest = sw.base_digest;
         self.generate.max_new_tokens = self.first.max_tokens.saturating_sub(answered);
-        let idle = self.waits.idle;
+        let idle = self.counted.idle_bound(self.waits.idle, true);
         let stream =
             match tokio::time::timeout(idle, self.decode.generate(self.generate.clone())).await {
                 Ok(Ok(s)) => s,
@@ -436,7 +451,7 @@ impl SplitAnswer {
         let decode = self.decode.clone();
         let call = decode.generate(self.generate.clone());
         tokio::pin!(call);
-        let idle = self.waits.idle;
+        let idle = self.counted.idle_bound(self.waits.idle, true);
         let mut answer_by: Option<tokio::time::Instant> = None;
         loop {
             let not_taken_in_time = async {
@@ -484,7 +499,7 @@ impl SplitAnswer {
         handoff: &mut HandoffReport,
         handoff_pending: &mut bool,
     ) -> Split {
-        let idle = self.waits.idle;
+        let idle = self.counted.idle_bound(self.waits.idle, true);
         loop {
             tokio::select! {
                 ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
