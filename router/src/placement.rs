@@ -181,14 +181,25 @@ impl Conversations {
     /// The prefill node answers `input`, a turn of a conversation both nodes hold,
     /// itself: from then on only a tail continues it on the decode node.
     pub fn went_on_on_prefill_node(&mut self, input: &Input) {
-        let longest = self
-            .entries
-            .iter_mut()
-            .filter(|(k, _, _)| k.continued_by(input))
-            .max_by_key(|(_, held, _)| *held);
-        if let Some((_, _, c @ Copies::Both)) = longest {
+        if let Some(c @ Copies::Both) = self.longest_copies(input) {
             *c = Copies::PrefillNodeAhead;
         }
+    }
+
+    /// The prefill node did not hold the conversation `input` continues after all (its
+    /// copy evicted): the decode node's copy is the one to go on from.
+    pub fn prefill_node_lost(&mut self, input: &Input) {
+        if let Some(c) = self.longest_copies(input) {
+            *c = Copies::DecodeNode;
+        }
+    }
+
+    fn longest_copies(&mut self, input: &Input) -> Option<&mut Copies> {
+        self.entries
+            .iter_mut()
+            .filter(|(k, _, _)| k.continued_by(input))
+            .max_by_key(|(_, held, _)| *held)
+            .map(|(_, _, c)| c)
     }
 
     fn longest(&self, input: &Input) -> Option<&(Key, u32, Copies)> {
@@ -616,6 +627,12 @@ mod tests {
             c.copies(&turn3),
             Some(Copies::PrefillNodeAhead),
             "a late replay"
+        );
+        c.prefill_node_lost(&turn3);
+        assert_eq!(
+            c.copies(&turn3),
+            Some(Copies::DecodeNode),
+            "its copy evicted"
         );
         c.record(&turn2, " 7, 8", 15);
         assert_eq!(c.copies(&turn3), Some(Copies::DecodeNode));

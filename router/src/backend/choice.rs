@@ -317,10 +317,33 @@ impl Backend {
                 self.run_held(req, default, request_id, HeldFirst::DecodeNode)
                     .await?
             } else if choice.predicted.is_some() && choice.mode == Route::Local {
+                let h = self.held(req).unwrap_or(0);
                 lock(&self.learned)
                     .conversations
                     .went_on_on_prefill_node(&req.input);
-                self.run(req, Route::Local, request_id).await?
+                let started = self.run(req, Route::Local, request_id).await?;
+                if started.cached_tokens.unwrap_or(0) >= h {
+                    started
+                } else {
+                    // The prefill node no longer held its copy (another answer took the
+                    // slot) and prefilled the conversation anew: that answer is dropped
+                    // before any token of it is sent, and the decode node continues it.
+                    drop(started);
+                    lock(&self.learned)
+                        .conversations
+                        .prefill_node_lost(&req.input);
+                    tracing::info!(
+                        request_id,
+                        "the prefill node no longer held the conversation: on the decode node"
+                    );
+                    choice.mode = Route::Phone;
+                    let _ = write!(
+                        choice.reason,
+                        "; the prefill node's copy was gone: on the decode node"
+                    );
+                    self.run_held(req, default, request_id, HeldFirst::DecodeNode)
+                        .await?
+                }
             } else {
                 self.run_held(req, default, request_id, first).await?
             }

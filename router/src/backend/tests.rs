@@ -322,15 +322,7 @@ async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole
     let n = pair(true);
     let after = r#", "edgesplit": {"handoff": "after"}"#;
     // Turn 1: split; the decode node writes the answer and holds it.
-    n.prefill
-        .prefill
-        .then(Ok(vec![first(10, 5, 3), handed_off()]));
-    n.decode
-        .generate
-        .then(Ok(vec![token(11), token(12), finished(2)]));
-    let turn1 = request("Hello", after);
-    let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
-    assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
+    let turn1 = held_after_a_split(&n).await;
     assert_eq!(
         n.backend.held(&turn1),
         None,
@@ -389,20 +381,7 @@ async fn a_conversation_continued_on_the_decode_node_then_evicted_is_split_whole
 #[tokio::test]
 async fn auto_weighs_a_held_conversation_and_answers_it_on_the_prefill_node_when_sooner() {
     let n = pair(true);
-    let after = r#", "edgesplit": {"handoff": "after"}"#;
-    n.prefill
-        .prefill
-        .then(Ok(vec![first(10, 5, 3), handed_off()]));
-    n.decode
-        .generate
-        .then(Ok(vec![token(11), token(12), finished(2)]));
-    let turn1 = request("Hello", after);
-    let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
-    assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
-    super::nodes::lock(&n.backend.learned)
-        .conversations
-        .replayed(&turn1.input, " t10 t11 t12");
-    prefill_node_much_faster(&n.backend);
+    held_by_both(&n).await;
     let turn2_prompt = "Hello t10 t11 t12 And then?";
     let turn2 = request(turn2_prompt, "");
     assert_eq!(n.backend.held(&turn2), Some(7));
@@ -451,6 +430,69 @@ async fn auto_weighs_a_held_conversation_and_answers_it_on_the_prefill_node_when
     assert_eq!(split[1].handoff.as_ref().unwrap().base_max, 7, "a tail");
 }
 
+/// A held turn `auto` sends to the prefill node alone, which finds its copy of the
+/// conversation gone (it reused less than the conversation): that answer is dropped before
+/// any token reaches the client, and the decode node continues the conversation.
+#[tokio::test]
+async fn a_held_turn_whose_prefill_node_copy_is_gone_goes_on_on_the_decode_node() {
+    let n = pair(true);
+    held_by_both(&n).await;
+    let started = auto_turn2(&n, 4).await;
+    let choice = started.choice.clone().expect("auto's choice");
+    assert_eq!(choice.mode, super::Route::Phone, "{}", choice.reason);
+    assert!(choice.reason.contains("copy was gone"), "{}", choice.reason);
+    assert_eq!(tokens(&events(started).await), [(31, D)]);
+    let asked = n.prefill.generate.requests();
+    assert_eq!(asked[0].max_tokens, 6, "tried there first");
+    assert!(
+        asked[1..].iter().all(|r| r.max_tokens == 0),
+        "then replays only"
+    );
+}
+
+/// Turn 1 of a conversation, "Hello", split `after`: the prefill node writes token 10, the
+/// decode node 11 and 12 and holds the conversation (7 tokens). Returns the turn's request.
+async fn held_after_a_split(n: &Pair) -> ValidRequest {
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 3), handed_off()]));
+    n.decode
+        .generate
+        .then(Ok(vec![token(11), token(12), finished(2)]));
+    let turn1 = request("Hello", r#", "edgesplit": {"handoff": "after"}"#);
+    let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
+    assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
+    turn1
+}
+
+/// [`held_after_a_split`], replayed on the prefill node, which is measured much faster.
+async fn held_by_both(n: &Pair) {
+    let turn1 = held_after_a_split(n).await;
+    super::nodes::lock(&n.backend.learned)
+        .conversations
+        .replayed(&turn1.input, " t10 t11 t12");
+    prefill_node_much_faster(&n.backend);
+}
+
+/// Turn 2 of [`held_after_a_split`]'s conversation under `auto`, each node scripted to
+/// answer it once: the prefill node reusing `prefill_cached` of its 12 prompt tokens and
+/// writing token 30, the decode node reusing its 7 and writing 31.
+async fn auto_turn2(n: &Pair, prefill_cached: u32) -> Started {
+    let turn2 = request("Hello t10 t11 t12 And then?", "");
+    n.prefill.generate.then(Ok(vec![
+        prefilled(12, prefill_cached),
+        token(30),
+        finished(1),
+    ]));
+    n.decode
+        .local
+        .then(Ok(vec![prefilled(12, 7), token(31), finished(1)]));
+    n.backend
+        .start(&turn2, Transport::Auto, "t2")
+        .await
+        .unwrap()
+}
+
 /// The prefill node 100x the decode node's speeds, a fast link: the prefill node is
 /// sooner per token, so the decode node's answers are replayed there.
 fn prefill_node_much_faster(b: &Backend) {
@@ -473,35 +515,15 @@ async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_nod
     for replay_ok in [true, false] {
         let n = pair(true);
         prefill_node_much_faster(&n.backend);
-        let after = r#", "edgesplit": {"handoff": "after"}"#;
-        n.prefill
-            .prefill
-            .then(Ok(vec![first(10, 5, 3), handed_off()]));
-        n.decode
-            .generate
-            .then(Ok(vec![token(11), token(12), finished(2)]));
         let pause = Step::Wait(Duration::from_millis(300));
         n.prefill.generate.then(Ok(if replay_ok {
             vec![pause, prefilled(5, 5), finished(0)]
         } else {
             vec![pause, Step::Fail(Status::internal("gone"))]
         }));
-        let turn1 = request("Hello", after);
-        let evs = events(n.backend.start(&turn1, Transport::V2, "t1").await.unwrap()).await;
-        assert_eq!(tokens(&evs), [(10, P), (11, D), (12, D)]);
-        let turn2 = request("Hello t10 t11 t12 And then?", "");
-        n.prefill
-            .generate
-            .then(Ok(vec![prefilled(12, 7), token(30), finished(1)]));
-        n.decode
-            .local
-            .then(Ok(vec![prefilled(12, 7), token(30), finished(1)]));
+        held_after_a_split(&n).await;
         let t0 = std::time::Instant::now();
-        let started = n
-            .backend
-            .start(&turn2, Transport::Auto, "t2")
-            .await
-            .unwrap();
+        let started = auto_turn2(&n, 7).await;
         let choice = started.choice.clone().expect("auto's choice");
         assert!(choice.reason.contains("replay ends"), "{}", choice.reason);
         let evs = events(started).await;
@@ -515,7 +537,7 @@ async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_nod
         } else {
             assert_eq!(choice.mode, super::Route::Phone, "{}", choice.reason);
             assert!(choice.reason.contains("not replayed"), "{}", choice.reason);
-            assert_eq!(tokens(&evs), [(30, D)]);
+            assert_eq!(tokens(&evs), [(31, D)]);
             let replays_only = n
                 .prefill
                 .generate
