@@ -168,16 +168,6 @@ impl Conversations {
         self.longest(input).map(|(_, _, c)| *c)
     }
 
-    /// Whether the prefill node holds the longest remembered conversation that `input`
-    /// continues, at least as far as the decode node does ([`Conversations::replayed`]).
-    #[must_use]
-    pub fn replayed_for(&self, input: &Input) -> bool {
-        matches!(
-            self.copies(input),
-            Some(Copies::Both | Copies::PrefillNodeAhead)
-        )
-    }
-
     /// The prefill node answers `input`, a turn of a conversation both nodes hold,
     /// itself: from then on only a tail continues it on the decode node.
     pub fn went_on_on_prefill_node(&mut self, input: &Input) {
@@ -587,19 +577,27 @@ mod tests {
         let turn1 = Input::Prompt("1, 2, 3,".into());
         let next = Input::Prompt("1, 2, 3, 4, 5, 6".into());
         c.record(&turn1, " 4, 5", 9);
-        assert!(!c.replayed_for(&next), "not replayed yet");
+        assert_eq!(
+            c.copies(&next),
+            Some(Copies::DecodeNode),
+            "not replayed yet"
+        );
         c.replayed(&turn1, " 4, 6");
-        assert!(!c.replayed_for(&next), "another answer was replayed");
+        assert_eq!(
+            c.copies(&next),
+            Some(Copies::DecodeNode),
+            "another answer was replayed"
+        );
         c.replayed(&turn1, " 4, 5");
-        assert!(c.replayed_for(&next));
-        assert!(!c.replayed_for(&Input::Prompt("1, 2, 4".into())));
+        assert_eq!(c.copies(&next), Some(Copies::Both));
+        assert_eq!(c.copies(&Input::Prompt("1, 2, 4".into())), None);
         // The same turn answered again (the decode node wrote it anew): not replayed.
         c.record(&turn1, " 4, 5", 9);
-        assert!(!c.replayed_for(&next));
+        assert_eq!(c.copies(&next), Some(Copies::DecodeNode));
     }
 
     /// A turn the prefill node answers on its replayed copy leaves the decode node's copy
-    /// behind (a tail continues it there, no longer the decode node alone); a conversation
+    /// behind (only a tail continues it there, not the decode node alone); a conversation
     /// only the decode node holds is not marked, and a turn the decode node writes again
     /// makes its copy the one to go on from.
     #[test]
@@ -615,7 +613,6 @@ mod tests {
         assert_eq!(c.copies(&turn2), Some(Copies::Both));
         c.went_on_on_prefill_node(&turn2);
         assert_eq!(c.copies(&turn3), Some(Copies::PrefillNodeAhead));
-        assert!(c.replayed_for(&turn3), "the prefill node holds more");
         assert_eq!(
             c.find(&turn3),
             Some(9),
@@ -649,7 +646,6 @@ mod tests {
         c.record(&turn1, " 4, 5", 9);
         c.replaying(&turn1, " 4, 5");
         assert_eq!(c.copies(&next), Some(Copies::Replaying));
-        assert!(!c.replayed_for(&next));
         c.not_replayed(&turn1, " 4, 5");
         assert_eq!(c.copies(&next), Some(Copies::DecodeNode));
         c.replaying(&turn1, " 4, 5");

@@ -279,7 +279,7 @@ impl Backend {
             }
         };
         Ok(AutoPlan {
-            held: held.is_some(),
+            held,
             default,
             choice,
         })
@@ -298,7 +298,7 @@ impl Backend {
             mut choice,
         } = plan;
         tracing::info!(request_id, mode = choice.mode.as_str(), reason = %choice.reason, "auto");
-        let mut started = if held {
+        let mut started = if let Some(h) = held {
             // A held conversation: the prefill node alone when the cost model chose it,
             // else the default split's way, where `held_turn` goes first on the node the
             // cost model chose, or by the placement rule.
@@ -317,7 +317,6 @@ impl Backend {
                 self.run_held(req, default, request_id, HeldFirst::DecodeNode)
                     .await?
             } else if choice.predicted.is_some() && choice.mode == Route::Local {
-                let h = self.held(req).unwrap_or(0);
                 lock(&self.learned)
                     .conversations
                     .went_on_on_prefill_node(&req.input);
@@ -325,7 +324,7 @@ impl Backend {
                 if started.cached_tokens.unwrap_or(0) >= h {
                     started
                 } else {
-                    // The prefill node no longer held its copy (another answer took the
+                    // The prefill node did not hold its copy (another answer took the
                     // slot) and prefilled the conversation anew: that answer is dropped
                     // before any token of it is sent, and the decode node continues it.
                     drop(started);
@@ -334,7 +333,7 @@ impl Backend {
                         .prefill_node_lost(&req.input);
                     tracing::info!(
                         request_id,
-                        "the prefill node no longer held the conversation: on the decode node"
+                        "the prefill node did not hold the conversation: on the decode node"
                     );
                     choice.mode = Route::Phone;
                     let _ = write!(
@@ -355,9 +354,9 @@ impl Backend {
                 .rates
                 .prompt_seen(input_chars(&req.input), tokens);
         }
-        if held && started.placement == PrefilledOn::DecodeNode {
+        if held.is_some() && started.placement == PrefilledOn::DecodeNode {
             choice.mode = Route::Phone;
-        } else if held && choice.mode == Route::Phone {
+        } else if held.is_some() && choice.mode == Route::Phone {
             // The decode node refused to go on (its copy gone, or the new part too long):
             // the split ran.
             choice.mode = default;
@@ -370,8 +369,8 @@ impl Backend {
 /// `auto`'s choice for one request on one pair, not yet run.
 #[derive(Debug, Clone)]
 pub(super) struct AutoPlan {
-    /// The decode node holds the request's conversation.
-    pub(super) held: bool,
+    /// How many tokens of the request's conversation the decode node holds.
+    pub(super) held: Option<u32>,
     /// The split the request takes when nothing is measured (its handoff mode).
     pub(super) default: Route,
     pub(super) choice: Choice,
