@@ -47,11 +47,17 @@ impl Transcript {
     /// the last (sampled, never decoded) as a cached prefix. With `replay`, the prefill
     /// node then rebuilds the same (the prompt as its prefill did, each answer token as
     /// a decode step, the last one not), in the background, so that a later turn can go
-    /// there and ship only its new part's KV.
+    /// there and ship only its new part's KV. Only into the prefill node's spare time: a
+    /// replay is as many decode steps there as the answer had, so one beside other answers
+    /// would take them that time for a copy a later turn may never use (measured: with
+    /// every answer replayed, 4 and 8 clients cost the laptop as much time per turn as the
+    /// laptop alone, and the decode nodes added no capacity).
     pub(super) fn held_by_decode_node(self) {
         let held = (self.prompt_tokens + self.tokens.len() as u32).saturating_sub(1);
         let answer = String::from_utf8_lossy(&self.text).into_owned();
-        let replay = self.replay.filter(|_| !self.tokens.is_empty());
+        let replay = self
+            .replay
+            .filter(|r| !self.tokens.is_empty() && r.load.idle(false));
         {
             let mut l = lock(&self.learned);
             l.conversations.record(&self.input, &answer, held);

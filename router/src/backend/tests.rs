@@ -1,7 +1,8 @@
 //! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, `auto` weighing a held
-//! conversation and waiting for its replay, an `Info` that fails. What each
+//! conversation and waiting for its replay, a replay only into the prefill node's spare
+//! time, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -545,6 +546,43 @@ async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_nod
                 .iter()
                 .all(|r| r.max_tokens == 0);
             assert!(replays_only, "nothing answered on the prefill node");
+        }
+    }
+}
+
+/// The prefill node replays an answer the decode node ended only into its spare time: with
+/// another answer running there at that moment, the conversation stays the decode node's
+/// alone (no replay asked for); idle, it replays the answer.
+#[tokio::test]
+async fn a_decode_node_answer_is_replayed_only_into_the_prefill_node_spare_time() {
+    use crate::placement::Copies;
+    for busy in [true, false] {
+        let n = pair(true);
+        prefill_node_much_faster(&n.backend);
+        n.prefill
+            .generate
+            .then(Ok(vec![prefilled(5, 5), finished(0)]));
+        let other = busy.then(|| n.backend.load.take(false, 60_000.0));
+        held_after_a_split(&n).await;
+        drop(other);
+        let turn2 = request("Hello t10 t11 t12 And then?", "");
+        let copies = || {
+            super::nodes::lock(&n.backend.learned)
+                .conversations
+                .copies(&turn2.input)
+        };
+        if busy {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert_eq!(copies(), Some(Copies::DecodeNode));
+            assert!(n.prefill.generate.requests().is_empty(), "no replay");
+        } else {
+            let t0 = std::time::Instant::now();
+            while copies() != Some(Copies::Both) {
+                assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", copies());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let replay = &n.prefill.generate.requests()[0];
+            assert_eq!(replay.resume_tokens, [10, 11, 12]);
         }
     }
 }
