@@ -45,18 +45,26 @@ impl Backend {
     }
 
     /// A split request that continues a conversation the decode node holds (`held` of its
-    /// tokens, as remembered): the decode node prefills the new part itself, if that is
-    /// sooner than a split ([`Rates::max_uncached`]) and it still holds the conversation.
-    /// `Err` with code `not_cached` when it refused (nothing changed there).
+    /// tokens, as remembered): the decode node prefills the new part itself, if it still
+    /// holds some of the conversation and, where the prefill node holds it too (`both`),
+    /// if that is sooner than a split ([`Rates::max_uncached`]). A conversation only the
+    /// decode node holds goes on there whatever its new part: the prefill node could only
+    /// prefill the answers the decode node decoded, which is not the conversation
+    /// continued. `Err` with code `not_cached` when it refused (nothing changed there).
     pub(super) async fn continue_on_decode_node(
         &self,
         req: &ValidRequest,
         transport: Transport,
         request_id: &str,
         held: u32,
+        both: bool,
     ) -> Result<Started, Failure> {
         let kv_per_token = self.known.decode_kv_bytes_per_token();
-        let max_uncached = lock(&self.learned).rates.max_uncached(held, kv_per_token);
+        let max_uncached = if both {
+            lock(&self.learned).rates.max_uncached(held, kv_per_token)
+        } else {
+            u32::MAX
+        };
         self.on_decode_node(req, transport, request_id, Some(max_uncached))
             .await
     }
@@ -115,22 +123,36 @@ impl Backend {
                 _ => true,
             };
         if let (Some(h), false) = (held, prefill_node_first) {
-            match self
-                .continue_on_decode_node(req, transport, request_id, h)
-                .await
-            {
-                Ok(started) => return Ok(started),
-                Err(e) => {
-                    // Held, but the new part is long: the split ships only that part's KV
-                    // when it can (`Handoff.base_max`).
-                    if e.cause != Some(ErrorCode::UncachedPartTooLong) {
-                        held = None;
-                    }
-                    if e.cause == Some(ErrorCode::NotCached) {
-                        lock(&self.learned).conversations.forget(&req.input);
-                    }
-                    tracing::info!(request_id, reason = %e.message, "split after all");
+            // Whether the prefill node holds the conversation as the decode node does, or
+            // is replaying it (a tail from there is then the conversation continued).
+            let mut both = copies != Some(Copies::DecodeNode);
+            loop {
+                let e = match self
+                    .continue_on_decode_node(req, transport, request_id, h, both)
+                    .await
+                {
+                    Ok(started) => return Ok(started),
+                    Err(e) => e,
+                };
+                if both
+                    && e.cause == Some(ErrorCode::UncachedPartTooLong)
+                    && self.replay_settled(&req.input).await != Some(Copies::Both)
+                {
+                    // The new part is long, but the replay did not end whole: only the
+                    // decode node continues the conversation.
+                    both = false;
+                    continue;
                 }
+                // Held, but the new part is long: the split ships only that part's KV when
+                // it can (`Handoff.base_max`).
+                if e.cause != Some(ErrorCode::UncachedPartTooLong) {
+                    held = None;
+                }
+                if e.cause == Some(ErrorCode::NotCached) {
+                    lock(&self.learned).conversations.forget(&req.input);
+                }
+                tracing::info!(request_id, reason = %e.message, "split after all");
+                break;
             }
         }
         Err(held.unwrap_or(0))

@@ -89,12 +89,13 @@ impl Backend {
         let mut preq = Self::prefill_request(req, request_id, None, 0);
         preq.max_uncached = max_uncached;
         // A conversation's new turn: the call is answered once the node has tokenized the
-        // prompt and taken a slot, which on an idle node is at once; a node that does not
-        // answer is bounded like an `Info`, and the request is split instead. The decode node
-        // alone (no bound on what it prefills) is committed to this node: it waits as a
-        // first token does (a busy decode node answers the call only when a slot is free).
+        // prompt and taken a slot, which on an idle node is at once and on a busy one after
+        // the step it runs; a node that does not answer is bounded like an `Info` plus the
+        // work queued there, and the request is split instead. The decode node alone (no
+        // bound on what it prefills) is committed to this node: it waits as a first token
+        // does (a busy decode node answers the call only when a slot is free).
         let bound = if max_uncached.is_some() {
-            self.config.info_timeout
+            super::load::idle_bound(self.config.info_timeout, busy.others_ms())
         } else {
             self.config.first_token_timeout
         };

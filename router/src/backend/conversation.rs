@@ -35,6 +35,8 @@ pub(super) struct Replay {
     bound: Duration,
     /// Where its work is counted (the prefill node's queue).
     load: Arc<Load>,
+    /// Only when the prefill node runs no other answer (`--continue-on measured`).
+    spare_time_only: bool,
 }
 
 impl Transcript {
@@ -47,17 +49,18 @@ impl Transcript {
     /// the last (sampled, never decoded) as a cached prefix. With `replay`, the prefill
     /// node then rebuilds the same (the prompt as its prefill did, each answer token as
     /// a decode step, the last one not), in the background, so that a later turn can go
-    /// there and ship only its new part's KV. Only into the prefill node's spare time: a
-    /// replay is as many decode steps there as the answer had, so one beside other answers
-    /// would take them that time for a copy a later turn may never use (measured: with
-    /// every answer replayed, 4 and 8 clients cost the laptop as much time per turn as the
-    /// laptop alone, and the decode nodes added no capacity).
+    /// there and ship only its new part's KV. Under the measured rule only into the
+    /// prefill node's spare time: a replay is as many decode steps there as the answer
+    /// had, so one beside other answers would take them that time for a copy a later turn
+    /// may never use (measured: with every answer replayed, 4 and 8 clients cost the
+    /// laptop as much time per turn as the laptop alone, and the decode nodes added no
+    /// capacity).
     pub(super) fn held_by_decode_node(self) {
         let held = (self.prompt_tokens + self.tokens.len() as u32).saturating_sub(1);
         let answer = String::from_utf8_lossy(&self.text).into_owned();
         let replay = self
             .replay
-            .filter(|r| !self.tokens.is_empty() && r.load.idle(false));
+            .filter(|r| !self.tokens.is_empty() && (!r.spare_time_only || r.load.idle(false)));
         {
             let mut l = lock(&self.learned);
             l.conversations.record(&self.input, &answer, held);
@@ -72,6 +75,7 @@ impl Transcript {
             mut request,
             bound,
             load,
+            ..
         }) = replay
         else {
             return;
@@ -141,6 +145,7 @@ impl Backend {
             request: Self::prefill_request(req, &format!("{request_id}-replay"), None, 0),
             bound: self.config.first_token_timeout,
             load: self.load.clone(),
+            spare_time_only: self.config.continue_on == ContinueOn::Measured,
         })
     }
 }

@@ -2,7 +2,7 @@
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, `auto` weighing a held
 //! conversation and waiting for its replay, a replay only into the prefill node's spare
-//! time, an `Info` that fails. What each
+//! time, a conversation only the decode node holds going on there, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -583,6 +583,38 @@ async fn a_decode_node_answer_is_replayed_only_into_the_prefill_node_spare_time(
             }
             let replay = &n.prefill.generate.requests()[0];
             assert_eq!(replay.resume_tokens, [10, 11, 12]);
+        }
+    }
+}
+
+/// A held turn continued on the decode node by the rule: where only the decode node holds
+/// the conversation (not replayed), it goes on there whatever its new part (the prefill
+/// node could only prefill what the decode node decoded); where the prefill node holds it
+/// too, the decode node takes it only within the measured limit, a tail being the same
+/// answer.
+#[tokio::test]
+async fn a_conversation_only_the_decode_node_holds_goes_on_there_whatever_its_new_part() {
+    for replayed in [false, true] {
+        // Nothing measured: the decode node goes first by the rule, and no replay is asked
+        // for (this test replays by hand).
+        let n = pair(true);
+        let turn1 = held_after_a_split(&n).await;
+        if replayed {
+            super::nodes::lock(&n.backend.learned)
+                .conversations
+                .replayed(&turn1.input, " t10 t11 t12");
+        }
+        n.decode
+            .local
+            .then(Ok(vec![prefilled(12, 7), token(31), finished(1)]));
+        let turn2 = request("Hello t10 t11 t12 And then?", "");
+        let started = n.backend.start(&turn2, Transport::V2, "t2").await.unwrap();
+        assert_eq!(tokens(&events(started).await), [(31, D)]);
+        let asked = n.decode.local.requests()[0].max_uncached;
+        if replayed {
+            assert!(asked < Some(u32::MAX), "{asked:?}");
+        } else {
+            assert_eq!(asked, Some(u32::MAX));
         }
     }
 }
