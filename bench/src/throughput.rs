@@ -153,6 +153,8 @@ struct Cell {
     failed: usize,
     /// Answers that differ from the same request's written alone on `local`.
     wrong: usize,
+    /// Each of them: the request's index in the cell, its mode and where it was prefilled.
+    wrong_answers: Vec<String>,
     wall_s: f64,
     requests_per_min: f64,
     /// Over the first [`FIRST`] completions only: `FIRST` x 60 / the time the last of them
@@ -481,7 +483,7 @@ async fn cell(
     };
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let (mut phone, mut tokens, mut wrong, mut fallbacks) = (0u64, 0u64, 0, 0);
-    let mut errors = Vec::new();
+    let (mut errors, mut wrong_answers) = (Vec::new(), Vec::new());
     let mut choices = BTreeMap::new();
     let mut node_tokens = BTreeMap::new();
     let (mut ended, mut ratios) = (Vec::new(), Vec::new());
@@ -512,6 +514,14 @@ async fn cell(
                 fallbacks += usize::from(m.fallback.is_some());
                 let same = m.text == reference[i % reference.len()].0;
                 wrong += usize::from(!same);
+                if !same {
+                    wrong_answers.push(format!(
+                        "request {i} ({}, prefilled on {}, {} tokens reused)",
+                        m.mode.as_deref().unwrap_or("-"),
+                        m.placement.as_deref().unwrap_or("-"),
+                        m.cached_tokens.unwrap_or(0)
+                    ));
+                }
                 env.rec.mark_same(a.id, same)?;
             }
             Err(e) => errors.push(e.clone()),
@@ -538,6 +548,7 @@ async fn cell(
         completed,
         failed: errors.len(),
         wrong,
+        wrong_answers,
         wall_s,
         requests_per_min: completed as f64 * 60.0 / wall_s,
         ttft_p50_ms: p(&mut ttft, 0.5),
@@ -686,6 +697,16 @@ fn markdown(
             md,
             "\nThe phone's speed changed as request I started (I:speed): {:?}",
             args.phone_speed_at
+        );
+    }
+    for c in cells.iter().filter(|c| !c.wrong_answers.is_empty()) {
+        let _ = writeln!(
+            md,
+            "\n{} x{} {}: answers that differ from the same request's alone on local: {}",
+            c.profile,
+            c.clients,
+            c.mode,
+            c.wrong_answers.join("; ")
         );
     }
     for c in cells.iter().filter(|c| !c.errors.is_empty()) {

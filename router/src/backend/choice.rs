@@ -287,8 +287,14 @@ impl Backend {
             },
             (None, _) => {
                 let forced = req.handoff.map(|_| default);
+                // A chat that goes on from an answer the decode node does not hold may go
+                // on from the prefill node's: prefilled there (it reuses its copy), never
+                // on the decode node alone, which would prefill the answer that the prefill
+                // node decoded (not the conversation continued).
+                let prefill_node_copy = [Route::Local, Route::Live, Route::After(Wire::V2)];
                 let allowed: &[Route] = match &forced {
                     Some(m) => std::slice::from_ref(m),
+                    None if req.cache_prompt && goes_on(&req.input) => &prefill_node_copy,
                     None => &Route::CHOSEN,
                 };
                 cost::choose(
@@ -386,6 +392,11 @@ impl Backend {
         started.choice = Some(choice);
         Ok(started)
     }
+}
+
+/// Whether `input` goes on from an earlier answer (a chat with an assistant message).
+fn goes_on(input: &crate::api::Input) -> bool {
+    matches!(input, crate::api::Input::Chat(m) if m.iter().any(|m| m.role == "assistant"))
 }
 
 /// `auto`'s choice for one request on one pair, not yet run.

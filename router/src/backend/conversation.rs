@@ -11,6 +11,7 @@ use super::nodes::{lock, Learned};
 use super::seam::{message, Events};
 use super::{Backend, ContinueOn, PrefillCalls};
 use crate::api::{HandoffMode, Input, ValidRequest};
+use crate::placement::Copies;
 
 /// The text of an answer the decode node may end, kept to remember its conversation.
 pub(super) struct Transcript {
@@ -58,11 +59,19 @@ impl Transcript {
     pub(super) fn held_by_decode_node(self) {
         let held = (self.prompt_tokens + self.tokens.len() as u32).saturating_sub(1);
         let answer = String::from_utf8_lossy(&self.text).into_owned();
-        let replay = self
-            .replay
-            .filter(|r| !self.tokens.is_empty() && (!r.spare_time_only || r.load.idle(false)));
+        let replay;
         {
             let mut l = lock(&self.learned);
+            // The replay reuses the prefill node's copy of the turns before; a turn the
+            // decode node alone holds (not replayed, or still replaying) would be prefilled
+            // there instead, which is not the conversation continued.
+            let before = l.conversations.copies(&self.input);
+            let whole_before = !matches!(before, Some(Copies::DecodeNode | Copies::Replaying));
+            replay = self.replay.filter(|r| {
+                whole_before
+                    && !self.tokens.is_empty()
+                    && (!r.spare_time_only || r.load.idle(false))
+            });
             l.conversations.record(&self.input, &answer, held);
             if self.written_on_prefill_node {
                 l.conversations.replayed(&self.input, &answer);

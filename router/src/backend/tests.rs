@@ -2,7 +2,8 @@
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, `auto` weighing a held
 //! conversation and waiting for its replay, a replay only into the prefill node's spare
-//! time, a conversation only the decode node holds going on there, an `Info` that fails. What each
+//! time, a conversation only the decode node holds going on there, a chat going on from
+//! the prefill node's answer kept off the decode node alone, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -552,7 +553,7 @@ async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_nod
 
 /// The prefill node replays an answer the decode node ended only into its spare time: with
 /// another answer running there at that moment, the conversation stays the decode node's
-/// alone (no replay asked for); idle, it replays the answer.
+/// alone (no replay asked for, nor for its later turns); idle, it replays the answer.
 #[tokio::test]
 async fn a_decode_node_answer_is_replayed_only_into_the_prefill_node_spare_time() {
     use crate::placement::Copies;
@@ -574,6 +575,22 @@ async fn a_decode_node_answer_is_replayed_only_into_the_prefill_node_spare_time(
         if busy {
             tokio::time::sleep(Duration::from_millis(200)).await;
             assert_eq!(copies(), Some(Copies::DecodeNode));
+            assert!(n.prefill.generate.requests().is_empty(), "no replay");
+            // The next turn goes on on the decode node, with the prefill node idle at its
+            // end: still no replay, whose prefill would take in the answer before it (not
+            // replayed) as a prefill.
+            n.decode
+                .local
+                .then(Ok(vec![prefilled(12, 7), token(31), finished(1)]));
+            let started = n.backend.start(&turn2, Transport::V2, "t2").await.unwrap();
+            assert_eq!(tokens(&events(started).await), [(31, D)]);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let turn3 = request("Hello t10 t11 t12 And then? t31 Go on.", "");
+            let l = super::nodes::lock(&n.backend.learned);
+            assert_eq!(
+                l.conversations.copies(&turn3.input),
+                Some(Copies::DecodeNode)
+            );
             assert!(n.prefill.generate.requests().is_empty(), "no replay");
         } else {
             let t0 = std::time::Instant::now();
@@ -617,6 +634,50 @@ async fn a_conversation_only_the_decode_node_holds_goes_on_there_whatever_its_ne
             assert_eq!(asked, Some(u32::MAX));
         }
     }
+}
+
+/// Under `auto`, a chat that goes on from an answer no decode node holds (the prefill node
+/// wrote it) is never given to the decode node alone, however much sooner it is measured:
+/// it would prefill the answer the prefill node decoded. A chat that starts is.
+#[tokio::test]
+async fn a_chat_going_on_from_the_prefill_node_answer_is_not_given_to_the_decode_node_alone() {
+    let n = pair(true);
+    {
+        // The decode node 100x the prefill node's speeds.
+        let mut l = super::nodes::lock(&n.backend.learned);
+        for _ in 0..3 {
+            l.rates.prefilled(true, 1000, 100.0);
+            l.rates.decoded(true, 100, 100.0);
+            l.rates.prefilled(false, 100, 1000.0);
+            l.rates.decoded(false, 10, 1000.0);
+            l.rates.round_trip(1.0);
+            l.rates.handed_off(1 << 10, 1000.0);
+        }
+    }
+    let chat = |messages: &str| {
+        let body = format!(r#"{{"messages": {messages}, "max_tokens": 6, "temperature": 0}}"#);
+        api::parse(Endpoint::Chat, body.as_bytes(), || 7).expect("a valid request")
+    };
+    let starts = chat(r#"[{"role": "user", "content": "Hello"}]"#);
+    let goes_on = chat(
+        r#"[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "And then?"}]"#,
+    );
+    let plan = n.backend.plan_auto(&starts).await.unwrap();
+    assert_eq!(
+        plan.choice.mode,
+        super::Route::Phone,
+        "{}",
+        plan.choice.reason
+    );
+    let plan = n.backend.plan_auto(&goes_on).await.unwrap();
+    assert_ne!(
+        plan.choice.mode,
+        super::Route::Phone,
+        "{}",
+        plan.choice.reason
+    );
+    assert!(plan.choice.predicted.is_some(), "{}", plan.choice.reason);
 }
 
 /// An `Info` that fails: a split request is answered on the prefill node under the
