@@ -39,6 +39,8 @@ mod pool;
 mod pool_tests;
 mod probe;
 mod qualify;
+#[cfg(test)]
+mod replay_tests;
 mod route;
 mod seam;
 mod split;

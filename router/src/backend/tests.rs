@@ -1,9 +1,7 @@
 //! The backend's routes over scripted nodes (`fake.rs`): the live switch and its cancel,
 //! the fallback when the decode node dies before and after the switch, a decode node asked for
 //! but gone, a conversation continued and then evicted, `auto` weighing a held
-//! conversation and waiting for its replay, a replay only into the prefill node's spare
-//! time, a conversation only the decode node holds going on there, a chat going on from
-//! the prefill node's answer kept off the decode node alone, an `Info` that fails. What each
+//! conversation and waiting for its replay, an `Info` that fails. What each
 //! node was asked is read back from its script; what the client gets is the events.
 
 use std::sync::Arc;
@@ -41,13 +39,13 @@ pub(super) fn config(fallback: bool) -> BackendConfig {
 }
 
 /// Scripted nodes and the backend over them.
-struct Pair {
-    prefill: Arc<FakePrefill>,
-    decode: Arc<FakeDecode>,
-    backend: Backend,
+pub(super) struct Pair {
+    pub(super) prefill: Arc<FakePrefill>,
+    pub(super) decode: Arc<FakeDecode>,
+    pub(super) backend: Backend,
 }
 
-fn pair(fallback: bool) -> Pair {
+pub(super) fn pair(fallback: bool) -> Pair {
     let prefill = Arc::new(FakePrefill::default());
     let decode = Arc::new(FakeDecode::default());
     let backend = Backend::with_nodes(config(fallback), prefill.clone(), decode.clone());
@@ -454,7 +452,7 @@ async fn a_held_turn_whose_prefill_node_copy_is_gone_goes_on_on_the_decode_node(
 
 /// Turn 1 of a conversation, "Hello", split `after`: the prefill node writes token 10, the
 /// decode node 11 and 12 and holds the conversation (7 tokens). Returns the turn's request.
-async fn held_after_a_split(n: &Pair) -> ValidRequest {
+pub(super) async fn held_after_a_split(n: &Pair) -> ValidRequest {
     n.prefill
         .prefill
         .then(Ok(vec![first(10, 5, 3), handed_off()]));
@@ -497,7 +495,7 @@ async fn auto_turn2(n: &Pair, prefill_cached: u32) -> Started {
 
 /// The prefill node 100x the decode node's speeds, a fast link: the prefill node is
 /// sooner per token, so the decode node's answers are replayed there.
-fn prefill_node_much_faster(b: &Backend) {
+pub(super) fn prefill_node_much_faster(b: &Backend) {
     let mut l = super::nodes::lock(&b.learned);
     for _ in 0..3 {
         l.rates.prefilled(false, 1000, 100.0);
@@ -549,135 +547,6 @@ async fn a_held_turn_waits_for_the_replay_in_flight_or_goes_on_on_the_decode_nod
             assert!(replays_only, "nothing answered on the prefill node");
         }
     }
-}
-
-/// The prefill node replays an answer the decode node ended only into its spare time: with
-/// another answer running there at that moment, the conversation stays the decode node's
-/// alone (no replay asked for, nor for its later turns); idle, it replays the answer.
-#[tokio::test]
-async fn a_decode_node_answer_is_replayed_only_into_the_prefill_node_spare_time() {
-    use crate::placement::Copies;
-    for busy in [true, false] {
-        let n = pair(true);
-        prefill_node_much_faster(&n.backend);
-        n.prefill
-            .generate
-            .then(Ok(vec![prefilled(5, 5), finished(0)]));
-        let other = busy.then(|| n.backend.load.take(false, 60_000.0));
-        held_after_a_split(&n).await;
-        drop(other);
-        let turn2 = request("Hello t10 t11 t12 And then?", "");
-        let copies = || {
-            super::nodes::lock(&n.backend.learned)
-                .conversations
-                .copies(&turn2.input)
-        };
-        if busy {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            assert_eq!(copies(), Some(Copies::DecodeNode));
-            assert!(n.prefill.generate.requests().is_empty(), "no replay");
-            // The next turn goes on on the decode node, with the prefill node idle at its
-            // end: still no replay, whose prefill would take in the answer before it (not
-            // replayed) as a prefill.
-            n.decode
-                .local
-                .then(Ok(vec![prefilled(12, 7), token(31), finished(1)]));
-            let started = n.backend.start(&turn2, Transport::V2, "t2").await.unwrap();
-            assert_eq!(tokens(&events(started).await), [(31, D)]);
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let turn3 = request("Hello t10 t11 t12 And then? t31 Go on.", "");
-            let l = super::nodes::lock(&n.backend.learned);
-            assert_eq!(
-                l.conversations.copies(&turn3.input),
-                Some(Copies::DecodeNode)
-            );
-            assert!(n.prefill.generate.requests().is_empty(), "no replay");
-        } else {
-            let t0 = std::time::Instant::now();
-            while copies() != Some(Copies::Both) {
-                assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", copies());
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            let replay = &n.prefill.generate.requests()[0];
-            assert_eq!(replay.resume_tokens, [10, 11, 12]);
-        }
-    }
-}
-
-/// A held turn continued on the decode node by the rule: where only the decode node holds
-/// the conversation (not replayed), it goes on there whatever its new part (the prefill
-/// node could only prefill what the decode node decoded); where the prefill node holds it
-/// too, the decode node takes it only within the measured limit, a tail being the same
-/// answer.
-#[tokio::test]
-async fn a_conversation_only_the_decode_node_holds_goes_on_there_whatever_its_new_part() {
-    for replayed in [false, true] {
-        // Nothing measured: the decode node goes first by the rule, and no replay is asked
-        // for (this test replays by hand).
-        let n = pair(true);
-        let turn1 = held_after_a_split(&n).await;
-        if replayed {
-            super::nodes::lock(&n.backend.learned)
-                .conversations
-                .replayed(&turn1.input, " t10 t11 t12");
-        }
-        n.decode
-            .local
-            .then(Ok(vec![prefilled(12, 7), token(31), finished(1)]));
-        let turn2 = request("Hello t10 t11 t12 And then?", "");
-        let started = n.backend.start(&turn2, Transport::V2, "t2").await.unwrap();
-        assert_eq!(tokens(&events(started).await), [(31, D)]);
-        let asked = n.decode.local.requests()[0].max_uncached;
-        if replayed {
-            assert!(asked < Some(u32::MAX), "{asked:?}");
-        } else {
-            assert_eq!(asked, Some(u32::MAX));
-        }
-    }
-}
-
-/// Under `auto`, a chat that goes on from an answer no decode node holds (the prefill node
-/// wrote it) is never given to the decode node alone, however much sooner it is measured:
-/// it would prefill the answer the prefill node decoded. A chat that starts is.
-#[tokio::test]
-async fn a_chat_going_on_from_the_prefill_node_answer_is_not_given_to_the_decode_node_alone() {
-    let n = pair(true);
-    {
-        // The decode node 100x the prefill node's speeds.
-        let mut l = super::nodes::lock(&n.backend.learned);
-        for _ in 0..3 {
-            l.rates.prefilled(true, 1000, 100.0);
-            l.rates.decoded(true, 100, 100.0);
-            l.rates.prefilled(false, 100, 1000.0);
-            l.rates.decoded(false, 10, 1000.0);
-            l.rates.round_trip(1.0);
-            l.rates.handed_off(1 << 10, 1000.0);
-        }
-    }
-    let chat = |messages: &str| {
-        let body = format!(r#"{{"messages": {messages}, "max_tokens": 6, "temperature": 0}}"#);
-        api::parse(Endpoint::Chat, body.as_bytes(), || 7).expect("a valid request")
-    };
-    let starts = chat(r#"[{"role": "user", "content": "Hello"}]"#);
-    let goes_on = chat(
-        r#"[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
-            {"role": "user", "content": "And then?"}]"#,
-    );
-    let plan = n.backend.plan_auto(&starts).await.unwrap();
-    assert_eq!(
-        plan.choice.mode,
-        super::Route::Phone,
-        "{}",
-        plan.choice.reason
-    );
-    let plan = n.backend.plan_auto(&goes_on).await.unwrap();
-    assert_ne!(
-        plan.choice.mode,
-        super::Route::Phone,
-        "{}",
-        plan.choice.reason
-    );
-    assert!(plan.choice.predicted.is_some(), "{}", plan.choice.reason);
 }
 
 /// An `Info` that fails: a split request is answered on the prefill node under the
