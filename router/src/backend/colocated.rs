@@ -13,7 +13,7 @@ use super::fallback::Fallback;
 use super::load::{idle_bound, Counted, Work};
 use super::nodes::lock;
 use super::seam::{message, Events};
-use super::stream::{forward_prefill_node, next_event};
+use super::stream::{forward_prefill_node, next_event_within};
 use super::RouterCode;
 use super::{input_param, Backend, Event, Failure, Node, PrefilledOn, Started};
 use crate::api::{Transport, ValidRequest};
@@ -142,7 +142,7 @@ impl Backend {
             written_on_prefill_node: false,
         };
         let fallback = self.fallback(req, request_id);
-        let idle = idle_bound(self.config.token_idle_timeout, busy.others_ms());
+        let idle = self.config.token_idle_timeout;
         let counted = Counted {
             learned: self.learned.clone(),
             busy,
@@ -182,7 +182,9 @@ impl Backend {
 
 /// Forwards the decode node's `Local` stream (a conversation it continues) to the client;
 /// remembers the conversation when the decode node ends the answer, and finishes it on the
-/// prefill node (`fallback`) when the decode node fails after its first token.
+/// prefill node (`fallback`) when the decode node fails after its first token. Each token
+/// is awaited for `idle` plus the work the node's other answers have queued
+/// ([`super::load::idle_bound`]), read again while it waits.
 async fn forward_decode_node(
     mut stream: Events<pb::TokenEvent>,
     tx: mpsc::Sender<Event>,
@@ -194,7 +196,8 @@ async fn forward_decode_node(
 ) {
     let mut sent = Vec::new();
     let failure = loop {
-        let ev = next_event(&mut stream, idle, Node::Decode, true, param).await;
+        let bound = || idle_bound(idle, counted.busy.others_ms());
+        let ev = next_event_within(&mut stream, bound, Node::Decode, true, param).await;
         match ev {
             Event::Error(e) => {
                 if e.is(RouterCode::Timeout) {

@@ -15,7 +15,7 @@ use super::fallback::Fallback;
 use super::load::{decoded, Busy, Load, Work};
 use super::nodes::{lock, Learned};
 use super::seam::{message, Events};
-use super::stream::{next_event, token_event};
+use super::stream::{next_event_within, token_event};
 use super::Failure;
 use super::RouterCode;
 use super::{DecodeCalls, Event, FinishReason, Node};
@@ -499,10 +499,13 @@ impl SplitAnswer {
         handoff: &mut HandoffReport,
         handoff_pending: &mut bool,
     ) -> Split {
-        let idle = self.counted.idle_bound(self.waits.idle, true);
+        let idle = self.waits.idle;
         loop {
+            // Read again while a token is awaited: answers that come to the decode node
+            // meanwhile add their work to the bound.
+            let bound = || self.counted.idle_bound(idle, true);
             tokio::select! {
-                ev = next_event(&mut stream, idle, Node::Decode, false, self.param) => {
+                ev = next_event_within(&mut stream, bound, Node::Decode, false, self.param) => {
                     if let Event::Error(e) = ev {
                         if e.is(RouterCode::Timeout) {
                             return self.decode_node_silent(e);

@@ -57,11 +57,34 @@ pub(super) async fn next_event(
     with_prompt: bool,
     param: &str,
 ) -> Event {
+    next_event_within(stream, || idle, node, with_prompt, param).await
+}
+
+/// [`next_event`] within a bound read again whenever it would end: a node's silence bound
+/// grows with the work its other answers have queued, which answers that come while this
+/// one waits add to.
+pub(super) async fn next_event_within(
+    stream: &mut Events<pb::TokenEvent>,
+    bound: impl Fn() -> Duration,
+    node: Node,
+    with_prompt: bool,
+    param: &str,
+) -> Event {
     let name = match node {
         Node::Prefill => "the prefill node",
         Node::Decode => "the decode node",
     };
-    match tokio::time::timeout(idle, message(stream)).await {
+    let start = tokio::time::Instant::now();
+    let next = message(stream);
+    tokio::pin!(next);
+    let got = loop {
+        match tokio::time::timeout_at(start + bound(), &mut next).await {
+            Ok(r) => break Ok(r),
+            Err(_) if start + bound() > tokio::time::Instant::now() => {}
+            Err(_) => break Err(bound()),
+        }
+    };
+    match got {
         Ok(Ok(Some(m))) => token_event(m, with_prompt, node),
         Ok(Ok(None)) => Event::Error(Failure::upstream(
             RouterCode::StreamEnded,
@@ -71,7 +94,7 @@ pub(super) async fn next_event(
             Node::Prefill => Failure::from_status(&st, param),
             Node::Decode => Failure::from_decode_stream(&st, param),
         }),
-        Err(_) => Event::Error(Failure::upstream(
+        Err(idle) => Event::Error(Failure::upstream(
             RouterCode::Timeout,
             format!("no token from {name} within {idle:?}"),
         )),

@@ -277,6 +277,30 @@ async fn a_frozen_decode_node_is_found_by_the_idle_bound() {
     assert_eq!(cause.as_deref(), Some("timeout"));
 }
 
+/// A decode node silent for longer than the idle bound while answers that came after the
+/// wait began queue work there is slow, not wedged: the bound is read again when it would
+/// end, and the answer goes on there.
+#[tokio::test(start_paused = true)]
+async fn a_decode_node_that_others_answers_load_while_it_is_awaited_is_waited_for() {
+    let n = pair(true);
+    n.prefill
+        .prefill
+        .then(Ok(vec![first(10, 5, 3), live_token(11), switched(2)]));
+    let silent = Step::Wait(Duration::from_secs(8));
+    n.decode
+        .generate
+        .then(Ok(vec![token(12), silent, token(13), finished(2)]));
+    let req = request("Hello", "");
+    let started = n.backend.start(&req, Transport::V2, "r1").await.unwrap();
+    // Another answer comes to the decode node a second into the wait: 20 s of its work.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let other = n.backend.load.take(true, 20_000.0);
+    let evs = events(started).await;
+    drop(other);
+    assert_eq!(tokens(&evs), [(10, P), (11, P), (12, D), (13, D)]);
+    assert!(!evs.iter().any(|e| matches!(e, Event::Fallback { .. })));
+}
+
 /// The decode node asked for by name but gone: a named transport is not moved, the client gets
 /// the decode node's unavailability; under `auto`'s choice of the decode node, the prefill node
 /// answers instead and says so.
